@@ -1,0 +1,34 @@
+"""Installs decoupled_diloco; version ranges are the ones tested on Python 3.11 and 3.12."""
+
+import setuptools
+
+setuptools.setup(
+    name="decoupled_diloco",
+    version="0.1.0",
+    description="Decoupled DiLoCo: asynchronous, heterogeneous, fault-tolerant LM training in JAX.",
+    packages=setuptools.find_packages(include=["decoupled_diloco*", "experiments*", "configs*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "jax>=0.7.0,<0.13",
+        "flax>=0.11.0,<0.13",
+        "optax>=0.2.4,<0.3",
+        "orbax-checkpoint>=0.11.0,<0.13",
+        "ml-collections>=1.0,<2",
+        "absl-py>=2.0",
+        "numpy>=1.26",
+        "tensorflow-datasets>=4.9.7,<5",
+        # Writes TensorBoard event files without pulling in TensorFlow.
+        "tensorboardX>=2.6",
+    ],
+    extras_require={
+        # TFDS needs TensorFlow to *prepare* a dataset (not to read one).
+        "tfds": ["tensorflow-cpu>=2.18; platform_machine=='x86_64'", "array-record>=0.7"],
+        "test": [
+            "pytest>=8",
+            "pytest-xdist>=3.5",
+            "chex>=0.1.88",
+            "tensorflow-cpu>=2.18; platform_machine=='x86_64'",
+            "array-record>=0.7",
+        ],
+    },
+)
