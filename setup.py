@@ -11,7 +11,7 @@ setuptools.setup(
     install_requires=[
         "jax>=0.7.0,<0.13",
         "flax>=0.11.0,<0.13",
-        "optax>=0.2.4,<0.3",
+        "optax>=0.2.5,<0.3",
         "orbax-checkpoint>=0.11.0,<0.13",
         "ml-collections>=1.0,<2",
         "absl-py>=2.0",
@@ -22,13 +22,15 @@ setuptools.setup(
     ],
     extras_require={
         # TFDS needs TensorFlow to *prepare* a dataset (not to read one).
-        "tfds": ["tensorflow-cpu>=2.18; platform_machine=='x86_64'", "array-record>=0.7"],
+        # importlib_resources: imported by TFDS's dataset builders but not declared by it.
+        "tfds": ["tensorflow-cpu>=2.18; platform_machine=='x86_64'", "array-record>=0.7", "importlib_resources"],
         "test": [
             "pytest>=8",
             "pytest-xdist>=3.5",
             "chex>=0.1.88",
             "tensorflow-cpu>=2.18; platform_machine=='x86_64'",
             "array-record>=0.7",
+            "importlib_resources",
         ],
     },
 )

@@ -1,0 +1,1 @@
+"""Corpora (synthetic Markov, text file, TFDS), the byte tokenizer and per-learner batches."""

@@ -1,0 +1,69 @@
+"""Base config every experiment starts from: synchronous DiLoCo on the embedded synthetic language.
+
+Other configs import this one and change what they study. Run it directly with
+  python -m experiments.train --config=configs/default.py --workdir=/tmp/dd_default
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """Defaults follow DiLoCo (arXiv 2311.08105) scaled down to a CPU-sized model."""
+  config = ml_collections.ConfigDict()
+  config.mode = "diloco"  # 'diloco': M groups sync every inner_steps; 'ddp': one group, plain data-parallel steps.
+  config.seed = 0  # Seeds model init, data shards and synthetic data: same seed, same metrics.
+  config.outer_steps = 10  # Outer rounds (DiLoCo syncs); for ddp, rounds of inner_steps between evals.
+  config.inner_steps = 20  # H: inner AdamW steps per learner between syncs (must be >= 1).
+
+  config.model = ml_collections.ConfigDict()
+  config.model.vocab_size = 256  # Byte-level tokenizer: one token per byte.
+  config.model.seq_len = 64  # Tokens of context per training window.
+  config.model.d_model = 64  # Residual stream width.
+  config.model.num_layers = 2  # Transformer blocks.
+  config.model.num_heads = 4  # Attention heads (must divide d_model).
+  config.model.d_ff = 256  # MLP hidden width.
+  config.model.dtype = "float32"  # Compute dtype ('float32' or 'bfloat16'); params stay float32.
+
+  config.data = ml_collections.ConfigDict()
+  config.data.source = "synthetic"  # 'synthetic' (embedded, known optimum), 'text_file' or 'tfds'.
+  config.data.path = ""  # Text file for source='text_file'.
+  config.data.tfds_name = ""  # TFDS dataset for source='tfds', e.g. 'tiny_shakespeare', 'lm1b'.
+  config.data.tfds_data_dir = ""  # TFDS data_dir ('' = TFDS's default, ~/tensorflow_datasets).
+  config.data.tfds_text_key = "text"  # Feature holding the text in each TFDS example.
+  config.data.max_bytes = 0  # Cap on bytes read from a TFDS split (0 = all); keeps c4-sized sets in RAM.
+  config.data.split = "iid"  # How windows are dealt to learners: 'iid' (shuffled) or 'noniid' (contiguous).
+  config.data.eval_fraction = 0.1  # Held-out tail for sources without an eval split.
+  config.data.synthetic = ml_collections.ConfigDict()
+  config.data.synthetic.alphabet_size = 16  # Distinct symbols of the synthetic language.
+  config.data.synthetic.order = 2  # Markov order: each symbol depends on the previous `order` symbols.
+  config.data.synthetic.concentration = 0.1  # Dirichlet concentration of transition rows; lower = lower entropy.
+  config.data.synthetic.num_tokens = 2_000_000  # Training tokens generated (eval gets a separate ~10%).
+  config.data.synthetic.seed = 1234  # Which language: fixed apart from config.seed so runs share a task.
+
+  config.learners = ml_collections.ConfigDict()
+  config.learners.devices = (2, 2, 2, 2)  # Devices per learner group; groups get disjoint device slices.
+  config.learners.batch_size = (16, 16, 16, 16)  # Sequences per inner step per group (divisible by its devices).
+  config.learners.fsdp = False  # Also shard params and AdamW moments over each group's devices.
+
+  config.inner = ml_collections.ConfigDict()
+  config.inner.lr = 3e-3  # Peak AdamW learning rate (DiLoCo uses 4e-4 at 150M params).
+  config.inner.warmup_steps = 50  # Linear warmup steps, counted per learner.
+  config.inner.final_lr_fraction = 0.1  # Cosine decays to this fraction of lr at the last step.
+  config.inner.weight_decay = 0.1  # AdamW decoupled weight decay (matrices only).
+  config.inner.clip_norm = 1.0  # Global gradient-norm clip.
+  config.inner.b1 = 0.9  # AdamW beta1.
+  config.inner.b2 = 0.95  # AdamW beta2.
+
+  config.outer = ml_collections.ConfigDict()
+  config.outer.optimizer = "sgd"  # 'sgd' (with momentum / Nesterov) or 'adam'.
+  config.outer.lr = 0.7  # Outer learning rate (DiLoCo: 0.7; 1.0 without momentum = parameter averaging).
+  config.outer.momentum = 0.9  # Outer momentum (0 = none).
+  config.outer.nesterov = True  # Nesterov momentum (DiLoCo's choice).
+
+  config.eval_every = 1  # Evaluate the global params every this many outer steps (and at the end).
+  config.eval_batches = 4  # Held-out batches per evaluation.
+  config.eval_batch_size = 32  # Sequences per eval batch.
+  config.log_every = 10  # Inner steps between train-loss records.
+  config.checkpoint_every = 5  # Outer steps between orbax checkpoints (and at the end).
+  config.resume = False  # Continue from the latest checkpoint in --workdir.
+  return config

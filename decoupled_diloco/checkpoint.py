@@ -1,0 +1,164 @@
+"""Run-state checkpoints at outer-step boundaries, built on an orbax CheckpointManager.
+
+A run's state is a dict of named pytrees that live in two places at once: the syncer's
+global params and outer-optimizer state are host numpy arrays, while every learner's
+AdamW state is made of jax.Arrays sharded over that learner's own device mesh. Each
+named pytree is saved as one orbax `StandardSave` item and a small JSON-able metadata
+dict (outer step, config, ...) as a `JsonSave` item of the same step.
+
+Abstract-tree convention for `Checkpointer.restore` (leaf by leaf):
+  * `jax.ShapeDtypeStruct` with a `.sharding` -> a jax.Array laid out with that sharding
+    (so each learner's state comes back on its own mesh, whatever mesh wrote it);
+  * `jax.Array` -> restored with that array's shape, dtype and sharding;
+  * `np.ndarray` -> a host numpy array of that shape and dtype (the values of the
+    placeholder are ignored; the array itself is the "host" marker).
+A `ShapeDtypeStruct` without a sharding is rejected, because silently placing it on the
+default device would put one learner's state on another learner's devices.
+`abstract_like(tree)` builds such an abstract tree from a concrete one.
+
+Crash safety: orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to
+`<step>` only once every item is on disk, and `latest_step` only sees finished steps.
+Saves here are synchronous, so when `save` returns the step is complete. Leftover tmp
+directories of a crashed run are deleted by orbax in the background once the next
+`Checkpointer` opens (at the latest before its first save completes).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+PyTree = Any
+
+# The composite item that holds the JSON metadata; no state entry may use this name.
+METADATA_ITEM = "metadata"
+
+
+def abstract_like(tree: PyTree) -> PyTree:
+  """Abstract restore target with `tree`'s structure, shapes, dtypes and placement.
+
+  Why: a resumed run builds a fresh state (same structure, same meshes) and restores
+  the checkpoint into that layout; jax.Arrays become sharded ShapeDtypeStructs and
+  numpy leaves stay numpy (they only mark "restore this on the host").
+  """
+
+  def leaf(x):
+    if isinstance(x, jax.Array):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return x
+
+  return jax.tree.map(leaf, tree)
+
+
+def _check_abstract_leaf(name: str, path, leaf) -> None:
+  """Rejects restore targets whose placement would be ambiguous."""
+  where = f"{name}{jax.tree_util.keystr(path)}"
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    if leaf.sharding is None:
+      raise ValueError(
+          f"abstract leaf {where} is a ShapeDtypeStruct without a sharding: attach the "
+          "learner's NamedSharding, or pass a numpy array to restore it on the host"
+      )
+  elif not isinstance(leaf, (jax.Array, np.ndarray)):
+    raise ValueError(
+        f"abstract leaf {where} has type {type(leaf).__name__}: use a sharded "
+        "jax.ShapeDtypeStruct (device) or a numpy array (host)"
+    )
+
+
+def _check_names(names) -> None:
+  """The metadata item shares the step directory with the state items."""
+  if METADATA_ITEM in names:
+    raise ValueError(f"state key {METADATA_ITEM!r} is reserved for the metadata dict: rename it")
+
+
+class Checkpointer:
+  """Saves and restores the run state (dict of pytrees + JSON metadata) by step.
+
+  Steps are the trainer's outer steps. `save_interval_steps` follows orbax: a step is
+  saved when it is a multiple of the interval (the first save of a Checkpointer is
+  always kept); other steps are skipped silently. `max_to_keep` newest steps are kept.
+  """
+
+  def __init__(self, directory, max_to_keep: int = 3, save_interval_steps: int = 1):
+    options = ocp.CheckpointManagerOptions(
+        save_interval_steps=save_interval_steps,
+        preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
+        cleanup_tmp_directories=True,
+        # Synchronous: the host numpy leaves may be updated in place by the syncer
+        # right after `save` returns, and the caller can trust a returned save.
+        enable_async_checkpointing=False,
+        create=True,
+    )
+    self._manager = ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), options=options)
+
+  @property
+  def directory(self) -> str:
+    """Where the step directories live (absolute)."""
+    return os.fspath(self._manager.directory)
+
+  def save(self, step: int, state: dict[str, PyTree], metadata: dict) -> None:
+    """Writes `state` and `metadata` as step `step`; returns once the step is final.
+
+    Why synchronous: a checkpoint the trainer believes it has must already be
+    restorable, and a crash mid-save must leave only a tmp dir that is ignored.
+    """
+    _check_names(state)
+    items = {name: ocp.args.StandardSave(tree) for name, tree in state.items()}
+    items[METADATA_ITEM] = ocp.args.JsonSave(metadata)
+    self._manager.save(step, args=ocp.args.Composite(**items))
+    self._manager.wait_until_finished()
+
+  def all_steps(self) -> list[int]:
+    """Finished steps on disk, oldest first."""
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    """Newest finished step, or None; half-written (tmp) steps are never returned."""
+    return self._manager.latest_step()
+
+  def restore(self, step: int, abstract_state: dict[str, PyTree]) -> tuple[dict, dict]:
+    """Restores `(state, metadata)` of `step` into the layout of `abstract_state`.
+
+    Why an abstract tree: it fixes each leaf's placement (learner mesh or host) and the
+    exact container types (optax namedtuples included), independent of the writer.
+    """
+    self._check_step(step)
+    _check_names(abstract_state)
+    for name, tree in abstract_state.items():
+      jax.tree_util.tree_map_with_path(lambda p, x, n=name: _check_abstract_leaf(n, p, x), tree)
+    items = {name: ocp.args.StandardRestore(tree) for name, tree in abstract_state.items()}
+    items[METADATA_ITEM] = ocp.args.JsonRestore()
+    restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+    state = {name: restored[name] for name in abstract_state}
+    return state, restored[METADATA_ITEM]
+
+  def restore_metadata(self, step: int) -> dict:
+    """Only the metadata of `step`, e.g. to read the config before building state."""
+    self._check_step(step)
+    restored = self._manager.restore(
+        step, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
+    )
+    return restored[METADATA_ITEM]
+
+  def _check_step(self, step: int) -> None:
+    """Names the available steps instead of surfacing a deep orbax path error."""
+    if step not in self._manager.all_steps():
+      raise ValueError(
+          f"no finished checkpoint for step {step} in {self.directory}: "
+          f"available steps are {self.all_steps()}"
+      )
+
+  def close(self) -> None:
+    """Waits for pending orbax work (e.g. pruning) and releases its threads."""
+    self._manager.close()
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()

@@ -1,0 +1,123 @@
+"""Per-learner shards of a corpus and deterministic, resumable batches.
+
+Why this shape: Decoupled DiLoCo learners run asynchronously, restart independently and may
+be re-spawned mid-run, so a learner's batch must be a pure function of (data, learner, step,
+seed): no iterator state to checkpoint, and resuming at step k replays exactly the batches an
+uninterrupted run would have seen. Shards are disjoint so learners never train on the same
+window, which is what makes their outer gradients carry different information.
+
+Windows: the token stream is cut into non-overlapping windows of seq_len + 1 starting at
+offset 0 (the tail shorter than a window is dropped). Offset 0 matters for the synthetic
+corpus, whose chains are window-aligned (see synthetic.py).
+
+Sharding over M learners:
+  'iid':    a seeded permutation of all window indices, dealt round-robin (learner m gets
+            perm[m::M]), so every learner sees the same distribution.
+  'noniid': contiguous blocks (learner m gets the m-th of M near-equal chunks), so learners
+            see different parts of the text (e.g. different plays or documents).
+
+Batches: the shard is visited epoch by epoch, each epoch in its own order seeded by
+(seed, learner, epoch). Batch `step` holds the stream positions [step*B, (step+1)*B), so a
+batch may straddle two epochs, and a shard smaller than the batch simply wraps (a window can
+then appear more than once in one batch): small shards work rather than error.
+"""
+
+import numpy as np
+
+from decoupled_diloco.errors import ConfigError
+
+SPLITS = ("iid", "noniid")
+
+
+def make_windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
+  """Non-overlapping [num_windows, seq_len + 1] view of `tokens` (no copy), tail dropped."""
+  if seq_len < 1:
+    raise ConfigError(f"model.seq_len={seq_len} must be >= 1: use e.g. 256")
+  width = seq_len + 1
+  num_windows = tokens.size // width
+  return tokens[: num_windows * width].reshape(num_windows, width)
+
+
+def shard_indices(num_windows: int, learner_index: int, num_learners: int, split: str,
+                  seed: int) -> np.ndarray:
+  """Window indices owned by one learner; the M shards are disjoint and cover all windows."""
+  if num_learners < 1 or not 0 <= learner_index < num_learners:
+    raise ValueError(f"learner_index={learner_index} must be in [0, num_learners={num_learners})")
+  if split == "iid":
+    perm = np.random.default_rng([seed, 0]).permutation(num_windows)
+    return perm[learner_index::num_learners]
+  if split == "noniid":
+    return np.array_split(np.arange(num_windows), num_learners)[learner_index]
+  raise ConfigError(f"data.split {split!r} is unknown: use one of {', '.join(SPLITS)}")
+
+
+class LearnerBatches:
+  """The batches of one learner: `batch(step)` is a pure function of step (see module doc)."""
+
+  def __init__(self, tokens: np.ndarray, seq_len: int, *, learner_index: int, num_learners: int,
+               batch_size: int, split: str = "iid", seed: int = 0):
+    """Shards the train `tokens` (e.g. `Corpus.train`) and fixes this learner's share.
+
+    Raises ConfigError if some learner would get no window at all, since its shard could
+    then produce no batch.
+    """
+    if batch_size < 1:
+      raise ConfigError(
+          f"learners.batch_size entry {batch_size} must be >= 1: use a positive batch size")
+    self._windows = make_windows(tokens, seq_len)
+    num_windows = self._windows.shape[0]
+    if num_windows < num_learners:
+      raise ConfigError(
+          f"the train split has {num_windows} windows of seq_len + 1 = {seq_len + 1} bytes, fewer "
+          f"than the {num_learners} learners: use more data or a smaller model.seq_len")
+    self.shard = shard_indices(num_windows, learner_index, num_learners, split, seed)
+    self.seq_len = seq_len
+    self.batch_size = batch_size
+    self._seed = seed
+    self._learner_index = learner_index
+    self._order_cache: dict[int, np.ndarray] = {}
+
+  @property
+  def tokens_per_batch(self) -> int:
+    """Predicted tokens per batch (batch_size * seq_len), the unit for throughput and budgets."""
+    return self.batch_size * self.seq_len
+
+  @property
+  def num_windows(self) -> int:
+    """Windows in this learner's shard, i.e. the stream positions in one epoch."""
+    return self.shard.size
+
+  def _epoch_order(self, epoch: int) -> np.ndarray:
+    """Shard window indices in epoch `epoch`'s order; the two latest epochs are memoised."""
+    if epoch not in self._order_cache:
+      rng = np.random.default_rng([self._seed, 1, self._learner_index, epoch])
+      self._order_cache = {e: o for e, o in self._order_cache.items() if e == epoch - 1}
+      self._order_cache[epoch] = self.shard[rng.permutation(self.shard.size)]
+    return self._order_cache[epoch]
+
+  def batch(self, step: int) -> np.ndarray:
+    """int32 [batch_size, seq_len + 1] byte ids of `step`; input [:, :-1], target [:, 1:]."""
+    if step < 0:
+      raise ValueError(f"step must be >= 0, got {step}")
+    positions = step * self.batch_size + np.arange(self.batch_size)
+    epochs, offsets = np.divmod(positions, self.shard.size)
+    rows = np.empty(self.batch_size, dtype=np.int64)
+    for epoch in np.unique(epochs):
+      mask = epochs == epoch
+      rows[mask] = self._epoch_order(int(epoch))[offsets[mask]]
+    return self._windows[rows].astype(np.int32)
+
+
+def eval_batches(corpus, seq_len: int, batch_size: int, num_batches: int) -> list[np.ndarray]:
+  """Fixed held-out batches: the eval split's windows in order, wrapping if it is short.
+
+  No randomness, so every learner, every evaluation and every rerun scores the same text and
+  eval losses are comparable across steps and runs.
+  """
+  windows = make_windows(corpus.eval, seq_len)
+  if windows.shape[0] == 0:
+    raise ConfigError(
+        f"the eval split of {corpus.name} has {corpus.eval.size} bytes, fewer than one window of "
+        f"seq_len + 1 = {seq_len + 1}: use more eval data or a smaller model.seq_len")
+  rows = np.arange(num_batches * batch_size) % windows.shape[0]
+  return [b.astype(np.int32) for b in windows[rows].reshape(num_batches, batch_size, -1)]

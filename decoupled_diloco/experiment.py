@@ -1,0 +1,101 @@
+"""Assembles a run from its config: validated, then model, data, meshes, learners, syncer.
+
+Everything that can reject a config runs here, before a runtime touches the workdir, so
+a bad flag costs one error line and leaves nothing behind that a resume would trip over.
+Runtimes take the assembled `Experiment` and only decide when things happen.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from decoupled_diloco import inner, mesh, model as model_lib, outer
+from decoupled_diloco.data import batches as batches_lib
+from decoupled_diloco.data import sources
+from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.learner import Learner
+from decoupled_diloco.syncer import Syncer, SyncerState
+
+MODES = ("diloco", "ddp")
+
+
+@dataclasses.dataclass
+class Experiment:
+  """A ready-to-run experiment; runtimes mutate learners and syncer_state as it trains."""
+  config: Any
+  model: model_lib.LanguageModel
+  corpus: sources.Corpus
+  learners: list[Learner]
+  syncer: Syncer | None           # None in ddp mode: one group, no outer loop.
+  syncer_state: SyncerState | None
+  eval_batches: list[np.ndarray]
+
+  @property
+  def global_params(self):
+    """The params the run stands for: Θ under DiLoCo, the single group's params under ddp."""
+    if self.syncer_state is not None:
+      return self.syncer_state.params
+    return self.learners[0].state.params
+
+
+def _require(condition: bool, message: str) -> None:
+  if not condition:
+    raise ConfigError(message)
+
+
+def validate(config) -> None:
+  """Rejects impossible run shapes with one line that names the fix."""
+  _require(config.mode in MODES, f"mode={config.mode!r} is unknown: use one of {MODES}")
+  _require(config.inner_steps >= 1, f"inner_steps (H) = {config.inner_steps} must be >= 1: set --config.inner_steps=N")
+  _require(config.outer_steps >= 1, f"outer_steps = {config.outer_steps} must be >= 1: set --config.outer_steps=N")
+  for name in ("eval_every", "checkpoint_every", "log_every", "eval_batches", "eval_batch_size"):
+    _require(config[name] >= 1, f"{name} = {config[name]} must be >= 1: set --config.{name}=N")
+  devices, batch_sizes = tuple(config.learners.devices), tuple(config.learners.batch_size)
+  _require(len(devices) >= 1, "learners.devices is empty: list one device count per learner group")
+  _require(len(devices) == len(batch_sizes),
+           f"learners.devices has {len(devices)} groups but learners.batch_size has {len(batch_sizes)}: "
+           "give one batch size per group")
+  for group, (count, batch) in enumerate(zip(devices, batch_sizes)):
+    _require(count >= 1 and batch >= 1 and batch % count == 0,
+             f"learner group {group}: batch_size {batch} is not divisible by its {count} devices: "
+             "make each learners.batch_size a positive multiple of its learners.devices")
+  _require(config.eval_batch_size % devices[0] == 0,
+           f"eval_batch_size {config.eval_batch_size} is not divisible by group 0's {devices[0]} devices: "
+           "make it a multiple")
+  _require(config.mode != "ddp" or len(devices) == 1,
+           f"mode='ddp' trains one group but learners.devices={devices}: use one group, e.g. (8,)")
+  _require(config.data.split in ("iid", "noniid"),
+           f"data.split={config.data.split!r} is unknown: use 'iid' or 'noniid'")
+  model_lib.validate_config(config.model)
+  if config.mode == "diloco":
+    outer.outer_optimizer(config.outer)
+
+
+def build(config, devices=None) -> Experiment:
+  """Validates `config` and builds every component; raises ConfigError on bad input."""
+  validate(config)
+  devices = jax.devices() if devices is None else devices
+  groups = mesh.partition_devices(devices, config.learners.devices)
+  corpus = sources.load_corpus(config.data, config.model.seq_len)
+  model, params, param_axes = model_lib.build_model(config.model, config.seed)
+  total_steps = config.outer_steps * config.inner_steps
+  optimizer = inner.inner_optimizer(config.inner, total_steps)
+  params_shape = jax.eval_shape(lambda p: p, params)
+
+  learners = []
+  for index, (group_devices, batch_size) in enumerate(zip(groups, config.learners.batch_size)):
+    loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(group_devices), params_shape, param_axes,
+                                  config.learners.fsdp)
+    shard = batches_lib.LearnerBatches(corpus.train, config.model.seq_len, batch_size=batch_size,
+                                       learner_index=index, num_learners=len(groups),
+                                       split=config.data.split, seed=config.seed)
+    learners.append(Learner(index, loop, shard, loop.init(params)))
+
+  syncer = syncer_state = None
+  if config.mode == "diloco":
+    syncer = Syncer(outer.outer_optimizer(config.outer))
+    syncer_state = syncer.init(params)
+  evals = batches_lib.eval_batches(corpus, config.model.seq_len, config.eval_batch_size, config.eval_batches)
+  return Experiment(config, model, corpus, learners, syncer, syncer_state, evals)

@@ -1,0 +1,213 @@
+"""Run outputs: metrics.jsonl (the source of truth), TensorBoard scalars, progress lines.
+
+Record convention: a dict with 'kind' ('train', 'eval', 'outer', ...), 'outer_step' (the
+outer step the record belongs to: the checkpoint saved at outer step k covers every
+record with outer_step <= k), optionally 'inner_step' (the preferred x-axis) and
+'learner' (learner index), plus numeric fields. TensorBoard tags are
+`<kind>/<field>` or `<kind>/<field>/learner_<i>` for records with a 'learner'.
+
+Resuming from checkpoint k drops the crashed run's records with outer_step > k from
+metrics.jsonl, so the resumed run's file equals an uninterrupted run's. TensorBoard
+gets a purge step past the last kept record; that dedup is exact when every record
+carries 'inner_step' (all tags then share one x-axis).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import time
+from typing import Any
+
+import numpy as np
+import tensorboardX
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+# Fields that locate a record rather than measure something; never plotted.
+_INDEX_FIELDS = ("kind", "outer_step", "inner_step", "learner")
+
+
+def _plain(value: Any) -> Any:
+  """Numpy/jax scalars and arrays as Python values, so JSON holds floats and ints."""
+  if isinstance(value, dict):
+    return {str(k): _plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_plain(v) for v in value]
+  if isinstance(value, (str, bool, int, float)) or value is None:
+    return value
+  if hasattr(value, "__array__"):
+    return np.asarray(value).tolist()
+  raise TypeError(f"metric value {value!r} of type {type(value).__name__} is not JSON-able")
+
+
+def _is_scalar(value: Any) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _x_axis(record: dict) -> int:
+  """The TensorBoard step of a record: its 'inner_step', else its 'outer_step'."""
+  return int(record["inner_step"] if "inner_step" in record else record["outer_step"])
+
+
+def _scalar_tags(record: dict) -> dict[str, float]:
+  """TensorBoard tag -> value for every numeric, non-index field of `record`."""
+  suffix = f"/learner_{record['learner']}" if "learner" in record else ""
+  return {
+      f"{record['kind']}/{name}{suffix}": float(value)
+      for name, value in record.items()
+      if name not in _INDEX_FIELDS and _is_scalar(value)
+  }
+
+
+def read_metrics(path) -> list[dict]:
+  """All records of a metrics.jsonl file, in write order.
+
+  Why lenient about the last line only: a crash can cut the final write short, and
+  that torn record was never acknowledged; a malformed line anywhere else is corruption.
+  """
+  with open(path, encoding="utf-8") as f:
+    lines = f.read().split("\n")
+  records = []
+  for index, line in enumerate(lines):
+    if not line.strip():
+      continue
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if index == len(lines) - 1:  # Final line without a newline: a torn write.
+        break
+      raise ValueError(f"{path}:{index + 1} is not a JSON record: {e}") from e
+  return records
+
+
+def _drop_torn_tail(path: str) -> None:
+  """Cuts a final line that a crash left without its newline, so appends start clean."""
+  with open(path, "rb+") as f:
+    data = f.read()
+    cut = data.rfind(b"\n") + 1
+    if cut != len(data):
+      f.truncate(cut)
+
+
+def _truncate(path: str, last_outer_step: int) -> list[dict]:
+  """Keeps records with outer_step <= last_outer_step; atomic via a temp file + os.replace."""
+  kept = [r for r in read_metrics(path) if r["outer_step"] <= last_outer_step]
+  tmp_path = path + ".tmp"
+  with open(tmp_path, "w", encoding="utf-8") as f:
+    for record in kept:
+      f.write(json.dumps(record, sort_keys=True) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp_path, path)
+  return kept
+
+
+class MetricsWriter:
+  """Appends records to `workdir/metrics.jsonl` and `workdir/tensorboard/` event files.
+
+  `resume_from_step=None` appends to whatever is there (never destroys data, e.g. for a
+  separate eval job); a run restarted without any checkpoint passes -1 to drop every
+  record of the crashed attempt (outer steps are >= 0, so none is kept).
+  """
+
+  def __init__(self, workdir, resume_from_step: int | None = None):
+    workdir = os.fspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, METRICS_FILE)
+    kept = []
+    if os.path.exists(self.path):
+      _drop_torn_tail(self.path)
+      if resume_from_step is not None:
+        kept = _truncate(self.path, resume_from_step)
+    purge_step = None
+    if resume_from_step is not None:
+      purge_step = max((_x_axis(r) for r in kept), default=-1) + 1
+    self._file = open(self.path, "a", encoding="utf-8")
+    # tensorboardX names event files by whole seconds + hostname and opens them with 'wb':
+    # a resume within the same second would overwrite the crashed run's file. A
+    # nanosecond suffix keeps names unique and in write order, as TensorBoard reads them.
+    self._tb = tensorboardX.SummaryWriter(
+        logdir=os.path.join(workdir, TENSORBOARD_DIR),
+        purge_step=purge_step,
+        flush_secs=30,
+        filename_suffix=f".{time.time_ns()}",
+    )
+
+  def write(self, record: dict) -> None:
+    """Appends one record (flushed, so a crash loses at most the record being written)."""
+    if not isinstance(record.get("kind"), str) or "outer_step" not in record:
+      raise ValueError(f"metric record needs a str 'kind' and an 'outer_step': got {record!r}")
+    record = _plain(record)
+    self._file.write(json.dumps(record, sort_keys=True) + "\n")
+    self._file.flush()
+    step = _x_axis(record)
+    for tag, value in _scalar_tags(record).items():
+      self._tb.add_scalar(tag, value, global_step=step)
+
+  def close(self) -> None:
+    """Flushes and closes both outputs."""
+    self._file.close()
+    self._tb.close()
+
+  def __enter__(self) -> MetricsWriter:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+
+def _format_count(value: float) -> str:
+  """12345 -> '12.3k': rates span orders of magnitude, three digits are enough."""
+  for threshold, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+    if abs(value) >= threshold:
+      return f"{value / threshold:.1f}{unit}"
+  return f"{value:.0f}"
+
+
+def format_duration(seconds: float) -> str:
+  """80 -> '1m20s', 7380 -> '2h03m': the coarsest two units a human reads at a glance."""
+  if not math.isfinite(seconds):
+    return "?"
+  total = max(0, round(seconds))
+  hours, rest = divmod(total, 3600)
+  minutes, secs = divmod(rest, 60)
+  if hours:
+    return f"{hours}h{minutes:02d}m"
+  if minutes:
+    return f"{minutes}m{secs:02d}s"
+  return f"{secs}s"
+
+
+def format_progress(
+    *,
+    outer_step: int,
+    num_outer_steps: int,
+    step: int,
+    loss: float | None = None,
+    eval_loss: float | None = None,
+    optimum: float | None = None,
+    tokens_per_sec: float | None = None,
+    eta_seconds: float | None = None,
+) -> str:
+  """One human progress line; parts whose value is unknown (None) are left out.
+
+  e.g. 'outer 3/20 | step 60 | loss 2.310 | eval 2.402 (optimum 1.950, gap 0.452) |
+  12.3k tok/s | eta 1m20s'. The optimum (e.g. the entropy rate of synthetic data) and
+  the gap to it only appear next to an eval loss. Pure, so the caller picks the logger.
+  """
+  parts = [f"outer {outer_step}/{num_outer_steps}", f"step {step}"]
+  if loss is not None:
+    parts.append(f"loss {loss:.3f}")
+  if eval_loss is not None:
+    text = f"eval {eval_loss:.3f}"
+    if optimum is not None:
+      text += f" (optimum {optimum:.3f}, gap {eval_loss - optimum:.3f})"
+    parts.append(text)
+  if tokens_per_sec is not None:
+    parts.append(f"{_format_count(tokens_per_sec)} tok/s")
+  if eta_seconds is not None:
+    parts.append(f"eta {format_duration(eta_seconds)}")
+  return " | ".join(parts)

@@ -1,0 +1,136 @@
+"""Lockstep runtime: synchronous DiLoCo rounds (and the ddp baseline) in one process.
+
+Each round every group pulls Θ, takes H inner steps, and pushes its pseudo-gradient; the
+syncer merges and steps. Inner steps of all groups are dispatched interleaved, step by
+step, so groups on disjoint meshes compute concurrently; the only host syncs are at
+round ends. Under ddp there is one group and no syncer: a round is just H steps.
+"""
+
+import os
+import time
+
+from absl import logging
+import jax
+
+from decoupled_diloco import checkpoint as checkpoint_lib
+from decoupled_diloco import metrics as metrics_lib
+from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.experiment import Experiment
+from decoupled_diloco.syncer import SyncerState
+
+
+def _run_state(exp: Experiment) -> dict:
+  """The pytrees a checkpoint holds: the syncer's (host) and every learner's (device)."""
+  state = {f"learner_{l.index}": l.state for l in exp.learners}
+  if exp.syncer_state is not None:
+    state["syncer_params"] = exp.syncer_state.params
+    state["syncer_opt_state"] = exp.syncer_state.opt_state
+  return state
+
+
+def _restore(exp: Experiment, checkpointer: checkpoint_lib.Checkpointer, step: int) -> None:
+  """Loads checkpoint `step` into the experiment, each tree back onto its own devices."""
+  abstract = checkpoint_lib.abstract_like(_run_state(exp))
+  state, metadata = checkpointer.restore(step, abstract)
+  for learner in exp.learners:
+    learner.state = state[f"learner_{learner.index}"]
+    learner.steps = int(learner.state.step)
+  if exp.syncer_state is not None:
+    exp.syncer_state = SyncerState(state["syncer_params"], state["syncer_opt_state"], metadata["syncer_version"])
+  logging.info("resumed from checkpoint at outer step %d", step)
+
+
+def _train_records(learner, outer_step: int, log_every: int, wall_time: float) -> list[dict]:
+  """Mean loss per window of `log_every` inner steps; windows end at round ends too.
+
+  Windows never span rounds, so a run resumed from a round-boundary checkpoint writes
+  exactly the records the uninterrupted run wrote.
+  """
+  records, window = [], []
+  losses = learner.drain_losses()
+  for i, (step, loss) in enumerate(losses):
+    window.append(loss)
+    if (step + 1) % log_every == 0 or i == len(losses) - 1:
+      records.append({"kind": "train", "outer_step": outer_step, "learner": learner.index,
+                      "inner_step": step + 1, "tokens": (step + 1) * learner.batches.tokens_per_batch,
+                      "loss": sum(window) / len(window), "wall_time": wall_time})
+      window = []
+  return records
+
+
+def _round(exp: Experiment) -> dict:
+  """One outer round; returns the outer record's payload."""
+  if exp.syncer is not None:
+    for learner in exp.learners:
+      learner.pull(exp.syncer_state.params)
+  for _ in range(exp.config.inner_steps):
+    for learner in exp.learners:
+      learner.step()
+  if exp.syncer is None:
+    return {}
+  pushes = [learner.push(exp.syncer) for learner in exp.learners]
+  exp.syncer_state = exp.syncer.merge_and_step(exp.syncer_state, [p.delta for p in pushes],
+                                               [p.tokens for p in pushes])
+  return {"version": exp.syncer_state.version,
+          "delta_norms": [float(x) for x in jax.device_get([_norm(p.delta) for p in pushes])]}
+
+
+_norm = jax.jit(lambda tree: jax.numpy.sqrt(sum(jax.numpy.vdot(x, x) for x in jax.tree.leaves(tree))))
+
+
+def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
+  """Trains `exp` in `workdir`, resuming if asked; returns the final figures.
+
+  `stop_after` ends this invocation after that outer step (a preemptible job's share of
+  the run); checkpoint there and a later `resume` continues as if never stopped.
+  """
+  config = exp.config
+  os.makedirs(workdir, exist_ok=True)
+  checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
+  start = checkpointer.latest_step() or 0
+  if start and not config.resume:
+    checkpointer.close()
+    raise ConfigError(f"workdir {workdir} already holds a run (checkpoint at outer step {start}): "
+                      "pass --config.resume=True to continue it, or pick a new --workdir")
+  if start:
+    _restore(exp, checkpointer, start)
+  # Records an interrupted run wrote after its last checkpoint (or before its first) are dropped.
+  writer = metrics_lib.MetricsWriter(workdir, resume_from_step=start)
+  tokens_per_round = config.inner_steps * sum(l.batches.tokens_per_batch for l in exp.learners)
+  begin, eval_loss = time.time(), None
+  try:
+    last = config.outer_steps if stop_after is None else min(stop_after, config.outer_steps)
+    for outer_step in range(start + 1, last + 1):
+      round_begin = time.time()
+      outer_record = _round(exp)
+      wall = time.time() - begin
+      train_records = [r for l in exp.learners for r in _train_records(l, outer_step, config.log_every, wall)]
+      for record in train_records:
+        writer.write(record)
+      clock = {"outer_step": outer_step, "inner_step": outer_step * config.inner_steps,
+               "tokens": outer_step * tokens_per_round, "wall_time": wall}
+      if outer_record:
+        writer.write({"kind": "outer", **clock, **outer_record})
+      if outer_step % config.eval_every == 0 or outer_step == config.outer_steps:
+        eval_loss = exp.learners[0].evaluate(exp.global_params, exp.eval_batches)
+        record = {"kind": "eval", **clock, "eval_loss": eval_loss}
+        if exp.corpus.optimal_loss is not None:
+          record["optimal_loss"] = exp.corpus.optimal_loss
+        writer.write(record)
+      if outer_step % config.checkpoint_every == 0 or outer_step == last:
+        checkpointer.save(outer_step, _run_state(exp), _metadata(exp, outer_step))
+      round_time = time.time() - round_begin
+      logging.info("%s", metrics_lib.format_progress(
+          outer_step=outer_step, num_outer_steps=config.outer_steps, step=clock["inner_step"],
+          loss=sum(r["loss"] for r in train_records) / len(train_records), eval_loss=eval_loss,
+          optimum=exp.corpus.optimal_loss, tokens_per_sec=tokens_per_round / max(round_time, 1e-9),
+          eta_seconds=(last - outer_step) * wall / (outer_step - start)))
+  finally:
+    writer.close()
+    checkpointer.close()
+  return {"eval_loss": eval_loss, "optimal_loss": exp.corpus.optimal_loss}
+
+
+def _metadata(exp: Experiment, outer_step: int) -> dict:
+  return {"outer_step": outer_step, "config": exp.config.to_dict(),
+          "syncer_version": exp.syncer_state.version if exp.syncer_state is not None else None}

@@ -1,0 +1,37 @@
+"""What every benchmark shares: virtual devices, a fixed model config, interleaved timing.
+
+The machine is shared and noisy, so a benchmark never compares against a number from
+another run: it alternates short blocks of the framework and of the baseline and takes
+the median of each, so both see the same background load.
+"""
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+NUM_DEVICES = 8
+
+
+def use_virtual_devices(count: int = NUM_DEVICES) -> None:
+  """Gives the CPU backend `count` devices; call before any JAX computation."""
+  os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={count}")
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_num_cpu_devices", count)
+
+
+def interleaved_medians(runners: dict[str, Callable[[], None]], blocks: int) -> dict[str, float]:
+  """Median seconds per call of each runner, calling them in alternation `blocks` times."""
+  times = {name: [] for name in runners}
+  for _ in range(blocks):
+    for name, run in runners.items():
+      begin = time.perf_counter()
+      run()
+      times[name].append(time.perf_counter() - begin)
+  return {name: statistics.median(values) for name, values in times.items()}
+
+
+def emit(figures: dict) -> None:
+  """The benchmark's result: one JSON line, always the last line printed."""
+  print(json.dumps(figures, sort_keys=True))

@@ -1,0 +1,72 @@
+"""Steady-state memory of one DiLoCo learner group vs a bare jit + AdamW loop, same run.
+
+Device bytes are what `jax.live_arrays()` holds on the group's devices; host bytes are
+what lives on the syncer's device (the host CPU device): Θ, outer momentum, anchors.
+Targets: device_ratio <= 1.3 (at most one extra parameter copy on top of params +
+AdamW moments); host_bytes_per_param is reported (Θ + Nesterov momentum = 8 in fp32).
+
+  python -m experiments.benchmarks.memory
+"""
+
+import gc
+
+from experiments.benchmarks import common
+
+common.use_virtual_devices()
+
+import jax  # noqa: E402  pylint: disable=g-import-not-at-top
+
+from decoupled_diloco import experiment, model as model_lib  # noqa: E402
+from experiments.benchmarks import inner_overhead  # noqa: E402
+
+
+def bytes_on(devices) -> int:
+  """Bytes of every live array shard placed on `devices`."""
+  devices = set(devices)
+  return sum(shard.data.nbytes for array in jax.live_arrays() for shard in array.addressable_shards
+             if shard.device in devices)
+
+
+def framework_peak(config, devices) -> tuple[int, int, int]:
+  """Runs two DiLoCo rounds of one group; returns (peak device bytes, peak host bytes, params)."""
+  exp = experiment.build(config, devices=devices)
+  learner, host = exp.learners[0], [exp.syncer.device]
+  peak_device = peak_host = 0
+  for _ in range(2):
+    learner.pull(exp.syncer_state.params)
+    for _ in range(config.inner_steps):
+      learner.step()
+    learner.drain_losses()
+    push = learner.push(exp.syncer)
+    peak_device, peak_host = max(peak_device, bytes_on(devices)), max(peak_host, bytes_on(host))
+    exp.syncer_state = exp.syncer.merge_and_step(exp.syncer_state, [push.delta], [push.tokens])
+    del push
+    peak_device, peak_host = max(peak_device, bytes_on(devices)), max(peak_host, bytes_on(host))
+  return peak_device, peak_host, model_lib.count_params(exp.syncer_state.params)
+
+
+def bare_peak(config, devices) -> int:
+  """The hand-written loop's device bytes after some steps."""
+  run_block = inner_overhead.bare_loop(config, devices)
+  run_block()
+  return bytes_on(devices)
+
+
+def main():
+  config = inner_overhead.benchmark_config()
+  config.mode = "diloco"
+  config.inner_steps = 5
+  devices = jax.devices()[4:8]
+  baseline_host = bytes_on(jax.devices()[:1])
+  device_bytes, host_bytes, num_params = framework_peak(config, devices)
+  gc.collect()
+  bare_bytes = bare_peak(config, devices)
+  figures = {"device_ratio": round(device_bytes / bare_bytes, 4),
+             "host_bytes_per_param": round((host_bytes - baseline_host) / num_params, 3),
+             "framework_device_bytes": device_bytes, "bare_device_bytes": bare_bytes, "params": num_params}
+  print(f"device: framework {device_bytes:,} B vs bare {bare_bytes:,} B; host {host_bytes:,} B for {num_params:,} params")
+  common.emit(figures)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,73 @@
+r"""Trains a language model with DiLoCo (or the ddp baseline) from an ml_collections config.
+
+  python -m experiments.train --config=configs/demo.py --workdir=/tmp/dd_demo
+  python -m experiments.train --config=configs/demo.py --config.outer.lr=0.5 --workdir=/tmp/dd_lr05
+
+Bad input (unknown config key, impossible device layout, missing data) prints one line
+starting with `error:` and exits with status 2 before anything is written.
+"""
+
+import logging as py_logging
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/demo.py", "Experiment config file (a configs/*.py with get_config()).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where metrics.jsonl, TensorBoard events and checkpoints go.")
+flags.mark_flag_as_required("workdir")
+
+
+def fail(message: str) -> None:
+  """The one way entry points report bad input: a single line and exit status 2."""
+  first_line = str(message).strip().splitlines()[0] if str(message).strip() else "invalid input"
+  sys.stderr.write(f"error: {first_line}\n")
+  sys.exit(2)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's parser, except that bad flags exit 2 with one line instead of 1 with a trace."""
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as error:
+    fail(error)
+
+
+def quiet_library_logs() -> None:
+  """Keeps progress lines readable: orbax logs every file it writes at INFO."""
+  logging.get_absl_handler().addFilter(
+      lambda record: record.levelno >= py_logging.WARNING or "/orbax/" not in record.pathname)
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  quiet_library_logs()
+  config = _CONFIG.value
+  # Virtual CPU devices must be requested before JAX's CPU backend starts; on TPU
+  # hosts this only sizes the (unused) CPU backend.
+  jax.config.update("jax_num_cpu_devices", max(sum(config.learners.devices), 1))
+  # Imported here so that `--help` and flag errors stay fast.
+  from decoupled_diloco import experiment  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.runtime import lockstep  # pylint: disable=g-import-not-at-top
+
+  try:
+    exp = experiment.build(config)
+    logging.info("%s: %d learner group(s) on %s devices, %s tokens of data", config.mode,
+                 len(exp.learners), tuple(config.learners.devices), f"{len(exp.corpus.train):,}")
+    summary = lockstep.run(exp, _WORKDIR.value)
+  except ConfigError as error:
+    fail(error)
+  message = f"final eval loss {summary['eval_loss']:.4f}"
+  if summary["optimal_loss"] is not None:
+    message += f" (optimum {summary['optimal_loss']:.4f}, gap {summary['eval_loss'] - summary['optimal_loss']:.4f})"
+  logging.info(message)
+  print(message)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,30 @@
+"""Shrunken real configs for tests: the demo's shape, a model and data small enough for CPU."""
+
+from configs import default
+
+
+def tiny_config(**overrides):
+  """The default config with a ~30k-parameter model, short runs and a small synthetic corpus."""
+  config = default.get_config()
+  config.model.seq_len = 16
+  config.model.d_model = 32
+  config.model.num_layers = 1
+  config.model.num_heads = 2
+  config.model.d_ff = 64
+  config.data.synthetic.num_tokens = 60_000
+  config.learners.devices = (2, 2)
+  config.learners.batch_size = (4, 4)
+  config.outer_steps = 3
+  config.inner_steps = 4
+  config.inner.warmup_steps = 2
+  config.log_every = 2
+  config.eval_batches = 2
+  config.eval_batch_size = 8
+  config.checkpoint_every = 2
+  for key, value in overrides.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  return config

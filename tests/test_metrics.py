@@ -1,0 +1,148 @@
+"""metrics.jsonl round trips, resume truncation, TensorBoard scalars and progress lines."""
+
+import glob
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from decoupled_diloco.metrics import MetricsWriter, format_duration, format_progress, read_metrics
+
+
+def _records(num_outer_steps: int, inner_steps: int = 2):
+  """What a 2-learner run writes: train per inner step and learner, eval per outer step."""
+  records = []
+  for outer in range(1, num_outer_steps + 1):
+    for inner in range(inner_steps):
+      step = (outer - 1) * inner_steps + inner + 1
+      for learner in range(2):
+        records.append({"kind": "train", "outer_step": outer, "inner_step": step, "learner": learner,
+                        "loss": np.float32(3.0 - 0.1 * step - 0.01 * learner)})
+    records.append({"kind": "eval", "outer_step": outer, "inner_step": outer * inner_steps,
+                    "loss": 3.5 - 0.2 * outer, "tokens_per_sec": 1234})
+  return records
+
+
+def _read_events(logdir):
+  """Scalars as (tag, step, value) and session starts as ("START", step, None), in the
+  order TensorBoard reads them (event files sorted by name, records in file order)."""
+  events = []
+  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+    with open(path, "rb") as f:
+      data = f.read()
+    offset = 0
+    while offset < len(data):  # TFRecord: u64 length, u32 crc, payload, u32 crc.
+      (length,) = struct.unpack("<Q", data[offset:offset + 8])
+      event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+      offset += 12 + length + 4
+      if event.HasField("session_log"):
+        events.append(("START", event.step, None))
+      for value in event.summary.value:
+        events.append((value.tag, event.step, value.simple_value))
+  return events
+
+
+def _visible_scalars(logdir):
+  """Scalars TensorBoard shows: a session START at step s hides earlier events at >= s."""
+  visible = []
+  for event in _read_events(logdir):
+    if event[0] == "START":
+      visible = [v for v in visible if v[1] < event[1]]
+    else:
+      visible.append(event)
+  return sorted(visible)
+
+
+def test_records_round_trip(tmp_path):
+  records = _records(2)
+  with MetricsWriter(tmp_path) as writer:
+    for record in records:
+      writer.write(record)
+  read = read_metrics(tmp_path / "metrics.jsonl")
+  assert len(read) == len(records)
+  for got, want in zip(read, records):
+    assert got.keys() == want.keys()
+    assert got == pytest.approx({k: v.item() if isinstance(v, np.generic) else v
+                                 for k, v in want.items()})
+  assert type(read[0]["loss"]) is float
+  first_line = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
+  assert list(json.loads(first_line)) == sorted(json.loads(first_line))
+
+
+def test_record_without_outer_step_is_rejected(tmp_path):
+  with MetricsWriter(tmp_path) as writer:
+    with pytest.raises(ValueError, match="outer_step"):
+      writer.write({"kind": "train", "loss": 1.0})
+
+
+def test_resume_keeps_exactly_records_up_to_the_checkpoint(tmp_path):
+  crashed = _records(5)
+  with MetricsWriter(tmp_path) as writer:
+    for record in crashed:
+      writer.write(record)
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"kind": "train", "outer_')  # The crash cut this record short.
+
+  with MetricsWriter(tmp_path, resume_from_step=3) as writer:
+    kept = read_metrics(tmp_path / "metrics.jsonl")
+    assert sorted({r["outer_step"] for r in kept}) == [1, 2, 3]
+    assert len(kept) == sum(1 for r in crashed if r["outer_step"] <= 3)
+    for record in crashed:
+      if record["outer_step"] > 3:
+        writer.write(record)
+
+  with MetricsWriter(tmp_path / "uninterrupted") as writer:
+    for record in crashed:
+      writer.write(record)
+  assert read_metrics(tmp_path / "metrics.jsonl") == read_metrics(
+      tmp_path / "uninterrupted" / "metrics.jsonl")
+  assert not os.path.exists(tmp_path / "metrics.jsonl.tmp")
+
+  # TensorBoard hides the crashed run's events from the first step after the checkpoint.
+  assert [e[1] for e in _read_events(tmp_path / "tensorboard") if e[0] == "START"] == [7]
+  assert len(glob.glob(str(tmp_path / "tensorboard" / "events.*"))) == 2
+  assert _visible_scalars(tmp_path / "tensorboard") == _visible_scalars(
+      tmp_path / "uninterrupted" / "tensorboard")
+
+
+def test_read_metrics_ignores_only_a_torn_final_line(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"kind": "eval", "outer_step": 1}\n{"kind": "ev')
+  assert read_metrics(path) == [{"kind": "eval", "outer_step": 1}]
+  path.write_text('{"kind": "ev\n{"kind": "eval", "outer_step": 1}\n')
+  with pytest.raises(ValueError, match="metrics.jsonl:1"):
+    read_metrics(path)
+
+
+def test_append_after_a_torn_write_starts_on_a_fresh_line(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text('{"kind": "eval", "outer_step": 1}\n{"kind": "ev')
+  with MetricsWriter(tmp_path) as writer:
+    writer.write({"kind": "eval", "outer_step": 2})
+  assert read_metrics(tmp_path / "metrics.jsonl") == [
+      {"kind": "eval", "outer_step": 1}, {"kind": "eval", "outer_step": 2}]
+
+
+def test_tensorboard_scalars(tmp_path):
+  with MetricsWriter(tmp_path) as writer:
+    writer.write({"kind": "train", "outer_step": 3, "inner_step": 60, "learner": 0, "loss": 2.5})
+    writer.write({"kind": "eval", "outer_step": 3, "loss": 2.25, "note": "text is not plotted"})
+  assert sorted(_read_events(tmp_path / "tensorboard")) == [("eval/loss", 3, 2.25), ("train/loss/learner_0", 60, 2.5)]
+
+
+def test_format_progress():
+  line = format_progress(outer_step=3, num_outer_steps=20, step=60, loss=2.31, eval_loss=2.402,
+                         optimum=1.95, tokens_per_sec=12_300, eta_seconds=80)
+  assert line == ("outer 3/20 | step 60 | loss 2.310 | eval 2.402 (optimum 1.950, gap 0.452)"
+                  " | 12.3k tok/s | eta 1m20s")
+  assert format_progress(outer_step=1, num_outer_steps=2, step=5, loss=3.0,
+                         optimum=1.0) == "outer 1/2 | step 5 | loss 3.000"
+  assert format_progress(outer_step=1, num_outer_steps=2, step=5, tokens_per_sec=950,
+                         eta_seconds=7380) == "outer 1/2 | step 5 | 950 tok/s | eta 2h03m"
+
+
+def test_format_duration():
+  assert [format_duration(s) for s in (0, 59.4, 65, 3600, float("inf"))] == [
+      "0s", "59s", "1m05s", "1h00m", "?"]
