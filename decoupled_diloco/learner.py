@@ -38,7 +38,13 @@ class Learner:
   _pending_losses: list = dataclasses.field(default_factory=list)
 
   def pull(self, global_params) -> None:
-    """Start local work from Θ; the AdamW state carries over untouched (never reset)."""
+    """Start local work from Θ; the AdamW state carries over untouched (never reset).
+
+    The local params are freed before Θ arrives, so a pull never holds two parameter
+    copies on the group's devices.
+    """
+    for leaf in jax.tree.leaves(self.state.params):
+      leaf.delete()
     self.state = self.state._replace(params=self.loop.put_params(global_params))
     self.anchor = global_params
     self.tokens_since_pull = 0

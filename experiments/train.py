@@ -24,8 +24,8 @@ flags.mark_flag_as_required("workdir")
 
 def fail(message: str) -> None:
   """The one way entry points report bad input: a single line and exit status 2."""
-  first_line = str(message).strip().splitlines()[0] if str(message).strip() else "invalid input"
-  sys.stderr.write(f"error: {first_line}\n")
+  text = " ".join(str(message).replace("\\n", "\n").split()) or "invalid input"
+  sys.stderr.write(f"error: {text}\n")
   sys.exit(2)
 
 
@@ -34,7 +34,23 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
   except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as error:
+    text = str(error)
+    if "Did you mean" in text or isinstance(error.__cause__, KeyError):
+      key = text.split("\\n")[0].strip("'\\ ")
+      hint = text[text.index("Did you mean"):].rstrip("'") if "Did you mean" in text else ""
+      fail(f"unknown config key {key}: fix the --config.* override. {hint}")
     fail(error)
+
+
+def load_config():
+  """The parsed config; a config file that does not load is bad input, not a crash."""
+  try:
+    config = _CONFIG.value
+    config.keys()  # The flag loads lazily: touch it so a broken file fails here.
+    return config
+  except OSError as error:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    fail(f"cannot load --config ({lines[-1]}): pass an existing configs/*.py with get_config()")
 
 
 def quiet_library_logs() -> None:
@@ -46,7 +62,7 @@ def quiet_library_logs() -> None:
 def main(argv: list[str]) -> None:
   del argv
   quiet_library_logs()
-  config = _CONFIG.value
+  config = load_config()
   # Virtual CPU devices must be requested before JAX's CPU backend starts; on TPU
   # hosts this only sizes the (unused) CPU backend.
   jax.config.update("jax_num_cpu_devices", max(sum(config.learners.devices), 1))
@@ -62,6 +78,9 @@ def main(argv: list[str]) -> None:
     summary = lockstep.run(exp, _WORKDIR.value)
   except ConfigError as error:
     fail(error)
+  if summary["eval_loss"] is None:
+    print(f"nothing to do: the run in {_WORKDIR.value} is already at outer step {config.outer_steps}")
+    return
   message = f"final eval loss {summary['eval_loss']:.4f}"
   if summary["optimal_loss"] is not None:
     message += f" (optimum {summary['optimal_loss']:.4f}, gap {summary['eval_loss'] - summary['optimal_loss']:.4f})"

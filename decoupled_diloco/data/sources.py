@@ -106,6 +106,8 @@ def _tfds(data_cfg) -> Corpus:
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (heavy, tfds-only)
 
   name = data_cfg.tfds_name
+  if not name:
+    raise ConfigError("data.source='tfds' needs a dataset: set --config.data.tfds_name, e.g. tiny_shakespeare")
   data_dir = data_cfg.tfds_data_dir or None
   where = data_dir or "the default TFDS data dir"
   try:

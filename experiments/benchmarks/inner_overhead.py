@@ -20,7 +20,7 @@ from configs import default  # noqa: E402
 from decoupled_diloco import experiment, model as model_lib  # noqa: E402
 
 STEPS_PER_BLOCK = 10
-BLOCKS = 7
+BLOCKS = 15
 
 
 def benchmark_config():

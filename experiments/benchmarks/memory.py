@@ -21,10 +21,17 @@ from experiments.benchmarks import inner_overhead  # noqa: E402
 
 
 def bytes_on(devices) -> int:
-  """Bytes of every live array shard placed on `devices`."""
-  devices = set(devices)
-  return sum(shard.data.nbytes for array in jax.live_arrays() for shard in array.addressable_shards
-             if shard.device in devices)
+  """Bytes of the distinct live buffers on `devices`.
+
+  Buffers are keyed by address: `addressable_shards` hands out per-shard views that are
+  live arrays themselves, and must not be counted twice.
+  """
+  devices, buffers = set(devices), {}
+  for array in jax.live_arrays():
+    for shard in array.addressable_shards:
+      if shard.device in devices:
+        buffers[(shard.device.id, shard.data.unsafe_buffer_pointer())] = shard.data.nbytes
+  return sum(buffers.values())
 
 
 def framework_peak(config, devices) -> tuple[int, int, int]:

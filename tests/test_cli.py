@@ -1,0 +1,97 @@
+"""The README's commands, shortened through config overrides, run end to end as real processes."""
+
+import json
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).parents[1]
+README = (REPO / "README.md").read_text()
+SHORTEN = ["--config.outer_steps=2", "--config.inner_steps=3", "--config.checkpoint_every=1",
+           "--config.data.synthetic.num_tokens=50000", "--config.eval_batches=1", "--config.log_every=2"]
+
+
+def readme_train_commands() -> list[str]:
+  """Every `python -m experiments.train ...` the README shows, including the demo's."""
+  commands = []
+  for line in README.splitlines():
+    for part in line.split("&&"):
+      part = part.strip()
+      if part.startswith("python -m experiments.train"):
+        commands.append(part)
+  return commands
+
+
+def run_train(command: str, tmp_path: pathlib.Path, *extra: str) -> subprocess.CompletedProcess:
+  """Runs a README command with its workdir moved under tmp_path and the run shortened."""
+  args = shlex.split(command)[1:]
+  args = [f"--workdir={tmp_path / pathlib.Path(a.split('=', 1)[1]).name}" if a.startswith("--workdir=") else a
+          for a in args]
+  return subprocess.run([sys.executable, *args, *SHORTEN, *extra], cwd=REPO, capture_output=True, text=True,
+                        timeout=600)
+
+
+def test_readme_shows_the_demo_and_the_other_commands():
+  commands = readme_train_commands()
+  assert commands[0] == "python -m experiments.train --config=configs/demo.py --workdir=/tmp/dd_demo"
+  assert any("--config.resume=True" in c for c in commands)
+
+
+def test_demo_command_trains_writes_outputs_and_resumes(tmp_path):
+  demo, resume = (next(c for c in readme_train_commands() if "configs/demo.py" in c and cond(c))
+                  for cond in (lambda c: c.endswith("/tmp/dd_demo"), lambda c: "resume=True" in c))
+  result = run_train(demo, tmp_path)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert re.search(r"final eval loss \d+\.\d+ \(optimum \d+\.\d+, gap", result.stdout)
+  assert "outer 2/2 | step 6 | loss" in result.stderr
+  workdir = tmp_path / "dd_demo"
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  kinds = {r["kind"] for r in records}
+  assert kinds == {"train", "outer", "eval"}
+  for record in records:
+    assert {"kind", "outer_step", "inner_step", "tokens", "wall_time"} <= record.keys()
+  assert {r["learner"] for r in records if r["kind"] == "train"} == {0, 1, 2, 3}
+  assert list((workdir / "tensorboard").iterdir())
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1", "2"]
+
+  again = run_train(demo, tmp_path)
+  assert again.returncode == 2 and "already holds a run" in again.stderr
+
+  resumed = run_train(resume, tmp_path, "--config.outer_steps=3")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "resumed from checkpoint at outer step 2" in resumed.stderr
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["outer_step"] for r in records if r["kind"] == "eval"] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("command", [c for c in readme_train_commands() if "configs/demo.py --workdir" not in c
+                                     and "resume=True" not in c])
+def test_other_readme_commands_run(command, tmp_path):
+  if "tinyshakespeare" in command and not (REPO.parent / "shared" / "data" / "tinyshakespeare.txt").exists():
+    pytest.skip("../shared/data is not beside the repository")
+  result = run_train(command, tmp_path)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "final eval loss" in result.stdout
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--config.outer.lrr=0.5", 'unknown config key lrr: fix the --config.* override. Did you mean "lr"'),
+    ("--config.inner_steps=0", "inner_steps (H) = 0 must be >= 1"),
+    ("--config.learners.batch_size=(15,16,16,16)", "batch_size 15 is not divisible by its 2 devices"),
+    ("--config.data.source=text_file", "does not exist"),
+    ("--config.data.source=tfds", "data.tfds_name"),
+    ("--config=configs/missing.py", "cannot load --config"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(flag, message, tmp_path):
+  workdir = tmp_path / "run"
+  result = subprocess.run([sys.executable, "-m", "experiments.train", "--config=configs/demo.py",
+                           f"--workdir={workdir}", flag], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 2
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+  assert "Traceback" not in result.stderr
+  assert not workdir.exists()
