@@ -10,7 +10,8 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   """Defaults follow DiLoCo (arXiv 2311.08105) scaled down to a CPU-sized model."""
   config = ml_collections.ConfigDict()
-  config.mode = "diloco"  # 'diloco': M groups sync every inner_steps; 'ddp': one group, plain data-parallel steps.
+  config.mode = "diloco"  # 'diloco' (synchronous rounds), 'decoupled' (asynchronous syncer) or 'ddp' (one group).
+  config.runtime = "lockstep"  # 'lockstep' (rounds, wall clock) or 'sim' (virtual clock with hardware profiles).
   config.seed = 0  # Seeds model init, data shards and synthetic data: same seed, same metrics.
   config.outer_steps = 10  # Outer rounds (DiLoCo syncs); for ddp, rounds of inner_steps between evals.
   config.inner_steps = 20  # H: inner AdamW steps per learner between syncs (must be >= 1).
@@ -44,6 +45,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.learners.devices = (2, 2, 2, 2)  # Devices per learner group; groups get disjoint device slices.
   config.learners.batch_size = (16, 16, 16, 16)  # Sequences per inner step per group (divisible by its devices).
   config.learners.fsdp = False  # Also shard params and AdamW moments over each group's devices.
+  config.learners.hardware = ()  # Per-group chip ('v4', 'v5e', 'v5p', 'v6e') or 'relative'; () = all 'relative'.
+  config.learners.chips = ()  # Per-group chips of the simulated slice; () = the group's device count.
+  config.learners.speed = ()  # Per-group relative speed for 'relative' hardware; () = all 1.0.
+  config.learners.mfu = 0.4  # Model FLOPs utilisation of every simulated TPU slice.
+  config.learners.jitter = 0.0  # Log-std of per-step time noise in the simulation (0 = none).
 
   config.inner = ml_collections.ConfigDict()
   config.inner.lr = 3e-3  # Peak AdamW learning rate (DiLoCo uses 4e-4 at 150M params).
@@ -59,6 +65,32 @@ def get_config() -> ml_collections.ConfigDict:
   config.outer.lr = 0.7  # Outer learning rate (DiLoCo: 0.7; 1.0 without momentum = parameter averaging).
   config.outer.momentum = 0.9  # Outer momentum (0 = none).
   config.outer.nesterov = True  # Nesterov momentum (DiLoCo's choice).
+  config.outer.buffer_size = 1  # Delayed Nesterov: N arrivals per momentum update.
+  config.outer.activation = 0.0  # Delayed Nesterov: c, momentum applied between updates (0 = none).
+
+  config.syncer = ml_collections.ConfigDict()  # Merge policy of the decoupled (asynchronous) syncer.
+  config.syncer.quorum = 1  # K: distinct learners that must report before a merge (0 = all).
+  config.syncer.grace_gamma = 0.0  # γ of the adaptive grace window (0 = merge as soon as K reported).
+  config.syncer.grace_overlap_steps = 0.0  # τ: steps of slack before learners need Θ (sizes the window).
+  config.syncer.staleness = "polynomial"  # 'constant', 'polynomial' (1+s)^-a, 'hinge' or 'exponential' exp(-a s).
+  config.syncer.staleness_a = 0.5  # a of the staleness function.
+  config.syncer.staleness_b = 0.0  # b of the hinge function (staleness tolerated at full weight).
+  config.syncer.max_staleness = -1  # Drop (and count) pushes staler than this; -1 = keep all.
+  config.syncer.token_weighting = "tokens"  # 'none', 'tokens' or 'tokens_squared_per_step' (Decoupled DiLoCo).
+  config.syncer.merge_rule = "mean"  # 'mean' or 'rda' (radial-directional averaging; embeddings averaged).
+
+  config.policy = ml_collections.ConfigDict()  # Local work per push (virtual-clock runtime).
+  config.policy.kind = "fixed"  # 'fixed' (H steps), 'dylu' (H scaled by speed) or 'time_budget'.
+  config.policy.speed_source = "declared"  # DyLU speeds: 'declared' (hardware) or 'measured' (EMA of steps).
+  config.policy.round_seconds = 0.0  # Time budget of a round in (virtual) seconds, for 'time_budget'.
+
+  config.sim = ml_collections.ConfigDict()  # Virtual clock.
+  config.sim.reference_step_seconds = 1.0  # Step time at relative speed 1.0.
+  config.sim.simulated_params = 0  # Time compute and transfers as if the model had this many params (0 = real).
+  config.sim.simulated_tokens_per_step = 0  # Time each inner step as if its batch had this many tokens (0 = real).
+  config.sim.link_latency_seconds = 0.0  # One-way latency between a learner and the syncer.
+  config.sim.link_gbps = 0.0  # Link bandwidth in Gbit/s (0 = unlimited).
+  config.sim.seed = 0  # Seeds step-time jitter.
 
   config.eval_every = 1  # Evaluate the global params every this many outer steps (and at the end).
   config.eval_batches = 4  # Held-out batches per evaluation.

@@ -11,32 +11,35 @@ from typing import Any
 import jax
 import numpy as np
 
-from decoupled_diloco import inner, mesh, model as model_lib, outer
+from decoupled_diloco import hardware, inner, mesh, model as model_lib, outer, policy
 from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.learner import Learner
-from decoupled_diloco.syncer import Syncer, SyncerState
+from decoupled_diloco.syncer import Settings, Syncer
 
-MODES = ("diloco", "ddp")
+MODES = ("diloco", "decoupled", "ddp")
+RUNTIMES = ("lockstep", "sim")
 
 
 @dataclasses.dataclass
 class Experiment:
-  """A ready-to-run experiment; runtimes mutate learners and syncer_state as it trains."""
+  """A ready-to-run experiment; runtimes mutate its learners and syncer as it trains."""
   config: Any
   model: model_lib.LanguageModel
   corpus: sources.Corpus
   learners: list[Learner]
   syncer: Syncer | None           # None in ddp mode: one group, no outer loop.
-  syncer_state: SyncerState | None
   eval_batches: list[np.ndarray]
+  profiles: list[hardware.HardwareProfile]  # Simulated hardware of each group.
+  flops_per_step: list[float]     # Training FLOPs of one inner step of each group (simulated size).
+  bytes_per_sync: int             # fp32 bytes of one pseudo-gradient or Θ on the wire (simulated size).
 
   @property
   def global_params(self):
     """The params the run stands for: Θ under DiLoCo, the single group's params under ddp."""
-    if self.syncer_state is not None:
-      return self.syncer_state.params
+    if self.syncer is not None:
+      return self.syncer.params
     return self.learners[0].state.params
 
 
@@ -48,6 +51,9 @@ def _require(condition: bool, message: str) -> None:
 def validate(config) -> None:
   """Rejects impossible run shapes with one line that names the fix."""
   _require(config.mode in MODES, f"mode={config.mode!r} is unknown: use one of {MODES}")
+  _require(config.runtime in RUNTIMES, f"runtime={config.runtime!r} is unknown: use one of {RUNTIMES}")
+  _require(config.mode != "decoupled" or config.runtime == "sim",
+           "mode='decoupled' needs a clock: add --config.runtime=sim (the lockstep runtime runs rounds)")
   _require(config.inner_steps >= 1, f"inner_steps (H) = {config.inner_steps} must be >= 1: set --config.inner_steps=N")
   _require(config.outer_steps >= 1, f"outer_steps = {config.outer_steps} must be >= 1: set --config.outer_steps=N")
   for name in ("eval_every", "checkpoint_every", "log_every", "eval_batches", "eval_batch_size"):
@@ -69,8 +75,11 @@ def validate(config) -> None:
   _require(config.data.split in ("iid", "noniid"),
            f"data.split={config.data.split!r} is unknown: use 'iid' or 'noniid'")
   model_lib.validate_config(config.model)
-  if config.mode == "diloco":
+  if config.mode != "ddp":
     outer.outer_optimizer(config.outer)
+    Settings.from_config(config.syncer)
+  policy.validate(config.policy)
+  hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
 
 
 def build(config, devices=None) -> Experiment:
@@ -93,9 +102,16 @@ def build(config, devices=None) -> Experiment:
                                        split=config.data.split, seed=config.seed)
     learners.append(Learner(index, loop, shard, loop.init(params)))
 
-  syncer = syncer_state = None
-  if config.mode == "diloco":
-    syncer = Syncer(outer.outer_optimizer(config.outer))
-    syncer_state = syncer.init(params)
+  syncer = None
+  if config.mode != "ddp":
+    # Synchronous DiLoCo is the decoupled machine with every learner in the quorum and
+    # no staleness (it is always 0 there): a token-weighted mean of all pushes.
+    settings = Settings.from_config(config.syncer) if config.mode == "decoupled" else Settings()
+    syncer = Syncer(outer.outer_optimizer(config.outer), params, range(len(learners)), settings)
   evals = batches_lib.eval_batches(corpus, config.model.seq_len, config.eval_batch_size, config.eval_batches)
-  return Experiment(config, model, corpus, learners, syncer, syncer_state, evals)
+  num_params = config.sim.simulated_params or model_lib.count_params(params)
+  flops_per_token = (6.0 * config.sim.simulated_params if config.sim.simulated_params
+                     else model_lib.flops_per_token(config.model))
+  flops = [flops_per_token * (config.sim.simulated_tokens_per_step or l.batches.tokens_per_batch) for l in learners]
+  profiles = hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
+  return Experiment(config, model, corpus, learners, syncer, evals, profiles, flops, 4 * num_params)

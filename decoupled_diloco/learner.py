@@ -13,15 +13,7 @@ import numpy as np
 
 from decoupled_diloco.data.batches import LearnerBatches
 from decoupled_diloco.inner import InnerLoop, TrainState
-
-
-@dataclasses.dataclass
-class Push:
-  """What a learner hands the syncer at the end of its local work."""
-  learner: int
-  delta: Any        # Pseudo-gradient Θ_anchor − θ on the syncer's device.
-  tokens: int       # Tokens processed since the pull.
-  local_steps: int  # Inner steps since the pull.
+from decoupled_diloco.syncer import Push
 
 
 @dataclasses.dataclass
@@ -33,11 +25,12 @@ class Learner:
   state: TrainState
   steps: int = 0                # Host mirror of state.step: picks the next batch without a device sync.
   anchor: Any = None            # Θ this learner last pulled (host); None when it trains alone (ddp).
+  base_version: int = 0         # Syncer version of that Θ.
   tokens_since_pull: int = 0
   steps_since_pull: int = 0
   _pending_losses: list = dataclasses.field(default_factory=list)
 
-  def pull(self, global_params) -> None:
+  def pull(self, global_params, version: int) -> None:
     """Start local work from Θ; the AdamW state carries over untouched (never reset).
 
     The local params are freed before Θ arrives, so a pull never holds two parameter
@@ -46,7 +39,7 @@ class Learner:
     for leaf in jax.tree.leaves(self.state.params):
       leaf.delete()
     self.state = self.state._replace(params=self.loop.put_params(global_params))
-    self.anchor = global_params
+    self.anchor, self.base_version = global_params, version
     self.tokens_since_pull = 0
     self.steps_since_pull = 0
 
@@ -65,7 +58,7 @@ class Learner:
     values = jax.device_get([loss for _, loss in pending])
     return [(step, float(v)) for (step, _), v in zip(pending, values)]
 
-  def push(self, syncer) -> Push:
+  def push(self, syncer, compute_seconds: float = 0.0) -> Push:
     """Pseudo-gradient of the local work against the anchor, moved to the syncer.
 
     The anchor is released: the next pull brings a new one, and holding the old Θ
@@ -73,7 +66,7 @@ class Learner:
     """
     delta = syncer.pseudo_gradient(self.anchor, self.state.params)
     self.anchor = None
-    return Push(self.index, delta, self.tokens_since_pull, self.steps_since_pull)
+    return Push(self.index, delta, self.base_version, self.tokens_since_pull, self.steps_since_pull, compute_seconds)
 
   def evaluate(self, params, eval_batches) -> float:
     """Mean held-out loss of `params` (from anywhere), computed on this group's mesh."""

@@ -4,9 +4,14 @@ A pseudo-gradient is Δ = Θ − θ (global minus local): it points uphill like 
 so any optax transformation can be the outer optimizer. SGD with lr 1 and no momentum
 turns Θ into the (weighted) mean of the learners' parameters; the DiLoCo default is
 Nesterov SGD with lr 0.7 and momentum 0.9, which matches PyTorch's Nesterov SGD.
+An asynchronous syncer, which applies each learner's pseudo-gradient on arrival, uses
+Delayed Nesterov instead: momentum moves once per N arrivals, as if they were one round.
 """
 
+from typing import Any, NamedTuple
+
 import jax
+import jax.numpy as jnp
 import optax
 
 from decoupled_diloco.errors import ConfigError
@@ -26,7 +31,71 @@ def _adam(cfg):
   return optax.adam(cfg.lr, b1=cfg.momentum or 0.9)
 
 
-OUTER_OPTIMIZERS = {"sgd": _sgd, "adam": _adam}
+class DelayedNesterovState(NamedTuple):
+  """Arrivals so far, the momentum buffer m and the pseudo-gradients summed since m last moved."""
+  count: jax.Array  # int32 scalar t: pseudo-gradients applied so far.
+  momentum: Any     # m, same structure as params.
+  accumulated: Any  # Δ = Σ g since the last momentum update.
+
+
+def delayed_nesterov(learning_rate: float, momentum: float, buffer_size: int,
+                     activation: float = 0.0) -> optax.GradientTransformation:
+  """Delayed Nesterov (Liu et al. 2024, arXiv 2401.09135) for asynchronous outer steps.
+
+  Feeding each of M arrivals per round through Nesterov moves momentum M times per round and
+  hurts (20M model: naive async 44.27 vs sync DiLoCo 41.35 perplexity; DN + dynamic local
+  updates 41.13). DN moves momentum once per N = buffer_size arrivals, with their mean, and
+  in between applies each g_t plainly:
+    Δ += g_t
+    if (t+1) % N == 0:  m ← βm + Δ/N;  update = −ε[(1 − cN + c)βm + g_t/N];  Δ ← 0
+    else:                              update = −ε[cβm + g_t/N]
+  With activation c = 0 the N updates of a window sum to exactly one PyTorch-style Nesterov
+  step (`optax.sgd(ε, β, nesterov=True)`) on the window's mean g̅: −ε[g̅ + β(βm + g̅)];
+  N = 1, c = 0 is that Nesterov step on every arrival. c > 0 applies a share c of the
+  momentum term on every arrival (the shares (N − 1)c + (1 − cN + c) total one per window),
+  so Θ keeps moving along the momentum between its updates.
+  Jit-able: the window boundary is a traced select, not Python control flow.
+  """
+  if not isinstance(buffer_size, int) or isinstance(buffer_size, bool) or buffer_size < 1:
+    raise ValueError(f"delayed_nesterov buffer_size={buffer_size!r} must be an int >= 1: pass arrivals per window")
+  if not 0 <= momentum < 1:
+    raise ValueError(f"delayed_nesterov momentum={momentum} must be in [0, 1): pass e.g. 0.9")
+  if activation < 0:
+    raise ValueError(f"delayed_nesterov activation={activation} is negative: pass c >= 0 (0 = the default)")
+  n = buffer_size
+
+  def init_fn(params):
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return DelayedNesterovState(jnp.zeros([], jnp.int32), zeros, zeros)
+
+  def update_fn(updates, state, params=None):
+    del params
+    boundary = (state.count + 1) % n == 0
+    accumulated = jax.tree.map(lambda acc, g: acc + g, state.accumulated, updates)
+    new_momentum = jax.tree.map(lambda m, acc: jnp.where(boundary, momentum * m + acc / n, m),
+                                state.momentum, accumulated)
+    share = jnp.where(boundary, 1 - activation * n + activation, activation)
+    updates = jax.tree.map(lambda m, g: (-learning_rate * (share * momentum * m + g / n)).astype(g.dtype),
+                           new_momentum, updates)
+    accumulated = jax.tree.map(lambda acc: jnp.where(boundary, jnp.zeros_like(acc), acc), accumulated)
+    return updates, DelayedNesterovState(optax.safe_int32_increment(state.count), new_momentum, accumulated)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _delayed_nesterov(cfg):
+  """DN from outer.lr, outer.momentum, outer.buffer_size (N, default 1), outer.activation (c, default 0)."""
+  buffer_size, activation = cfg.get("buffer_size", 1), cfg.get("activation", 0.0)
+  if not isinstance(buffer_size, int) or isinstance(buffer_size, bool) or buffer_size < 1:
+    raise ConfigError(f"outer.buffer_size={buffer_size!r} must be an int >= 1: set --config.outer.buffer_size")
+  if not 0 <= cfg.momentum < 1:
+    raise ConfigError(f"outer.momentum={cfg.momentum} must be in [0, 1): set --config.outer.momentum, e.g. 0.9")
+  if activation < 0:
+    raise ConfigError(f"outer.activation={activation} is negative: set --config.outer.activation >= 0")
+  return delayed_nesterov(cfg.lr, cfg.momentum, buffer_size, activation)
+
+
+OUTER_OPTIMIZERS = {"sgd": _sgd, "adam": _adam, "delayed_nesterov": _delayed_nesterov}
 
 
 def outer_optimizer(outer_cfg) -> optax.GradientTransformation:

@@ -69,13 +69,13 @@ def main(argv: list[str]) -> None:
   # Imported here so that `--help` and flag errors stay fast.
   from decoupled_diloco import experiment  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from decoupled_diloco.runtime import lockstep  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.runtime import lockstep, sim  # pylint: disable=g-import-not-at-top
 
   try:
     exp = experiment.build(config)
     logging.info("%s: %d learner group(s) on %s devices, %s tokens of data", config.mode,
                  len(exp.learners), tuple(config.learners.devices), f"{len(exp.corpus.train):,}")
-    summary = lockstep.run(exp, _WORKDIR.value)
+    summary = {"lockstep": lockstep, "sim": sim}[config.runtime].run(exp, _WORKDIR.value)
   except ConfigError as error:
     fail(error)
   if summary["eval_loss"] is None:
@@ -84,6 +84,9 @@ def main(argv: list[str]) -> None:
   message = f"final eval loss {summary['eval_loss']:.4f}"
   if summary["optimal_loss"] is not None:
     message += f" (optimum {summary['optimal_loss']:.4f}, gap {summary['eval_loss'] - summary['optimal_loss']:.4f})"
+  if "virtual_seconds" in summary:
+    message += (f"; virtual time {summary['virtual_seconds']:.1f}s, goodput {summary['goodput']:.3f}, "
+                f"{summary['outer_updates']} outer updates, steps per learner {summary['steps']}")
   logging.info(message)
   print(message)
 

@@ -16,15 +16,16 @@ from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.experiment import Experiment
+from decoupled_diloco.runtime import records
 from decoupled_diloco.syncer import SyncerState
 
 
 def _run_state(exp: Experiment) -> dict:
   """The pytrees a checkpoint holds: the syncer's (host) and every learner's (device)."""
   state = {f"learner_{l.index}": l.state for l in exp.learners}
-  if exp.syncer_state is not None:
-    state["syncer_params"] = exp.syncer_state.params
-    state["syncer_opt_state"] = exp.syncer_state.opt_state
+  if exp.syncer is not None:
+    state["syncer_params"] = exp.syncer.params
+    state["syncer_opt_state"] = exp.syncer.state.opt_state
   return state
 
 
@@ -35,44 +36,27 @@ def _restore(exp: Experiment, checkpointer: checkpoint_lib.Checkpointer, step: i
   for learner in exp.learners:
     learner.state = state[f"learner_{learner.index}"]
     learner.steps = int(learner.state.step)
-  if exp.syncer_state is not None:
-    exp.syncer_state = SyncerState(state["syncer_params"], state["syncer_opt_state"], metadata["syncer_version"])
+  if exp.syncer is not None:
+    exp.syncer.state = SyncerState(state["syncer_params"], state["syncer_opt_state"], metadata["syncer_version"])
   logging.info("resumed from checkpoint at outer step %d", step)
-
-
-def _train_records(learner, outer_step: int, log_every: int, wall_time: float) -> list[dict]:
-  """Mean loss per window of `log_every` inner steps; windows end at round ends too.
-
-  Windows never span rounds, so a run resumed from a round-boundary checkpoint writes
-  exactly the records the uninterrupted run wrote.
-  """
-  records, window = [], []
-  losses = learner.drain_losses()
-  for i, (step, loss) in enumerate(losses):
-    window.append(loss)
-    if (step + 1) % log_every == 0 or i == len(losses) - 1:
-      records.append({"kind": "train", "outer_step": outer_step, "learner": learner.index,
-                      "inner_step": step + 1, "tokens": (step + 1) * learner.batches.tokens_per_batch,
-                      "loss": sum(window) / len(window), "wall_time": wall_time})
-      window = []
-  return records
 
 
 def _round(exp: Experiment) -> dict:
   """One outer round; returns the outer record's payload."""
-  if exp.syncer is not None:
+  syncer = exp.syncer
+  if syncer is not None:
     for learner in exp.learners:
-      learner.pull(exp.syncer_state.params)
+      learner.pull(syncer.params, syncer.version)
   for _ in range(exp.config.inner_steps):
     for learner in exp.learners:
       learner.step()
-  if exp.syncer is None:
+  if syncer is None:
     return {}
-  pushes = [learner.push(exp.syncer) for learner in exp.learners]
-  exp.syncer_state = exp.syncer.merge_and_step(exp.syncer_state, [p.delta for p in pushes],
-                                               [p.tokens for p in pushes])
-  return {"version": exp.syncer_state.version,
-          "delta_norms": [float(x) for x in jax.device_get([_norm(p.delta) for p in pushes])]}
+  pushes = [learner.push(syncer) for learner in exp.learners]
+  norms = [float(x) for x in jax.device_get([_norm(p.delta) for p in pushes])]
+  reports = [syncer.receive(push, now=0.0)[1] for push in pushes]
+  assert reports[-1] is not None and not any(reports[:-1]), "the lockstep syncer merges once per round"
+  return {"version": syncer.version, "delta_norms": norms}
 
 
 _norm = jax.jit(lambda tree: jax.numpy.sqrt(sum(jax.numpy.vdot(x, x) for x in jax.tree.leaves(tree))))
@@ -85,6 +69,9 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
   the run); checkpoint there and a later `resume` continues as if never stopped.
   """
   config = exp.config
+  if config.runtime != "lockstep" or config.mode == "decoupled":
+    raise ConfigError(f"the lockstep runtime runs ddp and diloco, not mode={config.mode!r} with "
+                      f"runtime={config.runtime!r}: use decoupled_diloco.runtime.sim")
   os.makedirs(workdir, exist_ok=True)
   checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
   start = checkpointer.latest_step() or 0
@@ -104,7 +91,8 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
       round_begin = time.time()
       outer_record = _round(exp)
       wall = time.time() - begin
-      train_records = [r for l in exp.learners for r in _train_records(l, outer_step, config.log_every, wall)]
+      train_records = [r for l in exp.learners
+                       for r in records.train_records(l, outer_step, config.log_every, {"wall_time": wall})]
       for record in train_records:
         writer.write(record)
       clock = {"outer_step": outer_step, "inner_step": outer_step * config.inner_steps,
@@ -112,10 +100,8 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
       if outer_record:
         writer.write({"kind": "outer", **clock, **outer_record})
       if outer_step % config.eval_every == 0 or outer_step == config.outer_steps:
-        eval_loss = exp.learners[0].evaluate(exp.global_params, exp.eval_batches)
-        record = {"kind": "eval", **clock, "eval_loss": eval_loss}
-        if exp.corpus.optimal_loss is not None:
-          record["optimal_loss"] = exp.corpus.optimal_loss
+        record = records.eval_record(exp, clock)
+        eval_loss = record["eval_loss"]
         writer.write(record)
       if outer_step % config.checkpoint_every == 0 or outer_step == last:
         checkpointer.save(outer_step, _run_state(exp), _metadata(exp, outer_step))
@@ -133,4 +119,4 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
 
 def _metadata(exp: Experiment, outer_step: int) -> dict:
   return {"outer_step": outer_step, "config": exp.config.to_dict(),
-          "syncer_version": exp.syncer_state.version if exp.syncer_state is not None else None}
+          "syncer_version": exp.syncer.version if exp.syncer is not None else None}

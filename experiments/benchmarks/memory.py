@@ -40,16 +40,16 @@ def framework_peak(config, devices) -> tuple[int, int, int]:
   learner, host = exp.learners[0], [exp.syncer.device]
   peak_device = peak_host = 0
   for _ in range(2):
-    learner.pull(exp.syncer_state.params)
+    learner.pull(exp.syncer.params, exp.syncer.version)
     for _ in range(config.inner_steps):
       learner.step()
     learner.drain_losses()
     push = learner.push(exp.syncer)
     peak_device, peak_host = max(peak_device, bytes_on(devices)), max(peak_host, bytes_on(host))
-    exp.syncer_state = exp.syncer.merge_and_step(exp.syncer_state, [push.delta], [push.tokens])
+    exp.syncer.receive(push, now=0.0)
     del push
     peak_device, peak_host = max(peak_device, bytes_on(devices)), max(peak_host, bytes_on(host))
-  return peak_device, peak_host, model_lib.count_params(exp.syncer_state.params)
+  return peak_device, peak_host, model_lib.count_params(exp.syncer.params)
 
 
 def bare_peak(config, devices) -> int:

@@ -1,0 +1,75 @@
+"""How long a learner group's inner step takes: chip profiles or plain relative speeds.
+
+The virtual-clock runtime advances each learner by the time its hardware would need,
+while the math runs on whatever devices are present. A step costs
+    flops_per_token · tokens_per_step / (chips · peak bf16 FLOP/s · MFU)
+on a TPU profile, or reference_step_seconds / speed on a relative-speed profile, times
+an optional seeded log-normal jitter (mean 1) for stragglers.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+from decoupled_diloco.errors import ConfigError
+
+# Public per-chip specs (ARCHITECTURE.md §3): peak bf16 FLOP/s and HBM.
+CHIP_PEAK_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
+CHIP_HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
+RELATIVE = "relative"
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+  """One learner group's simulated hardware."""
+  chip: str             # A key of CHIP_PEAK_FLOPS, or 'relative' for a plain speed.
+  chips: int            # Chips in the slice (TPU profiles).
+  mfu: float            # Model FLOPs utilisation the slice achieves (TPU profiles).
+  speed: float          # Relative speed (relative profiles): 2.0 steps twice as fast as 1.0.
+  jitter: float = 0.0   # Log-std of the per-step time noise; 0 = deterministic steps.
+  reference_step_seconds: float = 1.0  # Step time at speed 1.0 (relative profiles).
+
+  def mean_step_seconds(self, flops_per_step: float) -> float:
+    """Expected time of one inner step of `flops_per_step` training FLOPs."""
+    if self.chip == RELATIVE:
+      return self.reference_step_seconds / self.speed
+    return flops_per_step / (self.chips * CHIP_PEAK_FLOPS[self.chip] * self.mfu)
+
+  def step_seconds(self, flops_per_step: float, rng: np.random.Generator) -> float:
+    """One sampled step time; the jitter has mean 1 so it does not change the speed."""
+    mean = self.mean_step_seconds(flops_per_step)
+    if self.jitter == 0:
+      return mean
+    return mean * math.exp(self.jitter * rng.standard_normal() - self.jitter ** 2 / 2)
+
+
+def _per_group(value, count: int, name: str):
+  """A per-group tuple from a scalar, an empty tuple (default) or a tuple of length `count`."""
+  if isinstance(value, (int, float, str)):
+    return (value,) * count
+  value = tuple(value)
+  if len(value) != count:
+    raise ConfigError(f"learners.{name} has {len(value)} entries for {count} learner groups: "
+                      "give one per group (or a single value)")
+  return value
+
+
+def profiles_from_config(learners_cfg, reference_step_seconds: float) -> list[HardwareProfile]:
+  """One profile per learner group from `config.learners` (hardware, chips, speed, mfu, jitter)."""
+  count = len(learners_cfg.devices)
+  chips_default = tuple(learners_cfg.devices)
+  hardware = _per_group(learners_cfg.hardware or RELATIVE, count, "hardware")
+  chips = _per_group(learners_cfg.chips or chips_default, count, "chips")
+  speeds = _per_group(learners_cfg.speed or 1.0, count, "speed")
+  profiles = []
+  for group, (chip, n, speed) in enumerate(zip(hardware, chips, speeds)):
+    if chip != RELATIVE and chip not in CHIP_PEAK_FLOPS:
+      raise ConfigError(f"learners.hardware[{group}]={chip!r} is unknown: use one of "
+                        f"{sorted(CHIP_PEAK_FLOPS)} or {RELATIVE!r}")
+    if n < 1 or speed <= 0 or not 0 < learners_cfg.mfu <= 1 or learners_cfg.jitter < 0:
+      raise ConfigError(f"learner group {group}: chips={n}, speed={speed}, mfu={learners_cfg.mfu}, "
+                        f"jitter={learners_cfg.jitter}: need chips >= 1, speed > 0, 0 < mfu <= 1, jitter >= 0")
+    profiles.append(HardwareProfile(chip, int(n), float(learners_cfg.mfu), float(speed),
+                                    float(learners_cfg.jitter), reference_step_seconds))
+  return profiles

@@ -1,0 +1,61 @@
+"""How much local work a learner does before it pushes: fixed H, DyLU, or a time budget.
+
+Under DyLU (Liu et al. 2024) learner m runs ⌊v_m / max_v · H⌋ steps, v = its speed, so
+every learner reports after about the same wall-clock time and faster slices take more
+local steps. Speeds are declared (hardware profile) or measured (an EMA of observed step
+times). A time budget trains until the round's time is up.
+"""
+
+import dataclasses
+import math
+
+from decoupled_diloco.errors import ConfigError
+
+POLICIES = ("fixed", "dylu", "time_budget")
+SPEED_SOURCES = ("declared", "measured")
+
+
+def validate(policy_cfg) -> None:
+  """Rejects unknown policies and non-positive budgets early."""
+  if policy_cfg.kind not in POLICIES:
+    raise ConfigError(f"policy.kind={policy_cfg.kind!r} is unknown: use one of {POLICIES}")
+  if policy_cfg.speed_source not in SPEED_SOURCES:
+    raise ConfigError(f"policy.speed_source={policy_cfg.speed_source!r} is unknown: use one of {SPEED_SOURCES}")
+  if policy_cfg.kind == "time_budget" and policy_cfg.round_seconds <= 0:
+    raise ConfigError(f"policy.round_seconds={policy_cfg.round_seconds} must be > 0 for a time budget")
+
+
+def dylu_steps(speed: float, max_speed: float, inner_steps: int) -> int:
+  """⌊v/max v · H⌋, at least one step so that a slow learner still contributes."""
+  return max(1, math.floor(speed / max_speed * inner_steps + 1e-9))
+
+
+def target_steps(policy_cfg, inner_steps: int, speed: float, max_speed: float) -> int | None:
+  """Steps for the next round, or None when the time budget decides step by step."""
+  if policy_cfg.kind == "fixed":
+    return inner_steps
+  if policy_cfg.kind == "dylu":
+    return dylu_steps(speed, max_speed, inner_steps)
+  return None
+
+
+def keep_training(policy_cfg, target: int | None, steps_done: int, elapsed: float, next_step: float) -> bool:
+  """Whether to take one more local step before pushing."""
+  if target is not None:
+    return steps_done < target
+  return steps_done == 0 or elapsed + next_step <= policy_cfg.round_seconds
+
+
+@dataclasses.dataclass
+class SpeedTracker:
+  """Per-learner speed estimates (steps per second): declared, refined by measured step times."""
+  speeds: list[float]
+  ema: float = 0.5  # Weight of the newest measurement.
+
+  def observe(self, learner: int, step_seconds: float) -> None:
+    """Folds one measured step time into the learner's speed estimate."""
+    self.speeds[learner] = (1 - self.ema) * self.speeds[learner] + self.ema / step_seconds
+
+  @property
+  def max_speed(self) -> float:
+    return max(self.speeds)

@@ -1,0 +1,29 @@
+"""Metric records every runtime writes the same way (train-loss windows, evals, progress)."""
+
+from decoupled_diloco.experiment import Experiment
+
+
+def train_records(learner, outer_step: int, log_every: int, extra: dict) -> list[dict]:
+  """Mean loss per window of `log_every` inner steps; windows also end where a drain ends.
+
+  Runtimes drain at round (or push) boundaries, so windows never span a checkpoint and a
+  resumed run writes exactly the records the uninterrupted run wrote.
+  """
+  records, window = [], []
+  losses = learner.drain_losses()
+  for i, (step, loss) in enumerate(losses):
+    window.append(loss)
+    if (step + 1) % log_every == 0 or i == len(losses) - 1:
+      records.append({"kind": "train", "outer_step": outer_step, "learner": learner.index,
+                      "inner_step": step + 1, "tokens": (step + 1) * learner.batches.tokens_per_batch,
+                      "loss": sum(window) / len(window), **extra})
+      window = []
+  return records
+
+
+def eval_record(exp: Experiment, clock: dict) -> dict:
+  """Held-out loss of the global params (and the optimum, when the data knows it)."""
+  record = {"kind": "eval", **clock, "eval_loss": exp.learners[0].evaluate(exp.global_params, exp.eval_batches)}
+  if exp.corpus.optimal_loss is not None:
+    record["optimal_loss"] = exp.corpus.optimal_loss
+  return record

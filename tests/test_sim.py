@@ -1,0 +1,119 @@
+"""The virtual-clock runtime, hardware profiles and local-step policies, end to end."""
+
+import json
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from decoupled_diloco import experiment, hardware, policy
+from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.runtime import lockstep, sim
+from tests.helpers import tiny_config
+
+
+def _params(tree):
+  return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def _records(workdir, kind=None):
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  for record in records:
+    record.pop("wall_time", None)
+  return [r for r in records if kind is None or r["kind"] == kind]
+
+
+def _hetero(**overrides):
+  """Two learners, the second twice as fast (relative speeds), DyLU, quorum 1."""
+  base = {"mode": "decoupled", "runtime": "sim", "learners.speed": (1.0, 2.0), "policy.kind": "dylu",
+          "syncer.quorum": 1, "outer_steps": 4, "inner_steps": 4}
+  return tiny_config(**{**base, **overrides})
+
+
+def test_equal_speeds_with_full_quorum_reproduce_synchronous_diloco_exactly(tmp_path):
+  decoupled = experiment.build(tiny_config(**{"mode": "decoupled", "runtime": "sim", "syncer.quorum": 0,
+                                               "syncer.staleness": "constant", "syncer.grace_gamma": 0.0}))
+  sync = experiment.build(tiny_config(mode="diloco"))
+  summary = sim.run(decoupled, str(tmp_path / "sim"))
+  lockstep.run(sync, str(tmp_path / "lockstep"))
+  assert summary["outer_updates"] == sync.syncer.version == 3
+  chex.assert_trees_all_equal(_params(decoupled.global_params), _params(sync.global_params))
+  for a, b in zip(decoupled.learners, sync.learners):  # (the simulated learners already pulled the last Θ)
+    chex.assert_trees_all_equal(_params(a.state.opt_state), _params(b.state.opt_state))
+
+
+def test_a_seeded_simulation_gives_identical_metrics_twice(tmp_path):
+  config = _hetero(**{"learners.jitter": 0.2, "syncer.staleness": "polynomial"})
+  for name in ("a", "b"):
+    sim.run(experiment.build(config), str(tmp_path / name))
+  assert _records(tmp_path / "a") == _records(tmp_path / "b")
+  assert len(_records(tmp_path / "a", "push")) > 4
+
+
+def test_faster_learners_take_more_local_steps_and_nobody_waits(tmp_path):
+  summary = sim.run(experiment.build(_hetero()), str(tmp_path))
+  pushes = _records(tmp_path, "push")
+  # The last push of each learner may be short: the run's token budget ran out.
+  slow_steps, fast_steps = ([p["local_steps"] for p in pushes if p["learner"] == m][:-1] for m in (0, 1))
+  assert set(slow_steps) == {2} and set(fast_steps) == {4} and len(slow_steps) >= 4
+  assert {"learner", "local_steps", "tokens", "staleness", "time"} <= pushes[0].keys()
+  slow, fast = (r for r in _records(tmp_path, "learner_summary"))
+  assert fast["steps"] >= 1.8 * slow["steps"]
+  assert slow["idle_seconds"] == fast["idle_seconds"] == 0.0  # free links: no waiting at all
+  # Every step was useful; only the tail after the token budget ran out is unused.
+  assert summary["goodput"] == pytest.approx((slow["busy_seconds"] + fast["busy_seconds"])
+                                             / (2 * summary["virtual_seconds"]))
+  assert summary["goodput"] > 0.95
+  assert max(int(s) for s in fast["staleness_histogram"]) >= 1  # merges happen between a learner's pushes
+
+
+def test_synchronous_diloco_on_the_clock_makes_the_fast_learner_wait(tmp_path):
+  summary = sim.run(experiment.build(_hetero(mode="diloco", **{"policy.kind": "fixed"})), str(tmp_path))
+  slow, fast = _records(tmp_path, "learner_summary")
+  assert slow["idle_seconds"] == 0.0
+  assert fast["idle_seconds"] == pytest.approx(fast["busy_seconds"])  # half its time spent waiting
+  assert summary["goodput"] == pytest.approx(0.75)
+
+
+def test_time_budget_rounds_fit_the_budget(tmp_path):
+  sim.run(experiment.build(_hetero(**{"policy.kind": "time_budget", "policy.round_seconds": 1.5})), str(tmp_path))
+  pushes = _records(tmp_path, "push")
+  assert set([p["local_steps"] for p in pushes if p["learner"] == 1][:-1]) == {3}  # 0.5 s steps
+  assert set([p["local_steps"] for p in pushes if p["learner"] == 0][:-1]) == {1}  # 1 s steps
+
+
+def test_link_costs_show_up_as_idle_time(tmp_path):
+  config = _hetero(**{"sim.link_latency_seconds": 0.25})
+  sim.run(experiment.build(config), str(tmp_path))
+  slow, _ = _records(tmp_path, "learner_summary")
+  assert slow["idle_seconds"] >= 0.5  # a push and a pull per round, 0.25 s each
+
+
+def test_hardware_profiles_follow_the_chip_table():
+  v5p = hardware.HardwareProfile("v5p", chips=16, mfu=0.5, speed=1.0)
+  v6e = hardware.HardwareProfile("v6e", chips=16, mfu=0.5, speed=1.0)
+  assert v5p.mean_step_seconds(459e12 * 8) == pytest.approx(1.0)
+  assert v5p.mean_step_seconds(1e15) / v6e.mean_step_seconds(1e15) == pytest.approx(2.0)
+  jittery = hardware.HardwareProfile("relative", 1, 1.0, speed=2.0, jitter=0.3)
+  samples = [jittery.step_seconds(0, np.random.default_rng(i)) for i in range(4000)]
+  assert np.mean(samples) == pytest.approx(0.5, rel=0.03) and np.std(samples) > 0.1
+
+
+def test_dylu_steps_scale_with_speed():
+  assert [policy.dylu_steps(v, 4.0, 20) for v in (4.0, 2.0, 1.0, 0.1)] == [20, 10, 5, 1]
+  tracker = policy.SpeedTracker([1.0, 1.0], ema=0.5)
+  tracker.observe(1, 0.25)  # measured 4 steps/s: estimate moves halfway
+  assert tracker.speeds == [1.0, 2.5] and tracker.max_speed == 2.5
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"learners.hardware": ("v7",)}, "learners.hardware"),
+    ({"learners.speed": (1.0, 2.0, 3.0)}, "learners.speed has 3 entries"),
+    ({"policy.kind": "greedy"}, "policy.kind"),
+    ({"syncer.merge_rule": "median"}, "syncer.merge_rule"),
+    ({"runtime": "lockstep"}, "needs a clock"),
+])
+def test_bad_simulation_configs_name_the_fix(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    experiment.validate(_hetero(**overrides))

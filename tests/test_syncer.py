@@ -1,0 +1,128 @@
+"""The syncer state machine: quorum, grace window, staleness drops and bad pushes, with numbers."""
+
+import chex
+import jax
+import ml_collections
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from decoupled_diloco import outer
+from decoupled_diloco.syncer import Push, PushRejected, Settings, Syncer, grace_seconds
+
+
+def _tree(value):
+  return {"w": jnp.full((3, 2), value, jnp.float32), "b": {"v": jnp.full((4,), value, jnp.float32)}}
+
+
+def _push(learner, value, base=0, tokens=10, steps=2, seconds=2.0):
+  return Push(learner, _tree(value), base, tokens, steps, seconds)
+
+
+def _syncer(learners=(0, 1, 2), **settings):
+  return Syncer(optax.sgd(1.0), _tree(10.0), learners, Settings(**settings))
+
+
+@pytest.mark.parametrize("tokens, expected", [((1, 1, 1), 8.0), ((1, 0, 3), 7.5)])
+def test_outer_sgd_lr1_without_momentum_makes_theta_the_weighted_mean(tokens, expected):
+  syncer = _syncer(token_weighting="tokens")
+  for learner, (value, n) in enumerate(zip((1.0, 2.0, 3.0), tokens)):
+    theta = _tree(10.0 - value)
+    syncer.receive(Push(learner, syncer.pseudo_gradient(syncer.params, theta), 0, n, 1), now=0.0)
+  chex.assert_trees_all_close(syncer.params, _tree(expected), atol=1e-6)
+  assert syncer.version == 1
+
+
+def test_quorum_k_merges_as_soon_as_k_learners_reported():
+  syncer = _syncer(quorum=2)
+  assert syncer.receive(_push(0, 1.0), now=1.0) == (True, None)
+  assert syncer.receive(_push(0, 1.0), now=2.0) == (True, None)  # the same learner again: still one reporter
+  accepted, report = syncer.receive(_push(1, 4.0), now=3.0)
+  assert accepted and report.version == 1 and report.learners == (0, 0, 1)
+  chex.assert_trees_all_close(syncer.params, _tree(8.0))  # 10 - mean(1, 1, 4)
+  assert syncer.pending == [] and syncer.deadline is None
+
+
+def test_grace_window_waits_within_the_slack_then_merges_on_deadline():
+  assert grace_seconds(0.5, overlap_steps=4, step_seconds=1.0, quorum_seconds=1.0, sync_seconds=0.5) == 1.25
+  assert grace_seconds(0.5, overlap_steps=1, step_seconds=1.0, quorum_seconds=2.0, sync_seconds=0.0) == 0.0
+  syncer = _syncer(quorum=1, grace_gamma=0.5, grace_overlap_steps=4)
+  # Step EMA = 2 s / 2 steps = 1 s; quorum met at once (0 s): grace = 0.5 * (4 * 1 - 0 - 0) = 2 s.
+  assert syncer.receive(_push(0, 1.0), now=10.0) == (True, None)
+  assert syncer.deadline == pytest.approx(12.0)
+  assert syncer.on_deadline(11.0) is None  # too early
+  assert syncer.receive(_push(1, 3.0), now=11.5) == (True, None)  # joins inside the window
+  report = syncer.on_deadline(12.0)
+  assert report.learners == (0, 1) and syncer.version == 1
+  chex.assert_trees_all_close(syncer.params, _tree(8.0))
+
+
+def test_grace_window_closes_early_when_every_learner_reported():
+  syncer = _syncer(learners=(0, 1), quorum=1, grace_gamma=0.5, grace_overlap_steps=4)
+  syncer.receive(_push(0, 1.0), now=0.0)
+  accepted, report = syncer.receive(_push(1, 1.0), now=0.5)
+  assert report is not None and report.learners == (0, 1)
+
+
+def test_staleness_weights_and_the_drop_bound():
+  syncer = _syncer(learners=(0, 1), quorum=1, staleness="polynomial", staleness_a=1.0, max_staleness=1,
+                   token_weighting="none")
+  syncer.receive(_push(0, 1.0), now=0.0)
+  syncer.receive(_push(0, 1.0, base=1), now=1.0)
+  assert syncer.version == 2
+  accepted, report = syncer.receive(_push(1, 1.0, base=0), now=2.0)  # staleness 2 > 1: dropped
+  assert not accepted and report is None and syncer.counts["dropped"] == 1 and syncer.version == 2
+  q = _syncer(learners=(0, 1), quorum=2, staleness="polynomial", staleness_a=1.0, token_weighting="none")
+  q.receive(_push(0, 1.0), now=0.0)
+  q.receive(_push(1, 1.0), now=0.0)  # version 1
+  q.receive(_push(0, 3.0, base=1), now=1.0)  # staleness 0: weight 1
+  _, report = q.receive(_push(1, 6.0, base=0), now=1.0)  # staleness 1: weight 1/2
+  assert report.staleness == (0, 1)
+  np.testing.assert_allclose(report.weights, (2 / 3, 1 / 3), rtol=1e-6)
+  chex.assert_trees_all_close(q.params, _tree(10.0 - 1.0 - (2 / 3 * 3.0 + 1 / 3 * 6.0)), atol=1e-5)
+
+
+def _bad_pushes():
+  nan = _tree(1.0)
+  nan["w"] = nan["w"].at[0, 0].set(jnp.nan)
+  inf = _tree(1.0)
+  inf["b"]["v"] = inf["b"]["v"].at[1].set(jnp.inf)
+  return [
+      (Push(0, nan, 0, 10, 2), "NaN or Inf"),
+      (Push(0, inf, 0, 10, 2), "NaN or Inf"),
+      (Push(0, {"w": _tree(1.0)["w"]}, 0, 10, 2), "tree structure"),
+      (Push(0, {"w": jnp.ones((2, 3)), "b": {"v": jnp.ones(4)}}, 0, 10, 2), r"expected float32\[3, 2\]"),
+      (Push(0, {"w": jnp.ones((3, 2), jnp.bfloat16), "b": {"v": jnp.ones(4)}}, 0, 10, 2), "bfloat16"),
+      (Push(7, _tree(1.0), 0, 10, 2), "unknown learner"),
+      (Push(0, _tree(1.0), 5, 10, 2), "from the future"),
+      (Push(0, _tree(1.0), 0, 10, 0), "local_steps"),
+  ]
+
+
+@pytest.mark.parametrize("push, message", _bad_pushes())
+def test_bad_pushes_are_rejected_and_leave_the_state_untouched(push, message):
+  syncer = _syncer(quorum=1)
+  before = jax.tree.map(np.asarray, syncer.state)
+  with pytest.raises(PushRejected, match=message):
+    syncer.receive(push, now=0.0)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, syncer.state), before)
+  assert syncer.pending == [] and syncer.counts["rejected"] == 1 and syncer.version == 0
+  assert syncer.receive(_push(0, 1.0), now=1.0)[1] is not None  # the run continues
+
+
+def test_syncer_state_lives_on_the_host_device():
+  syncer = _syncer()
+  devices = {d for leaf in jax.tree.leaves(syncer.state) if isinstance(leaf, jax.Array) for d in leaf.devices()}
+  assert devices == {syncer.device}
+
+
+def test_outer_nesterov_follows_the_pytorch_formula():
+  cfg = ml_collections.ConfigDict({"optimizer": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True})
+  syncer = Syncer(outer.outer_optimizer(cfg), {"x": jnp.zeros(())}, [0], Settings())
+  theta, buf = 0.0, 0.0
+  for g in (1.0, -0.5, 2.0):
+    syncer.receive(Push(0, {"x": jnp.asarray(g, jnp.float32)}, syncer.version, 1, 1), now=0.0)
+    buf = 0.9 * buf + g
+    theta -= 0.7 * (g + 0.9 * buf)
+    np.testing.assert_allclose(float(syncer.params["x"]), theta, rtol=1e-6)
