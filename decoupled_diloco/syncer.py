@@ -200,14 +200,21 @@ class Syncer:
     self._xi_update("sync", seconds)
 
   def merge(self, now: float) -> MergeReport | None:
-    """Weights every pending push (staleness × tokens), merges them and takes one outer step."""
+    """Merges every pending push and takes one outer step.
+
+    Weight of push i: its token weight normalised over the merge, times its staleness
+    factor, un-normalised: w_i = f(s_i) · t_i / Σ_j t_j. Staleness damps rather than
+    re-balances, so a lone stale push (quorum 1) is still scaled down; with staleness 0
+    everywhere this is exactly DiLoCo's token-weighted mean.
+    """
     if not self.pending:
       return None
     s = self.settings
     staleness = [self.version - p.base_version for p in self.pending]
-    raw = [merge.staleness_weight(st, s.staleness, s.staleness_a, s.staleness_b)
-           * merge.token_weight(p.tokens, p.local_steps, s.token_weighting) for st, p in zip(staleness, self.pending)]
-    weights = merge.normalized_weights(raw).astype(np.float32)
+    shares = merge.normalized_weights([merge.token_weight(p.tokens, p.local_steps, s.token_weighting)
+                                       for p in self.pending])
+    damping = [merge.staleness_weight(st, s.staleness, s.staleness_a, s.staleness_b) for st in staleness]
+    weights = (shares * np.asarray(damping)).astype(np.float32)
     params, opt_state = _jit_merge_and_step(self.optimizer, s.merge_rule, self._averaged, self.state.params,
                                             self.state.opt_state, [p.delta for p in self.pending], weights)
     report = MergeReport(self.version + 1, tuple(p.learner for p in self.pending), tuple(staleness),

@@ -86,7 +86,8 @@ def main(argv: list[str]) -> None:
     message += f" (optimum {summary['optimal_loss']:.4f}, gap {summary['eval_loss'] - summary['optimal_loss']:.4f})"
   if "virtual_seconds" in summary:
     message += (f"; virtual time {summary['virtual_seconds']:.1f}s, goodput {summary['goodput']:.3f}, "
-                f"{summary['outer_updates']} outer updates, steps per learner {summary['steps']}")
+                f"{summary['outer_updates']} outer updates, steps per learner {summary['steps']}, "
+                f"idle fraction per learner {summary['idle_fraction']}")
   logging.info(message)
   print(message)
 

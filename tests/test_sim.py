@@ -117,3 +117,12 @@ def test_dylu_steps_scale_with_speed():
 def test_bad_simulation_configs_name_the_fix(overrides, message):
   with pytest.raises(ConfigError, match=message):
     experiment.validate(_hetero(**overrides))
+
+
+def test_ddp_runs_on_the_clock_with_its_own_pace(tmp_path):
+  config = tiny_config(**{"mode": "ddp", "runtime": "sim", "learners.devices": (2,), "learners.batch_size": (4,),
+                          "learners.speed": (4.0,)})
+  summary = sim.run(experiment.build(config), str(tmp_path))
+  assert summary["steps"] == [12] and summary["virtual_seconds"] == pytest.approx(3.0)
+  assert summary["goodput"] == 1.0 and summary["outer_updates"] == 0
+  assert len(_records(tmp_path, "eval")) == 3

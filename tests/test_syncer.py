@@ -77,10 +77,15 @@ def test_staleness_weights_and_the_drop_bound():
   q.receive(_push(0, 1.0), now=0.0)
   q.receive(_push(1, 1.0), now=0.0)  # version 1
   q.receive(_push(0, 3.0, base=1), now=1.0)  # staleness 0: weight 1
-  _, report = q.receive(_push(1, 6.0, base=0), now=1.0)  # staleness 1: weight 1/2
+  _, report = q.receive(_push(1, 6.0, base=0), now=1.0)  # staleness 1: factor 1/2
   assert report.staleness == (0, 1)
-  np.testing.assert_allclose(report.weights, (2 / 3, 1 / 3), rtol=1e-6)
-  chex.assert_trees_all_close(q.params, _tree(10.0 - 1.0 - (2 / 3 * 3.0 + 1 / 3 * 6.0)), atol=1e-5)
+  np.testing.assert_allclose(report.weights, (0.5, 0.25), rtol=1e-6)  # equal shares, then damped
+  chex.assert_trees_all_close(q.params, _tree(10.0 - 1.0 - (0.5 * 3.0 + 0.25 * 6.0)), atol=1e-5)
+  lone = _syncer(learners=(0, 1), quorum=1, staleness="polynomial", staleness_a=1.0)
+  lone.receive(_push(0, 1.0), now=0.0)
+  _, report = lone.receive(_push(1, 4.0, base=0), now=1.0)  # alone in its merge, yet damped
+  assert report.weights == (0.5,)
+  chex.assert_trees_all_close(lone.params, _tree(10.0 - 1.0 - 2.0), atol=1e-5)
 
 
 def _bad_pushes():

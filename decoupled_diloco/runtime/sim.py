@@ -45,6 +45,7 @@ class LearnerClock:
   done_at: float | None = None  # When the token budget left this learner nothing to do.
   round_start: float = 0.0
   round_compute: float = 0.0
+  round_steps: int = 0
   target: int | None = None
   pushes: int = 0
   dropped: int = 0
@@ -93,21 +94,22 @@ class Simulation:
     clock = self.clocks[m]
     clock.target = policy_lib.target_steps(self.config.policy, self.config.inner_steps, self.speeds.speeds[m],
                                            self.speeds.max_speed)
-    clock.round_start, clock.round_compute = self.now, 0.0
+    clock.round_start, clock.round_compute, clock.round_steps = self.now, 0.0, 0
     self._next_step(m)
 
   def _next_step(self, m: int) -> None:
-    clock, learner = self.clocks[m], self.exp.learners[m]
+    clock = self.clocks[m]
     seconds = self.exp.profiles[m].step_seconds(self.exp.flops_per_step[m], self.rngs[m])
-    if self.steps_left > 0 and policy_lib.keep_training(self.config.policy, clock.target, learner.steps_since_pull,
+    if self.steps_left > 0 and policy_lib.keep_training(self.config.policy, clock.target, clock.round_steps,
                                                         clock.round_compute, seconds):
       self.steps_left -= 1
+      clock.round_steps += 1
       clock.busy += seconds
       clock.round_compute += seconds
       if self.config.policy.speed_source == "measured":
         self.speeds.observe(m, seconds)
       self._schedule(self.now + seconds, STEP, self._on_step, m)
-    elif learner.steps_since_pull:
+    elif clock.round_steps:
       self._finish_round(m)
     else:
       clock.done_at = self.now
@@ -234,9 +236,10 @@ class Simulation:
     summary = {"eval_loss": self.last_eval["eval_loss"], "optimal_loss": self.exp.corpus.optimal_loss,
                "virtual_seconds": self.now, "goodput": useful / allocated if allocated else 0.0,
                "outer_updates": version, "steps": [l.steps for l in self.exp.learners],
+               "idle_fraction": [round(c.idle / self.now, 4) if self.now else 0.0 for c in self.clocks],
                **({f"{k}_pushes": v for k, v in self.syncer.counts.items()} if self.syncer else {})}
     self.writer.write({"kind": "summary", **self._clock(version), **{k: v for k, v in summary.items()
-                                                                     if k not in ("steps", "optimal_loss")}})
+                                                                     if k not in ("steps", "optimal_loss", "idle_fraction")}})
     return summary
 
 
