@@ -43,6 +43,20 @@ class Experiment:
     return self.learners[0].state.params
 
 
+def with_overrides(config, overrides: dict):
+  """`config` with dotted-key overrides applied ({'outer.lr': 0.5}), as `--config.outer.lr=0.5` would.
+
+  Benchmarks, sweeps and tests derive their variants this way from a shipped config.
+  """
+  for key, value in overrides.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  return config
+
+
 def _require(condition: bool, message: str) -> None:
   if not condition:
     raise ConfigError(message)

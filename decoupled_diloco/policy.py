@@ -58,4 +58,5 @@ class SpeedTracker:
 
   @property
   def max_speed(self) -> float:
+    """The fastest learner's speed: DyLU's reference for H."""
     return max(self.speeds)

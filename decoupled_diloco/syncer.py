@@ -72,6 +72,7 @@ class Settings:
 
   @classmethod
   def from_config(cls, syncer_cfg) -> "Settings":
+    """Settings from `config.syncer`, rejecting unknown rule names with the allowed ones."""
     settings = cls(**{f.name: syncer_cfg[f.name] for f in dataclasses.fields(cls) if f.name in syncer_cfg})
     for name, allowed in (("staleness", merge.STALENESS_FUNCTIONS), ("token_weighting", merge.TOKEN_WEIGHTINGS),
                           ("merge_rule", merge.MERGE_RULES)):
@@ -116,14 +117,17 @@ class Syncer:
 
   @property
   def params(self):
+    """Θ, the current global parameters (host)."""
     return self.state.params
 
   @property
   def version(self) -> int:
+    """Outer steps taken so far; staleness is measured in these."""
     return self.state.version
 
   @property
   def quorum(self) -> int:
+    """Distinct learners needed for a merge (0 in the settings means all)."""
     return self.settings.quorum or len(self.learners)
 
   def to_host(self, tree):

@@ -60,6 +60,7 @@ def quiet_library_logs() -> None:
 
 
 def main(argv: list[str]) -> None:
+  """Builds the experiment from the config and runs it under the configured runtime."""
   del argv
   quiet_library_logs()
   config = load_config()

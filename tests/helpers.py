@@ -1,6 +1,7 @@
 """Shrunken real configs for tests: the demo's shape, a model and data small enough for CPU."""
 
 from configs import default
+from decoupled_diloco import experiment
 
 
 def tiny_config(**overrides):
@@ -21,10 +22,4 @@ def tiny_config(**overrides):
   config.eval_batches = 2
   config.eval_batch_size = 8
   config.checkpoint_every = 2
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for parent in parents:
-      node = node[parent]
-    node[leaf] = value
-  return config
+  return experiment.with_overrides(config, overrides)

@@ -103,6 +103,7 @@ class MarkovLanguage:
 
   @property
   def alphabet_size(self) -> int:
+    """Distinct symbols the language emits."""
     return len(self.alphabet)
 
   def _next_states(self) -> np.ndarray:

@@ -25,7 +25,7 @@ recovery time R give the familiar goodput 1 / (1 + λR).
 Goodput = chip-seconds whose work reached a syncer merge / (allocated chips × duration):
 lost work, downtime, absent domains and the unmerged tail of the run are not useful.
 Elastic groups start in the stationary state of their repair queue, so short runs are
-not biased by a failure-free start. Events are processed in (time, priority, sequence)
+not biased by a start with every domain healthy. Events are processed in (time, priority, sequence)
 order and each group draws from its own Generator in a fixed order, so a seed gives the
 same figures twice, and the failure times do not depend on the recovery parameters
 (common random numbers: a fit over those parameters sees a smooth curve).
@@ -66,14 +66,26 @@ class FailureModel:
   domain_chips: int = 256       # Elastic groups: chips one failure takes out (the failed chip's replica).
   repair_seconds: float = 3600.0  # Elastic groups: until the failed domain is back.
 
+  @property
+  def down_share(self) -> float:
+    """Steady-state share of an elastic job's domains out for repair.
+
+    Each domain alternates independently between live (failing at rate domain_chips/MTBI)
+    and repair (repair_seconds), so it is down with probability x/(1 + x), x = domain_chips
+    · repair / MTBI, with a residual repair time uniform over the repair: exact, whatever
+    the distribution of live times, and the same for any group size.
+    """
+    x = self.domain_chips * self.repair_seconds / self.mtbi_seconds
+    return x / (1 + x)
+
   def validate(self) -> None:
     """Rejects parameters that would make time run backwards or failures meaningless."""
     times = {"mtbi_seconds": self.mtbi_seconds, "restart_seconds": self.restart_seconds,
              "resize_seconds": self.resize_seconds, "repair_seconds": self.repair_seconds}
     for name, value in times.items():
       if not value >= 0 or (name == "mtbi_seconds" and value == 0):
-        raise ConfigError(f"FailureModel.{name}={value} must be {'> 0' if name == 'mtbi_seconds' else '>= 0'}"
-                          " seconds: pass a non-negative duration")
+        bound = "> 0" if name == "mtbi_seconds" else ">= 0"
+        raise ConfigError(f"FailureModel.{name}={value} must be {bound} seconds: pass a duration {bound}")
     if not isinstance(self.domain_chips, int) or self.domain_chips < 1:
       raise ConfigError(f"FailureModel.domain_chips={self.domain_chips!r} must be an int >= 1: pass the chips "
                         "one failure takes out (e.g. 4 for a host, 256 for a slice)")
@@ -89,7 +101,6 @@ class _Group:
   down: bool = False     # In a restart or resize.
   starved: bool = False  # Elastic and every domain is out: waits for a repair.
   epoch: int = 0         # Bumped by every interruption, so stale round-end events are ignored.
-  target: int = 1        # Steps in the current round (the policy's H).
   steps_done: int = 0    # Whole steps of the current round kept so far.
   work: float = 0.0      # Chip-seconds of those steps.
   base_version: int = 0  # Syncer version the round started from.
@@ -108,14 +119,15 @@ class ScaleSimulation:
       raise ConfigError(f"a group of {num_chips // num_learners} chips is smaller than one failure domain "
                         f"({failure_model.domain_chips} chips): use fewer learners or a smaller domain_chips")
     self.policy = ml_collections.ConfigDict({"kind": policy_kind, "speed_source": "declared", "round_seconds": 0.0})
-    policy_lib.validate(self.policy)
     if policy_kind == "time_budget":
       raise ConfigError("policy 'time_budget' needs measured step times: use 'fixed' or 'dylu' for scale runs")
+    policy_lib.validate(self.policy)
+    # Every group has the same chips and step time, so the policy's H is one number.
+    self.target = policy_lib.target_steps(self.policy, inner_steps, 1.0, 1.0)
     self.elastic, self.fm, self.step = elastic, failure_model, step_seconds
-    self.inner_steps, self.duration = inner_steps, duration_seconds
+    self.duration = duration_seconds
     params = {"w": jnp.zeros((), jnp.float32)}
-    self.syncer = Syncer(OUTER_OPTIMIZER, params, range(num_learners),
-                         Settings(quorum=quorum))
+    self.syncer = Syncer(OUTER_OPTIMIZER, params, range(num_learners), Settings(quorum=quorum))
     self.zeros = jax.device_put(params, self.syncer.device)
     chips = num_chips // num_learners
     self.groups = [_Group(chips, np.random.default_rng([seed, m])) for m in range(num_learners)]
@@ -141,12 +153,11 @@ class ScaleSimulation:
     if g.steps_done == 0:  # Nothing local to keep: start from the current Θ.
       g.base_version, g.work = self.syncer.version, 0.0
     g.segment_start = self.now
-    self._schedule(self.now + (g.target - g.steps_done) * self.step, ROUND_END, m, g.epoch)
+    self._schedule(self.now + (self.target - g.steps_done) * self.step, ROUND_END, m, g.epoch)
 
   def _start_round(self, m: int) -> None:
     g = self.groups[m]
     g.absent = g.failed  # Repaired domains rejoin when the group re-forms at a push.
-    g.target = policy_lib.target_steps(self.policy, self.inner_steps, 1.0, 1.0)
     g.steps_done = 0
     self._run_segment(m)
 
@@ -154,11 +165,11 @@ class ScaleSimulation:
     g = self.groups[m]
     if epoch != g.epoch:
       return
-    g.work += (g.target - g.steps_done) * self.step * self._active(g)
-    g.steps_done = g.target
+    g.work += (self.target - g.steps_done) * self.step * self._active(g)
+    g.steps_done = self.target
     self.staleness.append(self.syncer.version - g.base_version)
-    push = Push(m, self.zeros, g.base_version, tokens=round(g.work / self.step), local_steps=g.target,
-                compute_seconds=g.target * self.step)
+    push = Push(m, self.zeros, g.base_version, tokens=round(g.work / self.step), local_steps=self.target,
+                compute_seconds=self.target * self.step)
     accepted, report = self.syncer.receive(push, self.now)
     if accepted:
       self.pending_work += g.work
@@ -178,7 +189,7 @@ class ScaleSimulation:
     self.failures += 1
     if not (g.down or g.starved):
       elapsed = self.now - g.segment_start
-      kept = min(g.target - g.steps_done, math.floor(elapsed / self.step + _EPS)) if self.elastic else 0
+      kept = min(self.target - g.steps_done, math.floor(elapsed / self.step + _EPS)) if self.elastic else 0
       g.work += kept * self.step * live
       self.lost += (elapsed - kept * self.step) * live  # Non-elastic: kept = 0, the whole round.
       g.steps_done = g.steps_done + kept if self.elastic else 0
@@ -206,8 +217,8 @@ class ScaleSimulation:
     """Processes events up to `duration_seconds`; returns goodput and the syncer's figures."""
     for m, g in enumerate(self.groups):
       if math.isfinite(self.fm.mtbi_seconds):
-        if self.elastic:  # Stationary repair queue: Poisson many domains out, uniform residual repairs.
-          for _ in range(g.rng.poisson(g.chips / self.fm.mtbi_seconds * self.fm.repair_seconds)):
+        if self.elastic:  # Start in the stationary state of the repair queue (see down_share).
+          for _ in range(g.rng.binomial(g.chips // self.fm.domain_chips, self.fm.down_share)):
             g.failed += 1
             self._schedule(g.rng.uniform(0.0, self.fm.repair_seconds), REPAIR, m)
         self._schedule(g.rng.exponential(self.fm.mtbi_seconds / g.chips), FAIL, m)

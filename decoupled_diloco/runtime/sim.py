@@ -83,6 +83,7 @@ class Simulation:
 
   @property
   def tokens(self) -> int:
+    """Tokens processed by all learners so far (the run's budget and eval cadence)."""
     return sum(l.steps * l.batches.tokens_per_batch for l in self.exp.learners)
 
   def _clock(self, version: int) -> dict:

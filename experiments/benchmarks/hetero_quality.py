@@ -35,18 +35,6 @@ ROWS = {
 }
 
 
-def row_config(overrides: dict):
-  """The benchmark's base config with one row's overrides."""
-  config = hetero_shakespeare.get_config()
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for parent in parents:
-      node = node[parent]
-    node[leaf] = value
-  return config
-
-
 def evals(workdir: pathlib.Path) -> list[dict]:
   """The row's eval records, in order."""
   lines = (workdir / "metrics.jsonl").read_text().splitlines()
@@ -59,11 +47,13 @@ def time_to(target: float, records: list[dict]) -> float | None:
 
 
 def main():
+  """Runs every row, then prints the table and the JSON line."""
   curves, seconds = {}, {}
   with tempfile.TemporaryDirectory() as root:
     for name, overrides in ROWS.items():
       begin = time.time()
-      sim.run(experiment.build(row_config(overrides)), str(pathlib.Path(root) / name))
+      config = experiment.with_overrides(hetero_shakespeare.get_config(), overrides)
+      sim.run(experiment.build(config), str(pathlib.Path(root) / name))
       curves[name], seconds[name] = evals(pathlib.Path(root) / name), time.time() - begin
       print(f"{name}: eval {curves[name][-1]['eval_loss']:.4f} at virtual {curves[name][-1]['time']:.0f}s "
             f"({seconds[name]:.0f}s wall)", flush=True)

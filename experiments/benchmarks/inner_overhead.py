@@ -79,6 +79,7 @@ def framework_loop(config, devices):
 
 
 def main():
+  """Times both loops in alternation and prints the ratio."""
   config = benchmark_config()
   devices = jax.devices()[4:8]
   runners = {"framework": framework_loop(config, devices), "bare": bare_loop(config, devices)}

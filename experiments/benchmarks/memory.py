@@ -60,6 +60,7 @@ def bare_peak(config, devices) -> int:
 
 
 def main():
+  """Measures both sides and prints the ratios."""
   config = inner_overhead.benchmark_config()
   config.mode = "diloco"
   config.inner_steps = 5
