@@ -65,7 +65,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.outer.lr = 0.7  # Outer learning rate (DiLoCo: 0.7; 1.0 without momentum = parameter averaging).
   config.outer.momentum = 0.9  # Outer momentum (0 = none).
   config.outer.nesterov = True  # Nesterov momentum (DiLoCo's choice).
-  config.outer.buffer_size = 1  # Delayed Nesterov: N arrivals per momentum update.
+  config.outer.buffer_size = 1  # Delayed Nesterov: N merges per momentum update (= arrivals with quorum 1).
   config.outer.activation = 0.0  # Delayed Nesterov: c, momentum applied between updates (0 = none).
 
   config.syncer = ml_collections.ConfigDict()  # Merge policy of the decoupled (asynchronous) syncer.

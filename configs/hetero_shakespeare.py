@@ -23,7 +23,7 @@ def get_config():
   config.syncer.quorum = 1
   config.syncer.staleness = "polynomial"
   config.outer.optimizer = "delayed_nesterov"
-  config.outer.buffer_size = 4  # One momentum step per M = 4 arrivals.
+  config.outer.buffer_size = 4  # One momentum step per 4 merges (each one arrival, quorum 1).
   config.policy.kind = "dylu"
   config.eval_every = 1
   return config

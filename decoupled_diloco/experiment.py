@@ -96,6 +96,21 @@ def validate(config) -> None:
   hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
 
 
+def expected_steps(config, profiles, flops_per_step) -> list[int]:
+  """Inner steps each learner will take, which sizes its warmup + cosine schedule.
+
+  In rounds (ddp, diloco) every learner takes outer_steps × inner_steps. Decoupled
+  learners share the run's budget of outer_steps × inner_steps × M steps in proportion
+  to their speed (more rounds, or DyLU's longer ones), so a fast learner's cosine is
+  not over before the run is, nor a slow one's barely begun.
+  """
+  per_learner = config.outer_steps * config.inner_steps
+  if config.mode != "decoupled":
+    return [per_learner] * len(profiles)
+  speeds = [1.0 / p.mean_step_seconds(f) for p, f in zip(profiles, flops_per_step)]
+  return [max(1, round(per_learner * len(speeds) * v / sum(speeds))) for v in speeds]
+
+
 def build(config, devices=None) -> Experiment:
   """Validates `config` and builds every component; raises ConfigError on bad input."""
   validate(config)
@@ -103,12 +118,17 @@ def build(config, devices=None) -> Experiment:
   groups = mesh.partition_devices(devices, config.learners.devices)
   corpus = sources.load_corpus(config.data, config.model.seq_len)
   model, params, param_axes = model_lib.build_model(config.model, config.seed)
-  total_steps = config.outer_steps * config.inner_steps
-  optimizer = inner.inner_optimizer(config.inner, total_steps)
   params_shape = jax.eval_shape(lambda p: p, params)
+  num_params = config.sim.simulated_params or model_lib.count_params(params)
+  flops_per_token = (6.0 * config.sim.simulated_params if config.sim.simulated_params
+                     else model_lib.flops_per_token(config.model))
+  flops = [flops_per_token * (config.sim.simulated_tokens_per_step or batch * config.model.seq_len)
+           for batch in config.learners.batch_size]
+  profiles = hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
 
   learners = []
   for index, (group_devices, batch_size) in enumerate(zip(groups, config.learners.batch_size)):
+    optimizer = inner.inner_optimizer(config.inner, expected_steps(config, profiles, flops)[index])
     loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(group_devices), params_shape, param_axes,
                                   config.learners.fsdp)
     shard = batches_lib.LearnerBatches(corpus.train, config.model.seq_len, batch_size=batch_size,
@@ -123,9 +143,4 @@ def build(config, devices=None) -> Experiment:
     settings = Settings.from_config(config.syncer) if config.mode == "decoupled" else Settings()
     syncer = Syncer(outer.outer_optimizer(config.outer), params, range(len(learners)), settings)
   evals = batches_lib.eval_batches(corpus, config.model.seq_len, config.eval_batch_size, config.eval_batches)
-  num_params = config.sim.simulated_params or model_lib.count_params(params)
-  flops_per_token = (6.0 * config.sim.simulated_params if config.sim.simulated_params
-                     else model_lib.flops_per_token(config.model))
-  flops = [flops_per_token * (config.sim.simulated_tokens_per_step or l.batches.tokens_per_batch) for l in learners]
-  profiles = hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
   return Experiment(config, model, corpus, learners, syncer, evals, profiles, flops, 4 * num_params)

@@ -78,9 +78,15 @@ class Settings:
                           ("merge_rule", merge.MERGE_RULES)):
       if getattr(settings, name) not in allowed:
         raise ConfigError(f"syncer.{name}={getattr(settings, name)!r} is unknown: use one of {allowed}")
-    if settings.quorum < 0 or not 0 <= settings.grace_gamma < 1:
-      raise ConfigError(f"syncer.quorum={settings.quorum} must be >= 0 and syncer.grace_gamma="
-                        f"{settings.grace_gamma} in [0, 1)")
+    checks = ((settings.quorum >= 0, f"syncer.quorum={settings.quorum} must be >= 0 (0 = all learners)"),
+              (0 <= settings.grace_gamma < 1, f"syncer.grace_gamma={settings.grace_gamma} must be in [0, 1)"),
+              (settings.staleness_a >= 0, f"syncer.staleness_a={settings.staleness_a} must be >= 0"),
+              (settings.staleness_b >= 0, f"syncer.staleness_b={settings.staleness_b} must be >= 0"),
+              (settings.max_staleness >= -1, f"syncer.max_staleness={settings.max_staleness} must be >= -1"),
+              (0 < settings.ema <= 1, f"syncer.ema={settings.ema} must be in (0, 1]"))
+    for ok, message in checks:
+      if not ok:
+        raise ConfigError(f"{message}: fix --config.syncer.*")
     return settings
 
 
@@ -103,6 +109,9 @@ class Syncer:
     self.optimizer, self.settings = optimizer, settings
     self.device = device or host_device()
     self.learners = frozenset(learners)
+    if settings.quorum > len(self.learners):
+      raise ConfigError(f"syncer.quorum={settings.quorum} exceeds the {len(self.learners)} learners: "
+                        "it could never be met; lower --config.syncer.quorum")
     params = jax.device_put(params, self.device)
     self.state = SyncerState(params, jax.jit(optimizer.init)(params), 0)
     # Static (hashable) per-leaf facts: which leaves are averaged plainly (embeddings), and
@@ -146,9 +155,9 @@ class Syncer:
     if not 0 <= push.base_version <= self.version:
       raise PushRejected(f"{who} rejected: base version {push.base_version} is not in [0, {self.version}] "
                          "(a version from the future means a misrouted or corrupt push)")
-    if push.tokens < 0 or push.local_steps < 1:
+    if push.tokens < 1 or push.local_steps < 1:
       raise PushRejected(f"{who} rejected: tokens={push.tokens}, local_steps={push.local_steps}; "
-                         "need tokens >= 0 and local_steps >= 1")
+                         "need tokens >= 1 and local_steps >= 1")
     if jax.tree.structure(push.delta) != jax.tree.structure(self.state.params):
       raise PushRejected(f"{who} rejected: pseudo-gradient tree structure differs from the params'")
     for (path, leaf), (shape, dtype) in zip(jax.tree_util.tree_leaves_with_path(push.delta), self._leaf_specs):
@@ -165,6 +174,14 @@ class Syncer:
     Rejected pushes raise PushRejected before anything changes; over-stale ones are
     dropped and counted.
     """
+    # Explicit move onto the syncer's device first: a merge must never meet a leaf that
+    # lives elsewhere after the push was accepted.
+    try:
+      push = dataclasses.replace(push, delta=self.to_host(push.delta))
+    except (TypeError, ValueError) as error:
+      self.counts["rejected"] += 1
+      raise PushRejected(f"push from learner {push.learner} rejected: its pseudo-gradient is not a tree of "
+                         f"arrays ({error})") from error
     try:
       self.validate(push)
     except PushRejected:

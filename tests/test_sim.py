@@ -1,6 +1,7 @@
 """The virtual-clock runtime, hardware profiles and local-step policies, end to end."""
 
 import json
+import shutil
 
 import chex
 import jax
@@ -126,3 +127,20 @@ def test_ddp_runs_on_the_clock_with_its_own_pace(tmp_path):
   assert summary["steps"] == [12] and summary["virtual_seconds"] == pytest.approx(3.0)
   assert summary["goodput"] == 1.0 and summary["outer_updates"] == 0
   assert len(_records(tmp_path, "eval")) == 3
+
+
+def test_decoupled_learners_size_their_schedule_by_their_share_of_the_budget():
+  config = _hetero()  # speeds (1, 2), budget 4 x 4 x 2 = 32 steps
+  profiles = hardware.profiles_from_config(config.learners, 1.0)
+  assert experiment.expected_steps(config, profiles, [1.0, 1.0]) == [11, 21]
+  config.mode = "diloco"
+  assert experiment.expected_steps(config, profiles, [1.0, 1.0]) == [16, 16]
+
+
+def test_a_rerun_after_a_crash_keeps_no_records_of_the_crashed_attempt(tmp_path):
+  config = _hetero()
+  sim.run(experiment.build(config), str(tmp_path / "once"))
+  sim.run(experiment.build(config), str(tmp_path / "twice"))
+  shutil.rmtree(tmp_path / "twice" / "checkpoints")  # as if it died before its checkpoint
+  sim.run(experiment.build(config), str(tmp_path / "twice"))
+  assert _records(tmp_path / "twice") == _records(tmp_path / "once")

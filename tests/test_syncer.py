@@ -9,6 +9,7 @@ import optax
 import pytest
 
 from decoupled_diloco import outer
+from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.syncer import Push, PushRejected, Settings, Syncer, grace_seconds
 
 
@@ -24,7 +25,7 @@ def _syncer(learners=(0, 1, 2), **settings):
   return Syncer(optax.sgd(1.0), _tree(10.0), learners, Settings(**settings))
 
 
-@pytest.mark.parametrize("tokens, expected", [((1, 1, 1), 8.0), ((1, 0, 3), 7.5)])
+@pytest.mark.parametrize("tokens, expected", [((1, 1, 1), 8.0), ((1, 2, 5), 7.5)])
 def test_outer_sgd_lr1_without_momentum_makes_theta_the_weighted_mean(tokens, expected):
   syncer = _syncer(token_weighting="tokens")
   for learner, (value, n) in enumerate(zip((1.0, 2.0, 3.0), tokens)):
@@ -102,6 +103,8 @@ def _bad_pushes():
       (Push(7, _tree(1.0), 0, 10, 2), "unknown learner"),
       (Push(0, _tree(1.0), 5, 10, 2), "from the future"),
       (Push(0, _tree(1.0), 0, 10, 0), "local_steps"),
+      (Push(0, _tree(1.0), 0, 0, 2), "tokens=0"),
+      (Push(0, {"w": "abc", "b": {"v": jnp.ones(4)}}, 0, 10, 2), "not a tree of arrays"),
   ]
 
 
@@ -131,3 +134,27 @@ def test_outer_nesterov_follows_the_pytorch_formula():
     buf = 0.9 * buf + g
     theta -= 0.7 * (g + 0.9 * buf)
     np.testing.assert_allclose(float(syncer.params["x"]), theta, rtol=1e-6)
+
+
+def test_a_push_from_another_device_is_moved_to_the_host_and_merged():
+  syncer = _syncer(learners=(0, 1), quorum=2)
+  elsewhere = jax.device_put(_tree(1.0), jax.devices()[3])
+  syncer.receive(Push(0, elsewhere, 0, 10, 2), now=0.0)
+  _, report = syncer.receive(_push(1, 3.0), now=0.0)
+  assert report is not None
+  chex.assert_trees_all_close(syncer.params, _tree(8.0))
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"quorum": 5}, "exceeds the 3 learners"),
+])
+def test_impossible_settings_are_refused_up_front(settings, message):
+  with pytest.raises(ConfigError, match=message):
+    _syncer(**settings)
+
+
+@pytest.mark.parametrize("field, value", [("staleness_a", -1.0), ("staleness_b", -1.0), ("max_staleness", -2),
+                                          ("ema", 0.0), ("grace_gamma", 1.0)])
+def test_settings_from_config_reject_out_of_range_values(field, value):
+  with pytest.raises(ConfigError, match=f"syncer.{field}"):
+    Settings.from_config(ml_collections.ConfigDict({field: value}))

@@ -52,11 +52,13 @@ def _round(exp: Experiment) -> dict:
       learner.step()
   if syncer is None:
     return {}
-  pushes = [learner.push(syncer) for learner in exp.learners]
-  norms = [float(x) for x in jax.device_get([_norm(p.delta) for p in pushes])]
-  reports = [syncer.receive(push, now=0.0)[1] for push in pushes]
+  norms, reports = [], []
+  for learner in exp.learners:  # One push at a time: the syncer buffers it, nothing else holds it.
+    push = learner.push(syncer)
+    norms.append(_norm(push.delta))
+    reports.append(syncer.receive(push, now=0.0)[1])
   assert reports[-1] is not None and not any(reports[:-1]), "the lockstep syncer merges once per round"
-  return {"version": syncer.version, "delta_norms": norms}
+  return {"version": syncer.version, "delta_norms": [float(x) for x in jax.device_get(norms)]}
 
 
 _norm = jax.jit(lambda tree: jax.numpy.sqrt(sum(jax.numpy.vdot(x, x) for x in jax.tree.leaves(tree))))

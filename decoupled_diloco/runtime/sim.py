@@ -48,7 +48,8 @@ class LearnerClock:
   round_steps: int = 0
   target: int | None = None
   pushes: int = 0
-  dropped: int = 0
+  dropped: int = 0           # Over-stale: counted by the syncer, not merged.
+  rejected: int = 0          # Malformed: refused by the syncer.
   staleness: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
@@ -150,7 +151,9 @@ class Simulation:
       accepted, report = self.syncer.receive(push, self.now)
     except PushRejected as error:
       logging.warning("%s", error)
-      accepted, report = False, None
+      clock.rejected += 1
+      self._schedule(self.now, REPLY, self._on_reply, m)
+      return
     clock.pushes += 1
     clock.staleness[staleness] += 1
     if accepted:
@@ -175,6 +178,7 @@ class Simulation:
       self._on_merge(report)
 
   def _on_merge(self, report: MergeReport) -> None:
+    self.syncer.observe_sync_seconds(self._transfer_seconds())  # ξ_sync: Θ's trip back to a learner.
     self.writer.write({"kind": "outer", **self._clock(report.version), "learners": list(report.learners),
                        "staleness": list(report.staleness), "weights": list(report.weights)})
     self._maybe_evaluate(report.version)
@@ -230,7 +234,7 @@ class Simulation:
                          "busy_seconds": clock.busy, "idle_seconds": clock.idle,
                          "finished_early_seconds": self.now - (clock.done_at or self.now), "steps": learner.steps,
                          "tokens": learner.steps * learner.batches.tokens_per_batch, "pushes": clock.pushes,
-                         "dropped": clock.dropped,
+                         "dropped": clock.dropped, "rejected": clock.rejected,
                          "staleness_histogram": {str(s): n for s, n in sorted(clock.staleness.items())}})
     allocated = sum(c * self.now for c in chips)
     useful = sum(c * (clock.useful if self.syncer else clock.busy) for c, clock in zip(chips, self.clocks))
@@ -238,7 +242,8 @@ class Simulation:
                "virtual_seconds": self.now, "goodput": useful / allocated if allocated else 0.0,
                "outer_updates": version, "steps": [l.steps for l in self.exp.learners],
                "idle_fraction": [round(c.idle / self.now, 4) if self.now else 0.0 for c in self.clocks],
-               **({f"{k}_pushes": v for k, v in self.syncer.counts.items()} if self.syncer else {})}
+               **({("merges" if k == "merges" else f"{k}_pushes"): v for k, v in self.syncer.counts.items()}
+                  if self.syncer else {})}
     self.writer.write({"kind": "summary", **self._clock(version), **{k: v for k, v in summary.items()
                                                                      if k not in ("steps", "optimal_loss", "idle_fraction")}})
     return summary
@@ -252,7 +257,8 @@ def run(exp: Experiment, workdir: str) -> dict:
   if os.path.isdir(checkpoints) and os.listdir(checkpoints):
     raise ConfigError(f"workdir {workdir} already holds a run: pick a new --workdir")
   os.makedirs(workdir, exist_ok=True)
-  with metrics_lib.MetricsWriter(workdir, resume_from_step=0) as writer:
+  # -1: a rerun after a crash (no checkpoint yet) drops every record of the crashed attempt.
+  with metrics_lib.MetricsWriter(workdir, resume_from_step=-1) as writer:
     summary = Simulation(exp, writer).run()
   with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
     state = {f"learner_{l.index}": l.state for l in exp.learners}
