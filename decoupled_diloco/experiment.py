@@ -127,8 +127,9 @@ def build(config, devices=None) -> Experiment:
   profiles = hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
 
   learners = []
+  schedule_steps = expected_steps(config, profiles, flops)
   for index, (group_devices, batch_size) in enumerate(zip(groups, config.learners.batch_size)):
-    optimizer = inner.inner_optimizer(config.inner, expected_steps(config, profiles, flops)[index])
+    optimizer = inner.inner_optimizer(config.inner, schedule_steps[index])
     loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(group_devices), params_shape, param_axes,
                                   config.learners.fsdp)
     shard = batches_lib.LearnerBatches(corpus.train, config.model.seq_len, batch_size=batch_size,

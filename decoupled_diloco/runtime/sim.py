@@ -179,12 +179,15 @@ class Simulation:
 
   def _on_merge(self, report: MergeReport) -> None:
     self.syncer.observe_sync_seconds(self._transfer_seconds())  # ξ_sync: Θ's trip back to a learner.
-    self.writer.write({"kind": "outer", **self._clock(report.version), "learners": list(report.learners),
-                       "staleness": list(report.staleness), "weights": list(report.weights)})
+    self._write_outer(report)
     self._maybe_evaluate(report.version)
     for m in self.waiting:
       self._schedule(self.now, REPLY, self._on_reply, m)
     self.waiting = []
+
+  def _write_outer(self, report: MergeReport) -> None:
+    self.writer.write({"kind": "outer", **self._clock(report.version), "learners": list(report.learners),
+                       "staleness": list(report.staleness), "weights": list(report.weights)})
 
   def _on_reply(self, m: int) -> None:
     """Θ leaves the syncer now (a snapshot) and reaches the learner after the transfer."""
@@ -215,9 +218,7 @@ class Simulation:
       self.now, _, _, handler, payload = heapq.heappop(self._events)
       handler(*payload)
     if self.syncer is not None and self.syncer.pending:
-      report = self.syncer.merge(self.now)
-      self.writer.write({"kind": "outer", **self._clock(report.version), "learners": list(report.learners),
-                         "staleness": list(report.staleness), "weights": list(report.weights)})
+      self._write_outer(self.syncer.merge(self.now))
     final_version = self.syncer.version if self.syncer else 0
     if self.last_eval is None or self.last_eval["tokens"] != self.tokens or self.last_eval["outer_step"] != final_version:
       self._maybe_evaluate(final_version, force=True)
