@@ -90,7 +90,23 @@ def get_config() -> ml_collections.ConfigDict:
   config.sim.simulated_tokens_per_step = 0  # Time each inner step as if its batch had this many tokens (0 = real).
   config.sim.link_latency_seconds = 0.0  # One-way latency between a learner and the syncer.
   config.sim.link_gbps = 0.0  # Link bandwidth in Gbit/s (0 = unlimited).
+  config.sim.learner_link_gbps = ()  # Per-learner link Gbit/s overriding link_gbps; () = link_gbps for all.
+  config.sim.learner_link_latency_seconds = ()  # Per-learner one-way latency overriding link_latency_seconds.
   config.sim.seed = 0  # Seeds step-time jitter.
+
+  config.streaming = ml_collections.ConfigDict()  # Streaming DiLoCo: sync one fragment at a time.
+  config.streaming.num_fragments = 1  # P: fragments of the params, each synced once per H steps (1 = whole model).
+  config.streaming.strategy = "strided"  # 'strided' (layer i -> fragment i mod P), 'tensor' (round-robin) or 'balanced' (bin-packing by bytes).
+  config.streaming.overlap_steps = 0  # tau: inner steps a learner keeps training before the merged fragment must be in (0 = wait).
+  config.streaming.alpha = 0.0  # alpha: theta_p <- alpha * theta_p(local) + (1 - alpha) * Theta_p(new) (0 = take the merge).
+
+  config.compression = ml_collections.ConfigDict()  # Pseudo-gradients on the wire (learner -> syncer).
+  config.compression.format = "fp32"  # 'fp32', 'bf16', 'int8', 'int4', 'fp4' (E3M0), 'int2' or 'topk'.
+  config.compression.block_size = 64  # Values per absmax scale of the int/fp4 formats.
+  config.compression.topk_fraction = 0.01  # Fraction of each tensor's entries that 'topk' sends.
+  config.compression.error_feedback = False  # Keep what compression lost and add it to the next push.
+  config.compression.error_feedback_beta = 1.0  # beta of e <- beta * e + delta (1 = keep everything).
+  config.compression.downlink_format = "fp32"  # Theta_p sent back to learners: 'fp32' or 'bf16' (syncer keeps fp32).
 
   config.eval_every = 1  # Evaluate the global params every this many outer steps (and at the end).
   config.eval_batches = 4  # Held-out batches per evaluation.

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from decoupled_diloco import hardware, inner, mesh, model as model_lib, outer, policy
+from decoupled_diloco import compression, fragments, hardware, inner, mesh, model as model_lib, outer, policy
 from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
 from decoupled_diloco.errors import ConfigError
@@ -19,6 +19,7 @@ from decoupled_diloco.learner import Learner
 from decoupled_diloco.syncer import Settings, Syncer
 
 MODES = ("diloco", "decoupled", "ddp")
+DOWNLINK_FORMATS = ("fp32", "bf16")
 RUNTIMES = ("lockstep", "sim")
 
 
@@ -33,7 +34,8 @@ class Experiment:
   eval_batches: list[np.ndarray]
   profiles: list[hardware.HardwareProfile]  # Simulated hardware of each group.
   flops_per_step: list[float]     # Training FLOPs of one inner step of each group (simulated size).
-  bytes_per_sync: int             # fp32 bytes of one pseudo-gradient or Θ on the wire (simulated size).
+  byte_scale: float               # Simulated / real parameter count: real payload bytes -> simulated bytes.
+  assignment: tuple[int, ...] = ()  # Fragment id of every param leaf (streaming); all 0 when P = 1.
 
   @property
   def global_params(self):
@@ -92,8 +94,34 @@ def validate(config) -> None:
   if config.mode != "ddp":
     outer.outer_optimizer(config.outer)
     Settings.from_config(config.syncer)
+    _validate_streaming(config)
   policy.validate(config.policy)
   hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
+
+
+def _validate_streaming(config) -> None:
+  """Fragments, overlap and compression: checked against the model's real tensors."""
+  streaming = config.streaming
+  compression.Codec.from_config(config.compression)
+  _require(config.compression.downlink_format in DOWNLINK_FORMATS,
+           f"compression.downlink_format={config.compression.downlink_format!r} is unknown: use one of "
+           f"{DOWNLINK_FORMATS} (Θ itself is never quantized harder)")
+  fragments.partition(model_lib.abstract_params(config.model)[1], streaming.num_fragments, streaming.strategy)
+  _require(0 <= streaming.overlap_steps < config.inner_steps,
+           f"streaming.overlap_steps (tau) = {streaming.overlap_steps} must be in [0, inner_steps={config.inner_steps}): "
+           "a merged fragment must land before the same fragment syncs again")
+  _require(0.0 <= streaming.alpha <= 1.0, f"streaming.alpha = {streaming.alpha} must be in [0, 1]")
+  _require(config.runtime == "sim" or (streaming.num_fragments == 1 and streaming.overlap_steps == 0),
+           "streaming (num_fragments > 1 or overlap_steps > 0) needs a clock: add --config.runtime=sim")
+  _require(streaming.num_fragments == 1 or config.policy.kind != "time_budget",
+           "streaming schedules fragments over H steps: use policy.kind 'fixed' or 'dylu' with num_fragments > 1")
+  sim = config.sim
+  for name in ("learner_link_gbps", "learner_link_latency_seconds"):
+    _require(len(sim[name]) in (0, len(config.learners.devices)),
+             f"sim.{name} has {len(sim[name])} entries for {len(config.learners.devices)} learner groups: "
+             "give one per group or none")
+  _require(min((sim.link_gbps, sim.link_latency_seconds, *sim.learner_link_gbps, *sim.learner_link_latency_seconds)) >= 0,
+           "sim link bandwidths and latencies must be >= 0 (bandwidth 0 = unlimited)")
 
 
 def expected_steps(config, profiles, flops_per_step) -> list[int]:
@@ -128,6 +156,9 @@ def build(config, devices=None) -> Experiment:
 
   learners = []
   schedule_steps = expected_steps(config, profiles, flops)
+  codec = compression.Codec.from_config(config.compression)
+  assignment = (fragments.partition(params, config.streaming.num_fragments, config.streaming.strategy)
+                if config.mode != "ddp" else ())
   for index, (group_devices, batch_size) in enumerate(zip(groups, config.learners.batch_size)):
     optimizer = inner.inner_optimizer(config.inner, schedule_steps[index])
     loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(group_devices), params_shape, param_axes,
@@ -135,13 +166,15 @@ def build(config, devices=None) -> Experiment:
     shard = batches_lib.LearnerBatches(corpus.train, config.model.seq_len, batch_size=batch_size,
                                        learner_index=index, num_learners=len(groups),
                                        split=config.data.split, seed=config.seed)
-    learners.append(Learner(index, loop, shard, loop.init(params)))
+    learners.append(Learner(index, loop, shard, loop.init(params), assignment, codec, config.streaming.alpha))
 
   syncer = None
   if config.mode != "ddp":
     # Synchronous DiLoCo is the decoupled machine with every learner in the quorum and
     # no staleness (it is always 0 there): a token-weighted mean of all pushes.
     settings = Settings.from_config(config.syncer) if config.mode == "decoupled" else Settings()
-    syncer = Syncer(outer.outer_optimizer(config.outer), params, range(len(learners)), settings)
+    syncer = Syncer(outer.outer_optimizer(config.outer), params, range(len(learners)), settings,
+                    assignment=assignment, codec=codec)
   evals = batches_lib.eval_batches(corpus, config.model.seq_len, config.eval_batch_size, config.eval_batches)
-  return Experiment(config, model, corpus, learners, syncer, evals, profiles, flops, 4 * num_params)
+  return Experiment(config, model, corpus, learners, syncer, evals, profiles, flops,
+                    num_params / model_lib.count_params(params), assignment)

@@ -66,13 +66,13 @@ class InnerLoop:
     that already sits on one of the mesh's devices (the syncer's Θ on a CPU-only host,
     whatever `may_alias` says), so such leaves are copied first.
     """
-    devices = set(self.mesh.devices.flat)
+    return jax.tree.map(self.put_params_leaf, params, self.param_shardings)
 
-    def place(leaf, sharding):
-      if isinstance(leaf, jax.Array) and leaf.devices() & devices:
-        leaf = jnp.copy(leaf)
-      return jax.device_put(leaf, sharding)
-    return jax.tree.map(place, params, self.param_shardings)
+  def put_params_leaf(self, leaf, sharding):
+    """One leaf of `put_params`: a fresh buffer on this group's devices, never an alias."""
+    if isinstance(leaf, jax.Array) and leaf.devices() & set(self.mesh.devices.flat):
+      leaf = jnp.copy(leaf)
+    return jax.device_put(leaf, sharding)
 
   def put_batch(self, batch):
     """Places a host batch split over the data axis."""

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from decoupled_diloco import compression, fragments
 from decoupled_diloco.data.batches import LearnerBatches
 from decoupled_diloco.inner import InnerLoop, TrainState
 from decoupled_diloco.syncer import Push
@@ -18,30 +19,71 @@ from decoupled_diloco.syncer import Push
 
 @dataclasses.dataclass
 class Learner:
-  """Mutable per-group bookkeeping around a pure, jitted inner step."""
+  """Mutable per-group bookkeeping around a pure, jitted inner step.
+
+  Sync state is kept per fragment (one fragment unless streaming): the Θ_p it last
+  received (its anchor), that fragment's version, the work done since its last push, and
+  the error-feedback residual of its compressed pushes.
+  """
   index: int
   loop: InnerLoop
   batches: LearnerBatches
   state: TrainState
+  assignment: tuple = ()        # Fragment id of every param leaf; () = a single fragment.
+  codec: compression.Codec = compression.Codec()
+  alpha: float = 0.0            # Share of its own params a learner keeps when a merged fragment lands.
   steps: int = 0                # Host mirror of state.step: picks the next batch without a device sync.
-  anchor: Any = None            # Θ this learner last pulled (host); None when it trains alone (ddp).
-  base_version: int = 0         # Syncer version of that Θ.
-  tokens_since_pull: int = 0
-  steps_since_pull: int = 0
+  anchors: list = dataclasses.field(default_factory=list)      # Θ_p last received (host); None after a push.
+  base_versions: list = dataclasses.field(default_factory=list)
+  tokens_since_push: list = dataclasses.field(default_factory=list)
+  steps_since_push: list = dataclasses.field(default_factory=list)
+  residuals: list = dataclasses.field(default_factory=list)    # Error feedback: what compression has not sent yet.
   _pending_losses: list = dataclasses.field(default_factory=list)
 
-  def pull(self, global_params, version: int) -> None:
-    """Start local work from Θ; the AdamW state carries over untouched (never reset).
+  def __post_init__(self):
+    self.assignment = self.assignment or (0,) * len(jax.tree.leaves(self.state.params))
+    fragments = max(self.assignment) + 1
+    self.anchors, self.base_versions, self.residuals = [None] * fragments, [0] * fragments, [None] * fragments
+    self.tokens_since_push, self.steps_since_push = [0] * fragments, [0] * fragments
+
+  @property
+  def num_fragments(self) -> int:
+    """P: how many fragments this learner syncs separately."""
+    return len(self.anchors)
+
+  def pull(self, global_params, versions) -> None:
+    """Start local work from all of Θ (the run's start, a rejoin); AdamW state carries over.
 
     The local params are freed before Θ arrives, so a pull never holds two parameter
-    copies on the group's devices.
+    copies on the group's devices. `versions`: one per fragment, or one for all.
     """
     for leaf in jax.tree.leaves(self.state.params):
       leaf.delete()
     self.state = self.state._replace(params=self.loop.put_params(global_params))
-    self.anchor, self.base_version = global_params, version
-    self.tokens_since_pull = 0
-    self.steps_since_pull = 0
+    versions = [versions] * self.num_fragments if isinstance(versions, int) else list(versions)
+    for p in range(self.num_fragments):
+      self.anchors[p], self.base_versions[p] = fragments.select(global_params, self.assignment, p), versions[p]
+      self.tokens_since_push[p] = self.steps_since_push[p] = 0
+
+  def receive(self, fragment: int, fragment_params, version: int) -> None:
+    """A merged fragment lands: θ_p ← α·θ_p + (1 − α)·Θ_p, and Θ_p anchors the next push.
+
+    With α = 0 the local leaves are freed and replaced (a pull of that fragment). Work
+    done since the push stays counted: those steps are in the next pseudo-gradient.
+    """
+    leaves, treedef = jax.tree.flatten(self.state.params)
+    shardings = jax.tree.leaves(self.loop.param_shardings)
+    incoming = iter(jax.tree.leaves(fragment_params))
+    for i, owner in enumerate(self.assignment):
+      if owner != fragment:
+        continue
+      merged = self.loop.put_params_leaf(next(incoming), shardings[i])
+      if self.alpha:
+        merged = _blend(self.alpha, leaves[i], merged)
+      leaves[i].delete()
+      leaves[i] = merged
+    self.state = self.state._replace(params=jax.tree.unflatten(treedef, leaves))
+    self.anchors[fragment], self.base_versions[fragment] = fragment_params, version
 
   def step(self) -> None:
     """Dispatch one inner step asynchronously; the loss is fetched later in `drain_losses`."""
@@ -49,8 +91,9 @@ class Learner:
     self.state, metrics = self.loop.step(self.state, batch)
     self._pending_losses.append((self.steps, metrics["loss"]))
     self.steps += 1
-    self.steps_since_pull += 1
-    self.tokens_since_pull += self.batches.tokens_per_batch
+    for p in range(self.num_fragments):
+      self.steps_since_push[p] += 1
+      self.tokens_since_push[p] += self.batches.tokens_per_batch
 
   def drain_losses(self) -> list[tuple[int, float]]:
     """(inner step, loss) pairs since the last drain; blocks on the group's devices."""
@@ -58,18 +101,35 @@ class Learner:
     values = jax.device_get([loss for _, loss in pending])
     return [(step, float(v)) for (step, _), v in zip(pending, values)]
 
-  def push(self, syncer, compute_seconds: float = 0.0) -> Push:
-    """Pseudo-gradient of the local work against the anchor, moved to the syncer.
+  def push(self, syncer, fragment: int = 0, compute_seconds: float = 0.0) -> Push:
+    """Pseudo-gradient of fragment `fragment` against its anchor, on the host, as it goes on the wire.
 
-    The anchor is released: the next pull brings a new one, and holding the old Θ
-    would keep a stale copy of the parameters alive on the host.
+    fp32 pushes travel as a tree; any other format as a `compression.Compressed`, with
+    what it lost kept for the next push when error feedback is on. The anchor is
+    released: the next receive brings a new one, and holding the old Θ_p would keep a
+    stale copy alive on the host.
     """
-    delta = syncer.pseudo_gradient(self.anchor, self.state.params)
-    self.anchor = None
-    return Push(self.index, delta, self.base_version, self.tokens_since_pull, self.steps_since_pull, compute_seconds)
+    local = fragments.select(self.state.params, self.assignment, fragment)
+    delta = syncer.pseudo_gradient(self.anchors[fragment], local)
+    if self.codec.format == "fp32" and not self.codec.error_feedback:
+      payload, wire_bytes = delta, compression.wire_bytes(self.codec, [x.shape for x in jax.tree.leaves(delta)])
+    else:
+      payload, self.residuals[fragment] = compression.encode_with_feedback(self.codec, jax.tree.leaves(delta),
+                                                                           self.residuals[fragment])
+      wire_bytes = payload.nbytes
+    push = Push(self.index, payload, self.base_versions[fragment], self.tokens_since_push[fragment],
+                self.steps_since_push[fragment], compute_seconds, fragment, wire_bytes)
+    self.anchors[fragment] = None
+    self.tokens_since_push[fragment] = self.steps_since_push[fragment] = 0
+    return push
 
   def evaluate(self, params, eval_batches) -> float:
     """Mean held-out loss of `params` (from anywhere), computed on this group's mesh."""
     params = self.loop.put_params(params)
     losses = [self.loop.loss(params, self.loop.put_batch(b)) for b in eval_batches]
     return float(np.mean(jax.device_get(losses)))
+
+
+@jax.jit
+def _blend(alpha, local, merged):
+  return alpha * local + (1 - alpha) * merged

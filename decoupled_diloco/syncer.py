@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from decoupled_diloco import merge, outer
+from decoupled_diloco import compression, fragments, merge, outer
 from decoupled_diloco.errors import ConfigError
 
 
@@ -32,18 +32,20 @@ class PushRejected(ValueError):
 class Push:
   """What a learner hands the syncer at the end of its local work."""
   learner: int
-  delta: Any             # Pseudo-gradient Θ_base − θ, on the syncer's device.
+  delta: Any             # Pseudo-gradient Θ_base − θ of the fragment, or its compression.Compressed.
   base_version: int      # Syncer version the learner started from.
   tokens: int            # Tokens processed since that pull.
   local_steps: int       # Inner steps since that pull.
   compute_seconds: float = 0.0  # Time those steps took (feeds the grace window's step EMA).
+  fragment: int = 0      # Which parameter fragment `delta` covers (streaming); 0 when P = 1.
+  wire_bytes: int = 0    # Exact bytes of the payload as sent (compressed or not).
 
 
 class SyncerState(NamedTuple):
-  """Everything a checkpoint of the syncer must hold."""
+  """Everything a checkpoint of the syncer must hold (outer state and version per fragment)."""
   params: Any
-  opt_state: Any
-  version: int
+  opt_state: tuple
+  version: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,7 @@ class MergeReport:
   staleness: tuple[int, ...]
   weights: tuple[float, ...]
   time: float
+  fragment: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,43 +104,94 @@ def host_device() -> jax.Device:
   return jax.local_devices(backend="cpu")[0]
 
 
+@dataclasses.dataclass
+class _Fragment:
+  """One fragment's share of the syncer: its slice of Θ, outer state, version and queue."""
+  params: Any                 # Θ_p: the params' tree with None where other fragments own leaves.
+  opt_state: Any
+  averaged: tuple             # Static per-leaf flags: averaged plainly (embeddings) under RDA.
+  leaf_specs: list            # (shape, dtype) every pushed leaf must have.
+  version: int = 0
+  pending: list = dataclasses.field(default_factory=list)
+  deadline: float | None = None
+  window_start: float | None = None
+
+
 class Syncer:
-  """Θ, outer state, versions and pending pushes; merges when the policy says so."""
+  """Θ, outer state, versions and pending pushes, per fragment; merges when the policy says so.
+
+  With P fragments (streaming) each keeps its own version, outer optimizer state, pending
+  pushes and grace window, so fragment p merges whenever its quorum reported, whatever the
+  others do; P = 1 is plain (Decoupled) DiLoCo. `version` counts merges of all fragments.
+  """
 
   def __init__(self, optimizer: optax.GradientTransformation, params, learners: Sequence[int],
-               settings: Settings = Settings(), device: jax.Device | None = None):
-    self.optimizer, self.settings = optimizer, settings
+               settings: Settings = Settings(), device: jax.Device | None = None,
+               assignment: Sequence[int] | None = None, codec: compression.Codec = compression.Codec()):
+    self.optimizer, self.settings, self.codec = optimizer, settings, codec
     self.device = device or host_device()
     self.learners = frozenset(learners)
     if settings.quorum > len(self.learners):
       raise ConfigError(f"syncer.quorum={settings.quorum} exceeds the {len(self.learners)} learners: "
                         "it could never be met; lower --config.syncer.quorum")
     params = jax.device_put(params, self.device)
-    self.state = SyncerState(params, jax.jit(optimizer.init)(params), 0)
-    # Static (hashable) per-leaf facts: which leaves are averaged plainly (embeddings), and
-    # the shape and dtype every pushed leaf must have.
-    self._averaged = tuple(jax.tree.leaves(merge.embedding_mask(params)))
-    self._leaf_specs = [(x.shape, np.dtype(x.dtype)) for x in jax.tree.leaves(params)]
-    self.pending: list[Push] = []
-    self.deadline: float | None = None
+    self.assignment = tuple(assignment) if assignment is not None else (0,) * len(jax.tree.leaves(params))
+    self.fragments = [self._new_fragment(fragments.select(params, self.assignment, p))
+                      for p in range(max(self.assignment) + 1)]
     self.counts = {"accepted": 0, "dropped": 0, "rejected": 0, "merges": 0}
-    self._window_start: float | None = None
     self._xi = {"step": 0.0, "quorum": 0.0, "sync": 0.0}
+
+  def _new_fragment(self, params) -> _Fragment:
+    return _Fragment(params, jax.jit(self.optimizer.init)(params),
+                     tuple(jax.tree.leaves(merge.embedding_mask(params))),
+                     [(x.shape, np.dtype(x.dtype)) for x in jax.tree.leaves(params)])
 
   @property
   def params(self):
-    """Θ, the current global parameters (host)."""
-    return self.state.params
+    """Θ, the current global parameters (host), assembled from every fragment."""
+    return fragments.combine([f.params for f in self.fragments], self.assignment)
 
   @property
   def version(self) -> int:
-    """Outer steps taken so far; staleness is measured in these."""
-    return self.state.version
+    """Merges so far over all fragments (outer steps when P = 1): a monotonic clock for records."""
+    return sum(f.version for f in self.fragments)
+
+  @property
+  def versions(self) -> tuple[int, ...]:
+    """Each fragment's version; staleness of a push is measured in its fragment's."""
+    return tuple(f.version for f in self.fragments)
+
+  @property
+  def state(self) -> SyncerState:
+    """What a checkpoint holds: Θ, the outer states and versions of every fragment."""
+    return SyncerState(self.params, tuple(f.opt_state for f in self.fragments), self.versions)
+
+  def restore(self, state: SyncerState) -> None:
+    """Takes a checkpointed state back (onto the syncer's device); pending pushes are dropped."""
+    params = jax.device_put(state.params, self.device)
+    for p, fragment in enumerate(self.fragments):
+      fragment.params = fragments.select(params, self.assignment, p)
+      fragment.opt_state = jax.device_put(state.opt_state[p], self.device)
+      fragment.version, fragment.pending, fragment.deadline, fragment.window_start = state.version[p], [], None, None
+
+  @property
+  def pending(self) -> list[Push]:
+    """Accepted pushes not merged yet, over all fragments."""
+    return [push for f in self.fragments for push in f.pending]
+
+  @property
+  def deadlines(self) -> list[float]:
+    """Open grace windows' closing times (one per fragment that has one)."""
+    return [f.deadline for f in self.fragments if f.deadline is not None]
 
   @property
   def quorum(self) -> int:
     """Distinct learners needed for a merge (0 in the settings means all)."""
     return self.settings.quorum or len(self.learners)
+
+  def fragment_params(self, fragment: int):
+    """Θ_p: what a learner receives back after pushing fragment p."""
+    return self.fragments[fragment].params
 
   def to_host(self, tree):
     """Explicit move of a learner's arrays off its mesh, onto the syncer's device."""
@@ -152,15 +206,19 @@ class Syncer:
     who = f"push from learner {push.learner}"
     if push.learner not in self.learners:
       raise PushRejected(f"{who} rejected: unknown learner; registered learners are {sorted(self.learners)}")
-    if not 0 <= push.base_version <= self.version:
-      raise PushRejected(f"{who} rejected: base version {push.base_version} is not in [0, {self.version}] "
+    if not (isinstance(push.fragment, int) and 0 <= push.fragment < len(self.fragments)):
+      raise PushRejected(f"{who} rejected: fragment {push.fragment!r} is not in [0, {len(self.fragments)})")
+    fragment = self.fragments[push.fragment]
+    if not 0 <= push.base_version <= fragment.version:
+      raise PushRejected(f"{who} rejected: base version {push.base_version} is not in [0, {fragment.version}] "
                          "(a version from the future means a misrouted or corrupt push)")
     if push.tokens < 1 or push.local_steps < 1:
       raise PushRejected(f"{who} rejected: tokens={push.tokens}, local_steps={push.local_steps}; "
                          "need tokens >= 1 and local_steps >= 1")
-    if jax.tree.structure(push.delta) != jax.tree.structure(self.state.params):
-      raise PushRejected(f"{who} rejected: pseudo-gradient tree structure differs from the params'")
-    for (path, leaf), (shape, dtype) in zip(jax.tree_util.tree_leaves_with_path(push.delta), self._leaf_specs):
+    if jax.tree.structure(push.delta) != jax.tree.structure(fragment.params):
+      raise PushRejected(f"{who} rejected: pseudo-gradient tree structure differs from fragment "
+                         f"{push.fragment}'s params")
+    for (path, leaf), (shape, dtype) in zip(jax.tree_util.tree_leaves_with_path(push.delta), fragment.leaf_specs):
       got = (tuple(np.shape(leaf)), np.dtype(getattr(leaf, "dtype", type(leaf))))
       if got != (shape, dtype):
         raise PushRejected(f"{who} rejected: {jax.tree_util.keystr(path)} is {got[1]}{list(got[0])}, "
@@ -168,80 +226,98 @@ class Syncer:
     if not bool(_jit_all_finite(push.delta)):
       raise PushRejected(f"{who} rejected: the pseudo-gradient holds NaN or Inf (did the learner diverge?)")
 
+  def _decoded(self, push: Push) -> Push:
+    """The push with its delta on the syncer's device, decoded to float32 if it came compressed."""
+    delta = push.delta
+    if isinstance(delta, compression.Compressed):
+      if not 0 <= push.fragment < len(self.fragments):
+        raise ValueError(f"fragment {push.fragment} is not in [0, {len(self.fragments)})")
+      leaves = compression.decode(self.codec, delta._replace(leaves=self.to_host(delta.leaves)))
+      structure = jax.tree.structure(self.fragments[push.fragment].params)
+      if len(leaves) != structure.num_leaves:
+        raise ValueError(f"{len(leaves)} tensors for fragment {push.fragment}'s {structure.num_leaves}")
+      delta = jax.tree.unflatten(structure, leaves)
+    return dataclasses.replace(push, delta=self.to_host(delta))
+
   def receive(self, push: Push, now: float) -> tuple[bool, MergeReport | None]:
     """Takes a push at time `now`: (accepted, report of the merge it triggered, if any).
 
     Rejected pushes raise PushRejected before anything changes; over-stale ones are
     dropped and counted.
     """
-    # Explicit move onto the syncer's device first: a merge must never meet a leaf that
-    # lives elsewhere after the push was accepted.
+    # Explicit move onto the syncer's device (and decoding) first: a merge must never
+    # meet a leaf that lives elsewhere after the push was accepted.
     try:
-      push = dataclasses.replace(push, delta=self.to_host(push.delta))
+      push = self._decoded(push)
     except (TypeError, ValueError) as error:
       self.counts["rejected"] += 1
-      raise PushRejected(f"push from learner {push.learner} rejected: its pseudo-gradient is not a tree of "
-                         f"arrays ({error})") from error
+      raise PushRejected(f"push from learner {push.learner} rejected: its pseudo-gradient is not a valid tree or "
+                         f"payload of arrays ({error})") from error
     try:
       self.validate(push)
     except PushRejected:
       self.counts["rejected"] += 1
       raise
-    if 0 <= self.settings.max_staleness < self.version - push.base_version:
+    fragment = self.fragments[push.fragment]
+    if 0 <= self.settings.max_staleness < fragment.version - push.base_version:
       self.counts["dropped"] += 1
       return False, None
     self.counts["accepted"] += 1
     self._xi_update("step", push.compute_seconds / push.local_steps)
-    if self._window_start is None:
-      self._window_start = now
-    self.pending.append(push)
-    reporters = len({p.learner for p in self.pending})
+    if fragment.window_start is None:
+      fragment.window_start = now
+    fragment.pending.append(push)
+    reporters = len({p.learner for p in fragment.pending})
     if reporters < self.quorum:
       return True, None
     if reporters == len(self.learners):  # Nobody left to wait for.
-      return True, self.merge(now)
-    if self.deadline is not None:  # Inside an open grace window.
+      return True, self.merge(now, push.fragment)
+    if fragment.deadline is not None:  # Inside an open grace window.
       return True, None
-    self._xi_update("quorum", now - self._window_start)
+    self._xi_update("quorum", now - fragment.window_start)
     grace = grace_seconds(self.settings.grace_gamma, self.settings.grace_overlap_steps, self._xi["step"],
                           self._xi["quorum"], self._xi["sync"])
     if grace > 0:
-      self.deadline = now + grace
+      fragment.deadline = now + grace
       return True, None
-    return True, self.merge(now)
+    return True, self.merge(now, push.fragment)
 
-  def on_deadline(self, now: float) -> MergeReport | None:
-    """The grace window closed: merge what has arrived (if it is still open)."""
-    if self.deadline is None or now < self.deadline or not self.pending:
-      return None
-    return self.merge(now)
+  def on_deadline(self, now: float) -> list[MergeReport]:
+    """Grace windows closed by `now`: merge what each of those fragments has received."""
+    return [self.merge(now, p) for p, f in enumerate(self.fragments)
+            if f.deadline is not None and now >= f.deadline and f.pending]
+
+  def flush(self, now: float) -> list[MergeReport]:
+    """Merges every fragment that holds pushes (the end of a run: no update is left behind)."""
+    return [self.merge(now, p) for p, f in enumerate(self.fragments) if f.pending]
 
   def observe_sync_seconds(self, seconds: float) -> None:
     """Runtimes report how long a merge + broadcast took (ξ_sync of the grace window)."""
     self._xi_update("sync", seconds)
 
-  def merge(self, now: float) -> MergeReport | None:
-    """Merges every pending push and takes one outer step.
+  def merge(self, now: float, fragment: int = 0) -> MergeReport | None:
+    """Merges fragment `fragment`'s pending pushes and takes one outer step on it.
 
     Weight of push i: its token weight normalised over the merge, times its staleness
     factor, un-normalised: w_i = f(s_i) · t_i / Σ_j t_j. Staleness damps rather than
     re-balances, so a lone stale push (quorum 1) is still scaled down; with staleness 0
     everywhere this is exactly DiLoCo's token-weighted mean.
     """
-    if not self.pending:
+    state = self.fragments[fragment]
+    if not state.pending:
       return None
     s = self.settings
-    staleness = [self.version - p.base_version for p in self.pending]
+    staleness = [state.version - p.base_version for p in state.pending]
     shares = merge.normalized_weights([merge.token_weight(p.tokens, p.local_steps, s.token_weighting)
-                                       for p in self.pending])
+                                       for p in state.pending])
     damping = [merge.staleness_weight(st, s.staleness, s.staleness_a, s.staleness_b) for st in staleness]
     weights = (shares * np.asarray(damping)).astype(np.float32)
-    params, opt_state = _jit_merge_and_step(self.optimizer, s.merge_rule, self._averaged, self.state.params,
-                                            self.state.opt_state, [p.delta for p in self.pending], weights)
-    report = MergeReport(self.version + 1, tuple(p.learner for p in self.pending), tuple(staleness),
-                         tuple(float(w) for w in weights), now)
-    self.state = SyncerState(params, opt_state, self.version + 1)
-    self.pending, self.deadline, self._window_start = [], None, None
+    state.params, state.opt_state = _jit_merge_and_step(self.optimizer, s.merge_rule, state.averaged, state.params,
+                                                        state.opt_state, [p.delta for p in state.pending], weights)
+    state.version += 1
+    report = MergeReport(self.version, tuple(p.learner for p in state.pending), tuple(staleness),
+                         tuple(float(w) for w in weights), now, fragment)
+    state.pending, state.deadline, state.window_start = [], None, None
     self.counts["merges"] += 1
     return report
 

@@ -42,7 +42,7 @@ def test_quorum_k_merges_as_soon_as_k_learners_reported():
   accepted, report = syncer.receive(_push(1, 4.0), now=3.0)
   assert accepted and report.version == 1 and report.learners == (0, 0, 1)
   chex.assert_trees_all_close(syncer.params, _tree(8.0))  # 10 - mean(1, 1, 4)
-  assert syncer.pending == [] and syncer.deadline is None
+  assert syncer.pending == [] and syncer.deadlines == []
 
 
 def test_grace_window_waits_within_the_slack_then_merges_on_deadline():
@@ -51,10 +51,10 @@ def test_grace_window_waits_within_the_slack_then_merges_on_deadline():
   syncer = _syncer(quorum=1, grace_gamma=0.5, grace_overlap_steps=4)
   # Step EMA = 2 s / 2 steps = 1 s; quorum met at once (0 s): grace = 0.5 * (4 * 1 - 0 - 0) = 2 s.
   assert syncer.receive(_push(0, 1.0), now=10.0) == (True, None)
-  assert syncer.deadline == pytest.approx(12.0)
-  assert syncer.on_deadline(11.0) is None  # too early
+  assert syncer.deadlines == [pytest.approx(12.0)]
+  assert syncer.on_deadline(11.0) == []  # too early
   assert syncer.receive(_push(1, 3.0), now=11.5) == (True, None)  # joins inside the window
-  report = syncer.on_deadline(12.0)
+  [report] = syncer.on_deadline(12.0)
   assert report.learners == (0, 1) and syncer.version == 1
   chex.assert_trees_all_close(syncer.params, _tree(8.0))
 
@@ -104,7 +104,7 @@ def _bad_pushes():
       (Push(0, _tree(1.0), 5, 10, 2), "from the future"),
       (Push(0, _tree(1.0), 0, 10, 0), "local_steps"),
       (Push(0, _tree(1.0), 0, 0, 2), "tokens=0"),
-      (Push(0, {"w": "abc", "b": {"v": jnp.ones(4)}}, 0, 10, 2), "not a tree of arrays"),
+      (Push(0, {"w": "abc", "b": {"v": jnp.ones(4)}}, 0, 10, 2), "not a valid tree or payload of arrays"),
   ]
 
 

@@ -37,7 +37,8 @@ def _restore(exp: Experiment, checkpointer: checkpoint_lib.Checkpointer, step: i
     learner.state = state[f"learner_{learner.index}"]
     learner.steps = int(learner.state.step)
   if exp.syncer is not None:
-    exp.syncer.state = SyncerState(state["syncer_params"], state["syncer_opt_state"], metadata["syncer_version"])
+    exp.syncer.restore(SyncerState(state["syncer_params"], state["syncer_opt_state"],
+                                   tuple(metadata["syncer_versions"])))
   logging.info("resumed from checkpoint at outer step %d", step)
 
 
@@ -121,4 +122,4 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
 
 def _metadata(exp: Experiment, outer_step: int) -> dict:
   return {"outer_step": outer_step, "config": exp.config.to_dict(),
-          "syncer_version": exp.syncer.version if exp.syncer is not None else None}
+          "syncer_versions": exp.syncer.versions if exp.syncer is not None else None}

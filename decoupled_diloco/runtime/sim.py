@@ -1,7 +1,11 @@
 """Virtual-clock runtime: real JAX steps, simulated time, deterministic event order.
 
 Every learner runs its real inner steps, but time advances by what its hardware profile
-says a step costs, and transfers cost latency + bytes / bandwidth. Events are processed
+says a step costs, and transfers cost latency + bytes / bandwidth on the learner's own
+wide-area link, queueing behind earlier transfers (up and down are separate). Streaming
+learners push fragment p at its offset in each H-step period and keep computing; the
+merged fragment must land within `overlap_steps` steps, else the learner stalls (τ = 0:
+it waits at once, which is plain DiLoCo when P = 1). Events are processed
 in (time, priority, sequence) order, so a seeded run gives identical metrics twice.
 At equal times, finished steps and arrivals at the syncer go first and replies after
 them, so learners that report together all receive the merge they completed.
@@ -20,9 +24,11 @@ import os
 import time
 
 from absl import logging
+import jax
 import numpy as np
 
 from decoupled_diloco import checkpoint as checkpoint_lib
+from decoupled_diloco import compression, fragments
 from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco import policy as policy_lib
 from decoupled_diloco.errors import ConfigError
@@ -36,17 +42,46 @@ STEP, ARRIVE, DEADLINE, REPLY, RECEIVE = range(5)
 
 
 @dataclasses.dataclass
+class Link:
+  """One direction of a learner's wide-area link: transfers queue first-in first-out."""
+  gbps: float                # 0 = unlimited.
+  latency: float             # One-way seconds added to every transfer.
+  free_at: float = 0.0       # When the transfer queued last leaves the link.
+  busy: float = 0.0          # Seconds spent sending.
+  bytes: int = 0
+
+  def seconds(self, nbytes: int) -> float:
+    """Time one transfer of `nbytes` takes on an idle link (latency included)."""
+    return self.latency + (nbytes / (self.gbps * 1e9 / 8) if self.gbps else 0.0)
+
+  def send(self, now: float, nbytes: int) -> float:
+    """Queues a transfer behind those already on the link; returns its arrival time."""
+    start = max(now, self.free_at)
+    sending = self.seconds(nbytes) - self.latency
+    self.free_at, self.busy, self.bytes = start + sending, self.busy + sending, self.bytes + nbytes
+    return start + self.seconds(nbytes)
+
+
+@dataclasses.dataclass
 class LearnerClock:
   """One learner's timeline and accounting, in virtual seconds."""
+  up: Link
+  down: Link
   busy: float = 0.0          # Computing inner steps.
   useful: float = 0.0        # Busy time whose push was accepted (goodput's numerator).
-  idle: float = 0.0          # Between a push and the next start: transfers, waiting for a merge.
+  idle: float = 0.0          # Stalled: a fragment it needs (or the run's last merge) has not landed.
   idle_since: float | None = None
+  stalls: int = 0
+  overlapped_steps: int = 0  # Steps computed while at least one fragment was in flight.
   done_at: float | None = None  # When the token budget left this learner nothing to do.
-  round_start: float = 0.0
+  period_open: bool = False  # Whether this period's target is set (it is chosen when its first step starts).
   round_compute: float = 0.0
   round_steps: int = 0
   target: int | None = None
+  unsent: set = dataclasses.field(default_factory=set)        # Fragments not pushed yet this period.
+  in_flight: dict = dataclasses.field(default_factory=dict)   # fragment -> inner step by which it must land.
+  landed: dict = dataclasses.field(default_factory=dict)      # fragment -> (Θ_p, version) waiting to be blended.
+  compute_since_push: list = dataclasses.field(default_factory=list)
   pushes: int = 0
   dropped: int = 0           # Over-stale: counted by the syncer, not merged.
   rejected: int = 0          # Malformed: refused by the syncer.
@@ -60,7 +95,13 @@ class Simulation:
     self.exp, self.config, self.writer = exp, exp.config, writer
     self.syncer = exp.syncer
     self.blocking = exp.config.mode == "diloco"
-    self.clocks = [LearnerClock() for _ in exp.learners]
+    self.num_fragments = exp.learners[0].num_fragments
+    self.overlap = exp.config.streaming.overlap_steps
+    sim = exp.config.sim
+    gbps = sim.learner_link_gbps or (sim.link_gbps,) * len(exp.learners)
+    latency = sim.learner_link_latency_seconds or (sim.link_latency_seconds,) * len(exp.learners)
+    self.clocks = [LearnerClock(Link(g, l), Link(g, l), compute_since_push=[0.0] * self.num_fragments)
+                   for g, l in zip(gbps, latency)]
     self.rngs = [np.random.default_rng([exp.config.sim.seed, m]) for m in range(len(exp.learners))]
     self.speeds = policy_lib.SpeedTracker(
         [1.0 / p.mean_step_seconds(f) for p, f in zip(exp.profiles, exp.flops_per_step)])
@@ -68,7 +109,14 @@ class Simulation:
     self.tokens_per_eval = (exp.config.eval_every * exp.config.inner_steps
                             * sum(l.batches.tokens_per_batch for l in exp.learners))
     self.next_eval_tokens = self.tokens_per_eval
-    self.waiting: list[int] = []
+    if self.syncer is not None:  # Θ_p travels back in the downlink format; each fragment's share of the model.
+      self.downlink = compression.Codec(format=exp.config.compression.downlink_format)
+      shapes = [[x.shape for x in jax.tree.leaves(self.syncer.fragment_params(p))]
+                for p in range(self.num_fragments)]
+      self.down_bytes = [round(compression.wire_bytes(self.downlink, s) * exp.byte_scale) for s in shapes]
+      fragment_bytes = fragments.fragment_bytes(self.syncer.params, self.syncer.assignment)
+      self.shares = [b / sum(fragment_bytes) for b in fragment_bytes]
+    self.waiting: dict[int, list[int]] = collections.defaultdict(list)
     self._events, self._sequence, self.now = [], itertools.count(), 0.0
     self._begin = time.time()
     self.last_eval = None
@@ -76,11 +124,6 @@ class Simulation:
   # Event plumbing.
   def _schedule(self, at: float, priority: int, kind, *payload) -> None:
     heapq.heappush(self._events, (at, priority, next(self._sequence), kind, payload))
-
-  def _transfer_seconds(self) -> float:
-    sim = self.config.sim
-    bandwidth = sim.link_gbps * 1e9 / 8
-    return sim.link_latency_seconds + (self.exp.bytes_per_sync / bandwidth if bandwidth else 0.0)
 
   @property
   def tokens(self) -> int:
@@ -91,16 +134,33 @@ class Simulation:
     return {"outer_step": version, "inner_step": max(l.steps for l in self.exp.learners), "tokens": self.tokens,
             "time": self.now, "wall_time": time.time() - self._begin}
 
-  # Learner side.
-  def _start_round(self, m: int) -> None:
+  # Learner side: periods of H steps; fragment p is pushed at its offset in the period and
+  # must have landed `overlap_steps` steps later.
+  def _start_period(self, m: int) -> None:
     clock = self.clocks[m]
-    clock.target = policy_lib.target_steps(self.config.policy, self.config.inner_steps, self.speeds.speeds[m],
-                                           self.speeds.max_speed)
-    clock.round_start, clock.round_compute, clock.round_steps = self.now, 0.0, 0
+    clock.period_open, clock.round_compute, clock.round_steps = False, 0.0, 0
+    clock.unsent = set(range(self.num_fragments))
     self._next_step(m)
 
   def _next_step(self, m: int) -> None:
-    clock = self.clocks[m]
+    learner, clock = self.exp.learners[m], self.clocks[m]
+    for p in [p for p in clock.landed if clock.in_flight[p] <= learner.steps or self.steps_left == 0]:
+      learner.receive(p, *clock.landed.pop(p))
+      del clock.in_flight[p]
+    if any(needed <= learner.steps for needed in clock.in_flight.values()) or (self.steps_left == 0 and clock.in_flight):
+      if clock.idle_since is None:  # (Waiting for the last merges once the budget is spent is no stall.)
+        clock.idle_since, clock.stalls = self.now, clock.stalls + (self.steps_left > 0)
+      return
+    if clock.idle_since is not None:
+      clock.idle += self.now - clock.idle_since
+      clock.idle_since = None
+    if not clock.period_open:
+      clock.period_open = True
+      clock.target = policy_lib.target_steps(self.config.policy, self.config.inner_steps, self.speeds.speeds[m],
+                                             self.speeds.max_speed)
+    if self.steps_left == 0 and clock.round_steps == 0:
+      self._flush_learner(m)
+      return
     seconds = self.exp.profiles[m].step_seconds(self.exp.flops_per_step[m], self.rngs[m])
     if self.steps_left > 0 and policy_lib.keep_training(self.config.policy, clock.target, clock.round_steps,
                                                         clock.round_compute, seconds):
@@ -108,91 +168,116 @@ class Simulation:
       clock.round_steps += 1
       clock.busy += seconds
       clock.round_compute += seconds
+      clock.compute_since_push = [c + seconds for c in clock.compute_since_push]
+      clock.overlapped_steps += bool(clock.in_flight)
       if self.config.policy.speed_source == "measured":
         self.speeds.observe(m, seconds)
       self._schedule(self.now + seconds, STEP, self._on_step, m)
-    elif clock.round_steps:
-      self._finish_round(m)
     else:
-      clock.done_at = self.now
+      self._end_period(m)
 
   def _on_step(self, m: int) -> None:
     self.exp.learners[m].step()
+    clock = self.clocks[m]
+    if self.syncer is not None and clock.target is not None:
+      for p in fragments.due(clock.round_steps, self.num_fragments, clock.target):
+        self._push(m, p)
     self._next_step(m)
 
-  def _finish_round(self, m: int) -> None:
+  def _end_period(self, m: int) -> None:
+    """The period's work is done: log it, push what is still unsent, start the next one."""
     learner, clock = self.exp.learners[m], self.clocks[m]
     for record in records.train_records(learner, self.syncer.version if self.syncer else 0, self.config.log_every,
                                         {"time": self.now, "wall_time": time.time() - self._begin}):
       self.writer.write(record)
-    if self.syncer is None:  # ddp: no outer loop, the next round starts at once.
+    if self.syncer is None:  # ddp: no outer loop.
       self._maybe_evaluate(0)
-      self._start_round(m)
-      return
-    clock.idle_since = self.now
-    push = learner.push(self.syncer, compute_seconds=clock.round_compute)
-    self._schedule(self.now + self._transfer_seconds(), ARRIVE, self._on_arrive, push, clock.round_compute)
+    else:
+      for p in sorted(clock.unsent):
+        self._push(m, p)
+    self._start_period(m)
 
-  def _on_receive(self, m: int, params, version: int) -> None:
-    self.exp.learners[m].pull(params, version)
-    clock = self.clocks[m]
-    clock.idle += self.now - clock.idle_since
-    clock.idle_since = None
-    if self.steps_left > 0:
-      self._start_round(m)
+  def _flush_learner(self, m: int) -> None:
+    """Out of budget: push every fragment with unpushed work (its anchor has landed), then stop."""
+    learner, clock = self.exp.learners[m], self.clocks[m]
+    for p in range(self.num_fragments):
+      if self.syncer is not None and learner.steps_since_push[p] and p not in clock.in_flight:
+        self._push(m, p)
+    if clock.in_flight:  # The last merges have yet to land; _next_step is called again when they do.
+      clock.idle_since = self.now
     else:
       clock.done_at = self.now
 
+  def _push(self, m: int, p: int) -> None:
+    learner, clock = self.exp.learners[m], self.clocks[m]
+    clock.unsent.discard(p)
+    push = learner.push(self.syncer, p, compute_seconds=clock.compute_since_push[p])
+    clock.compute_since_push[p] = 0.0
+    clock.in_flight[p] = learner.steps + self.overlap
+    arrival = clock.up.send(self.now, round(push.wire_bytes * self.exp.byte_scale))
+    self._schedule(arrival, ARRIVE, self._on_arrive, push, push.compute_seconds, len(clock.in_flight))
+
+  def _on_receive(self, m: int, p: int, params, version: int) -> None:
+    clock = self.clocks[m]
+    clock.landed[p] = (params, version)
+    if clock.idle_since is not None:  # Stalled on this (or on the run's end): go on.
+      self._next_step(m)
+
   # Syncer side.
-  def _on_arrive(self, push, compute_seconds: float) -> None:
-    m, clock = push.learner, self.clocks[push.learner]
-    staleness = self.syncer.version - push.base_version
+  def _on_arrive(self, push, compute_seconds: float, in_flight: int) -> None:
+    m, clock, fragment = push.learner, self.clocks[push.learner], push.fragment
+    staleness = self.syncer.fragments[fragment].version - push.base_version
     try:
       accepted, report = self.syncer.receive(push, self.now)
     except PushRejected as error:
       logging.warning("%s", error)
       clock.rejected += 1
-      self._schedule(self.now, REPLY, self._on_reply, m)
+      self._schedule(self.now, REPLY, self._on_reply, m, fragment)
       return
     clock.pushes += 1
     clock.staleness[staleness] += 1
     if accepted:
-      clock.useful += compute_seconds
+      clock.useful += compute_seconds * self.shares[fragment]
     else:
       clock.dropped += 1
-    self.writer.write({"kind": "push", **self._clock(self.syncer.version), "learner": m,
+    self.writer.write({"kind": "push", **self._clock(self.syncer.version), "learner": m, "fragment": fragment,
                        "local_steps": push.local_steps, "tokens": push.tokens, "staleness": staleness,
-                       "accepted": int(accepted)})
+                       "accepted": int(accepted), "wire_bytes": push.wire_bytes, "in_flight": in_flight})
     if self.blocking and accepted:  # Waits for the merge that includes its push (maybe this one).
-      self.waiting.append(m)
+      self.waiting[fragment].append(m)
     else:
-      self._schedule(self.now, REPLY, self._on_reply, m)
-    if self.syncer.deadline is not None and report is None:
-      self._schedule(self.syncer.deadline, DEADLINE, self._on_deadline)
+      self._schedule(self.now, REPLY, self._on_reply, m, fragment)
+    deadline = self.syncer.fragments[fragment].deadline
+    if deadline is not None and report is None:
+      self._schedule(deadline, DEADLINE, self._on_deadline)
     if report is not None:
       self._on_merge(report)
 
   def _on_deadline(self) -> None:
-    report = self.syncer.on_deadline(self.now)
-    if report is not None:
+    for report in self.syncer.on_deadline(self.now):
       self._on_merge(report)
 
   def _on_merge(self, report: MergeReport) -> None:
-    self.syncer.observe_sync_seconds(self._transfer_seconds())  # ξ_sync: Θ's trip back to a learner.
+    # ξ_sync: Θ_p's trip back to a learner.
+    self.syncer.observe_sync_seconds(self.clocks[report.learners[0]].down.seconds(self.down_bytes[report.fragment]))
     self._write_outer(report)
     self._maybe_evaluate(report.version)
-    for m in self.waiting:
-      self._schedule(self.now, REPLY, self._on_reply, m)
-    self.waiting = []
+    for m in self.waiting.pop(report.fragment, []):
+      self._schedule(self.now, REPLY, self._on_reply, m, report.fragment)
 
   def _write_outer(self, report: MergeReport) -> None:
-    self.writer.write({"kind": "outer", **self._clock(report.version), "learners": list(report.learners),
-                       "staleness": list(report.staleness), "weights": list(report.weights)})
+    self.writer.write({"kind": "outer", **self._clock(report.version), "fragment": report.fragment,
+                       "learners": list(report.learners), "staleness": list(report.staleness),
+                       "weights": list(report.weights)})
 
-  def _on_reply(self, m: int) -> None:
-    """Θ leaves the syncer now (a snapshot) and reaches the learner after the transfer."""
-    self._schedule(self.now + self._transfer_seconds(), RECEIVE, self._on_receive, m, self.syncer.params,
-                   self.syncer.version)
+  def _on_reply(self, m: int, p: int) -> None:
+    """Θ_p leaves the syncer now (a snapshot) and reaches the learner after its downlink's queue."""
+    arrival = self.clocks[m].down.send(self.now, self.down_bytes[p])
+    theta = self.syncer.fragment_params(p)
+    if self.downlink.format != "fp32":  # What the learner gets is what the wire carried.
+      theta = jax.tree.unflatten(jax.tree.structure(theta),
+                                 compression.decode(self.downlink, compression.encode(self.downlink, jax.tree.leaves(theta))))
+    self._schedule(arrival, RECEIVE, self._on_receive, m, p, theta, self.syncer.fragments[p].version)
 
   def _maybe_evaluate(self, version: int, force: bool = False) -> None:
     if not force and self.tokens < self.next_eval_tokens:
@@ -209,16 +294,16 @@ class Simulation:
 
   def run(self) -> dict:
     """Processes events until the token budget is spent; then merges what is left and evaluates."""
-    version = self.syncer.version if self.syncer else 0
     for m, learner in enumerate(self.exp.learners):
       if self.syncer is not None:
-        learner.pull(self.syncer.params, version)
-      self._start_round(m)
+        learner.pull(self.syncer.params, self.syncer.versions)
+      self._start_period(m)
     while self._events:
       self.now, _, _, handler, payload = heapq.heappop(self._events)
       handler(*payload)
-    if self.syncer is not None and self.syncer.pending:
-      self._write_outer(self.syncer.merge(self.now))
+    if self.syncer is not None:
+      for report in self.syncer.flush(self.now):
+        self._write_outer(report)
     final_version = self.syncer.version if self.syncer else 0
     if self.last_eval is None or self.last_eval["tokens"] != self.tokens or self.last_eval["outer_step"] != final_version:
       self._maybe_evaluate(final_version, force=True)
@@ -235,12 +320,19 @@ class Simulation:
                          "busy_seconds": clock.busy, "idle_seconds": clock.idle,
                          "finished_early_seconds": self.now - (clock.done_at or self.now), "steps": learner.steps,
                          "tokens": learner.steps * learner.batches.tokens_per_batch, "pushes": clock.pushes,
-                         "dropped": clock.dropped, "rejected": clock.rejected,
+                         "dropped": clock.dropped, "rejected": clock.rejected, "stalls": clock.stalls,
+                         "overlapped_steps": clock.overlapped_steps,
+                         "compute_utilization": clock.busy / self.now if self.now else 0.0,
+                         "bytes_sent": clock.up.bytes, "bytes_received": clock.down.bytes,
+                         "uplink_busy_seconds": clock.up.busy, "downlink_busy_seconds": clock.down.busy,
                          "staleness_histogram": {str(s): n for s, n in sorted(clock.staleness.items())}})
     allocated = sum(c * self.now for c in chips)
     useful = sum(c * (clock.useful if self.syncer else clock.busy) for c, clock in zip(chips, self.clocks))
     summary = {"eval_loss": self.last_eval["eval_loss"], "optimal_loss": self.exp.corpus.optimal_loss,
                "virtual_seconds": self.now, "goodput": useful / allocated if allocated else 0.0,
+               "compute_utilization": (sum(c * clock.busy for c, clock in zip(chips, self.clocks)) / allocated
+                                       if allocated else 0.0),
+               "bytes_sent": sum(c.up.bytes for c in self.clocks),
                "outer_updates": version, "steps": [l.steps for l in self.exp.learners],
                "idle_fraction": [round(c.idle / self.now, 4) if self.now else 0.0 for c in self.clocks],
                **({("merges" if k == "merges" else f"{k}_pushes"): v for k, v in self.syncer.counts.items()}
