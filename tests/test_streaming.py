@@ -158,3 +158,14 @@ def test_overlap_hides_a_slow_link_that_stalls_a_blocking_learner(tmp_path):
   overlapped = sim.run(experiment.build(_streaming(**slow)), str(tmp_path / "b"))
   assert blocking["compute_utilization"] < overlapped["compute_utilization"]
   assert overlapped["virtual_seconds"] < blocking["virtual_seconds"]
+
+
+def test_a_fragment_due_again_while_in_flight_waits_for_its_merge(tmp_path):
+  # DyLU gives the slow learner periods of 2 steps, shorter than tau = 5: each push must
+  # wait for the previous one's merge to land (a stall), never push without an anchor.
+  config = _streaming(**{"learners.speed": (1.0, 4.0), "inner_steps": 8, "streaming.overlap_steps": 5,
+                         "streaming.num_fragments": 1, "sim.link_gbps": 1.0, "outer_steps": 2})
+  summary = sim.run(experiment.build(config), str(tmp_path))
+  slow = _records(tmp_path, "learner_summary")[0]
+  assert summary["rejected_pushes"] == 0 and slow["stalls"] > 0
+  assert sum(summary["steps"]) == 2 * 8 * 2

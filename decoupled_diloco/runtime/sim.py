@@ -80,6 +80,7 @@ class LearnerClock:
   target: int | None = None
   unsent: set = dataclasses.field(default_factory=set)        # Fragments not pushed yet this period.
   in_flight: dict = dataclasses.field(default_factory=dict)   # fragment -> inner step by which it must land.
+  deferred: set = dataclasses.field(default_factory=set)      # Due again while still in flight: pushed on landing.
   landed: dict = dataclasses.field(default_factory=dict)      # fragment -> (Θ_p, version) waiting to be blended.
   compute_since_push: list = dataclasses.field(default_factory=list)
   pushes: int = 0
@@ -144,10 +145,15 @@ class Simulation:
 
   def _next_step(self, m: int) -> None:
     learner, clock = self.exp.learners[m], self.clocks[m]
-    for p in [p for p in clock.landed if clock.in_flight[p] <= learner.steps or self.steps_left == 0]:
+    for p in [p for p in clock.landed if clock.in_flight[p] <= learner.steps or p in clock.deferred
+              or self.steps_left == 0]:
       learner.receive(p, *clock.landed.pop(p))
       del clock.in_flight[p]
-    if any(needed <= learner.steps for needed in clock.in_flight.values()) or (self.steps_left == 0 and clock.in_flight):
+    for p in sorted(clock.deferred - clock.in_flight.keys()):
+      clock.deferred.discard(p)
+      self._push(m, p)
+    if (any(needed <= learner.steps or p in clock.deferred for p, needed in clock.in_flight.items())
+        or (self.steps_left == 0 and clock.in_flight)):
       if clock.idle_since is None:  # (Waiting for the last merges once the budget is spent is no stall.)
         clock.idle_since, clock.stalls = self.now, clock.stalls + (self.steps_left > 0)
       return
@@ -181,7 +187,7 @@ class Simulation:
     clock = self.clocks[m]
     if self.syncer is not None and clock.target is not None:
       for p in fragments.due(clock.round_steps, self.num_fragments, clock.target):
-        self._push(m, p)
+        self._request_push(m, p)
     self._next_step(m)
 
   def _end_period(self, m: int) -> None:
@@ -194,7 +200,7 @@ class Simulation:
       self._maybe_evaluate(0)
     else:
       for p in sorted(clock.unsent):
-        self._push(m, p)
+        self._request_push(m, p)
     self._start_period(m)
 
   def _flush_learner(self, m: int) -> None:
@@ -207,6 +213,16 @@ class Simulation:
       clock.idle_since = self.now
     else:
       clock.done_at = self.now
+
+  def _request_push(self, m: int, p: int) -> None:
+    """Pushes fragment p now, or once its previous push has landed (a short DyLU period can
+    bring a fragment's turn round again within tau steps); the learner stalls until then."""
+    clock = self.clocks[m]
+    clock.unsent.discard(p)
+    if p in clock.in_flight:
+      clock.deferred.add(p)
+    else:
+      self._push(m, p)
 
   def _push(self, m: int, p: int) -> None:
     learner, clock = self.exp.learners[m], self.clocks[m]
