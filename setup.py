@@ -19,6 +19,11 @@ setuptools.setup(
         "tensorflow-datasets>=4.9.7,<5",
         # Writes TensorBoard event files without pulling in TensorFlow.
         "tensorboardX>=2.6",
+        # The syncer service (decoupled_diloco/service): gRPC transport, msgpack wire headers.
+        "grpcio>=1.60,<2",
+        "msgpack>=1.0,<2",
+        # Report plots (experiments.report, notebooks); 3.10 and 3.11 tested.
+        "matplotlib>=3.10,<3.12",
     ],
     extras_require={
         # TFDS needs TensorFlow to *prepare* a dataset (not to read one).
@@ -31,6 +36,13 @@ setuptools.setup(
             "tensorflow-cpu>=2.18; platform_machine=='x86_64'",
             "array-record>=0.7",
             "importlib_resources",
+            # tests/test_service_units.py makes a self-signed certificate for the TLS test.
+            "cryptography>=42",
+            # tests/test_notebooks.py executes colabs/*.ipynb in a kernel of this interpreter.
+            "nbclient>=0.10,<0.12",
+            "nbformat>=5.10,<6",
+            "ipykernel>=6.29,<8",
+            "matplotlib>=3.10,<3.12",
         ],
     },
 )

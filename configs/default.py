@@ -11,7 +11,7 @@ def get_config() -> ml_collections.ConfigDict:
   """Defaults follow DiLoCo (arXiv 2311.08105) scaled down to a CPU-sized model."""
   config = ml_collections.ConfigDict()
   config.mode = "diloco"  # 'diloco' (synchronous rounds), 'decoupled' (asynchronous syncer) or 'ddp' (one group).
-  config.runtime = "lockstep"  # 'lockstep' (rounds, wall clock) or 'sim' (virtual clock with hardware profiles).
+  config.runtime = "lockstep"  # 'lockstep' (rounds, wall clock), 'sim' (virtual clock with hardware profiles) or 'threads' (real time, a thread per group).
   config.seed = 0  # Seeds model init, data shards and synthetic data: same seed, same metrics.
   config.outer_steps = 10  # Outer rounds (DiLoCo syncs); for ddp, rounds of inner_steps between evals.
   config.inner_steps = 20  # H: inner AdamW steps per learner between syncs (must be >= 1).
@@ -50,6 +50,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.learners.speed = ()  # Per-group relative speed for 'relative' hardware; () = all 1.0.
   config.learners.mfu = 0.4  # Model FLOPs utilisation of every simulated TPU slice.
   config.learners.jitter = 0.0  # Log-std of per-step time noise in the simulation (0 = none).
+  config.learners.slowdown = ()  # Wall-clock runtimes (threads, service): group m sleeps slowdown[m] x each step's time after it, emulating slower chips on one machine; () = none.
 
   config.inner = ml_collections.ConfigDict()
   config.inner.lr = 3e-3  # Peak AdamW learning rate (DiLoCo uses 4e-4 at 150M params).
@@ -79,7 +80,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.syncer.token_weighting = "tokens"  # 'none', 'tokens' or 'tokens_squared_per_step' (Decoupled DiLoCo).
   config.syncer.merge_rule = "mean"  # 'mean' or 'rda' (radial-directional averaging; embeddings averaged).
 
-  config.policy = ml_collections.ConfigDict()  # Local work per push (virtual-clock runtime).
+  config.policy = ml_collections.ConfigDict()  # Local work per push (virtual-clock and threads runtimes).
   config.policy.kind = "fixed"  # 'fixed' (H steps), 'dylu' (H scaled by speed) or 'time_budget'.
   config.policy.speed_source = "declared"  # DyLU speeds: 'declared' (hardware) or 'measured' (EMA of steps).
   config.policy.round_seconds = 0.0  # Time budget of a round in (virtual) seconds, for 'time_budget'.
@@ -107,6 +108,21 @@ def get_config() -> ml_collections.ConfigDict:
   config.compression.error_feedback = False  # Keep what compression lost and add it to the next push.
   config.compression.error_feedback_beta = 1.0  # beta of e <- beta * e + delta (1 = keep everything).
   config.compression.downlink_format = "fp32"  # Theta_p sent back to learners: 'fp32' or 'bf16' (syncer keeps fp32).
+
+  config.service = ml_collections.ConfigDict()  # Syncer as a gRPC service, learners as processes (--role=syncer|learner).
+  config.service.host = "127.0.0.1"  # Address the syncer binds: this machine only unless set (e.g. 0.0.0.0, then use TLS).
+  config.service.port = 0  # Syncer port; 0 = a free one, written to <workdir>/syncer_address.
+  config.service.token_file = ""  # File holding the shared secret ('' = $DD_SYNCER_TOKEN); never put it on a command line.
+  config.service.tls_cert = ""  # Syncer's PEM certificate; with tls_key it serves TLS ('' = plaintext).
+  config.service.tls_key = ""  # Syncer's PEM private key.
+  config.service.tls_ca = ""  # PEM a learner trusts for the syncer's certificate ('' = plaintext channel).
+  config.service.chunk_bytes = 4 << 20  # Bytes per streamed message; gRPC refuses messages above this + 64 KiB.
+  config.service.checkpoint_every_merges = 10  # Merges between syncer checkpoints (its write-ahead log covers the rest).
+  config.service.lease_seconds = 30.0  # A learner silent this long leaves the quorum until its next call.
+  config.service.linger_seconds = 120.0  # A finished syncer keeps telling learners 'done' this long (or until all heard).
+  config.service.rpc_timeout_seconds = 120.0  # Deadline of one call (a whole push or pull stream).
+  config.service.retry_seconds = 300.0  # A learner exits after the syncer was unreachable this long.
+  config.service.learner_checkpoint_every = 5  # Rounds between a learner's checkpoints of its inner state (0 = never).
 
   config.eval_every = 1  # Evaluate the global params every this many outer steps (and at the end).
   config.eval_batches = 4  # Held-out batches per evaluation.

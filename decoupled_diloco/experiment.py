@@ -20,7 +20,7 @@ from decoupled_diloco.syncer import Settings, Syncer
 
 MODES = ("diloco", "decoupled", "ddp")
 DOWNLINK_FORMATS = ("fp32", "bf16")
-RUNTIMES = ("lockstep", "sim")
+RUNTIMES = ("lockstep", "sim", "service", "threads")  # service: experiments.train --role=syncer|learner.
 
 
 @dataclasses.dataclass
@@ -68,8 +68,11 @@ def validate(config) -> None:
   """Rejects impossible run shapes with one line that names the fix."""
   _require(config.mode in MODES, f"mode={config.mode!r} is unknown: use one of {MODES}")
   _require(config.runtime in RUNTIMES, f"runtime={config.runtime!r} is unknown: use one of {RUNTIMES}")
-  _require(config.mode != "decoupled" or config.runtime == "sim",
-           "mode='decoupled' needs a clock: add --config.runtime=sim (the lockstep runtime runs rounds)")
+  _require(config.mode != "decoupled" or config.runtime in ("sim", "service", "threads"),
+           "mode='decoupled' needs a clock: add --config.runtime=sim (virtual) or --config.runtime=threads "
+           "(wall clock); the lockstep runtime runs rounds")
+  _require(config.mode != "ddp" or config.runtime != "threads",
+           "runtime='threads' runs modes 'decoupled' and 'diloco': use --config.runtime=lockstep or sim for ddp")
   _require(config.inner_steps >= 1, f"inner_steps (H) = {config.inner_steps} must be >= 1: set --config.inner_steps=N")
   _require(config.outer_steps >= 1, f"outer_steps = {config.outer_steps} must be >= 1: set --config.outer_steps=N")
   for name in ("eval_every", "checkpoint_every", "log_every", "eval_batches", "eval_batch_size"):
@@ -97,6 +100,11 @@ def validate(config) -> None:
     _validate_streaming(config)
   policy.validate(config.policy)
   hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
+  slowdown = tuple(config.learners.slowdown)
+  _require(len(slowdown) in (0, len(devices)),
+           f"learners.slowdown has {len(slowdown)} entries for {len(devices)} learner groups: give one factor per "
+           "group (0 = full speed) or () for none")
+  _require(all(f >= 0 for f in slowdown), f"learners.slowdown={slowdown} has a negative factor: use factors >= 0")
 
 
 def _validate_streaming(config) -> None:

@@ -6,6 +6,7 @@ results, so a runtime that interleaves several groups' steps keeps all their mes
 """
 
 import dataclasses
+import time
 from typing import Any
 
 import jax
@@ -94,6 +95,19 @@ class Learner:
     for p in range(self.num_fragments):
       self.steps_since_push[p] += 1
       self.tokens_since_push[p] += self.batches.tokens_per_batch
+
+  def timed_step(self, slowdown: float = 0.0) -> float:
+    """One inner step waited for, then `slowdown` × its time asleep; returns the seconds it all took.
+
+    Why wait: wall-clock runtimes measure speeds (DyLU) from step times, which asynchronous
+    dispatch would hide; the sleep emulates a slower slice on a machine of equal devices.
+    """
+    begin = time.monotonic()
+    self.step()
+    jax.block_until_ready(self.state.step)
+    if slowdown:
+      time.sleep(slowdown * (time.monotonic() - begin))
+    return time.monotonic() - begin
 
   def drain_losses(self) -> list[tuple[int, float]]:
     """(inner step, loss) pairs since the last drain; blocks on the group's devices."""

@@ -53,8 +53,9 @@ class SpeedTracker:
   ema: float = 0.5  # Weight of the newest measurement.
 
   def observe(self, learner: int, step_seconds: float) -> None:
-    """Folds one measured step time into the learner's speed estimate."""
-    self.speeds[learner] = (1 - self.ema) * self.speeds[learner] + self.ema / step_seconds
+    """Folds one measured step time into the learner's speed estimate (the first one, if it has none)."""
+    previous = self.speeds[learner]
+    self.speeds[learner] = 1 / step_seconds if not previous else (1 - self.ema) * previous + self.ema / step_seconds
 
   @property
   def max_speed(self) -> float:

@@ -3,6 +3,16 @@ r"""Trains a language model with DiLoCo (or the ddp baseline) from an ml_collect
   python -m experiments.train --config=configs/demo.py --workdir=/tmp/dd_demo
   python -m experiments.train --config=configs/demo.py --config.outer.lr=0.5 --workdir=/tmp/dd_lr05
 
+As separate processes (the syncer serves gRPC; each learner group is its own process; the
+shared token comes from $DD_SYNCER_TOKEN or --config.service.token_file, never a flag):
+  python -m experiments.train --config=configs/demo.py --role=syncer --workdir=/tmp/dd_svc
+  python -m experiments.train --config=configs/demo.py --role=learner --learner_id=0 \
+      --syncer=127.0.0.1:PORT --workdir=/tmp/dd_svc
+(experiments/launch_local.py starts all of them and reads PORT from <workdir>/syncer_address.)
+A learner group over several JAX processes (a multi-host slice) runs the learner command in
+each of them, adding --group_coordinator=HOST:PORT --group_processes=N --group_process_id=K
+(or --group_coordinator=auto on Cloud TPU, where JAX finds the slice's hosts itself).
+
 Bad input (unknown config key, impossible device layout, missing data) prints one line
 starting with `error:` and exits with status 2 before anything is written.
 """
@@ -20,6 +30,17 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/demo.py", "Experiment config file (a configs/*.py with get_config()).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where metrics.jsonl, TensorBoard events and checkpoints go.")
 flags.mark_flag_as_required("workdir")
+_ROLE = flags.DEFINE_enum("role", "local", ["local", "syncer", "learner"],
+                          "local: the whole run in this process (config.runtime); syncer / learner: one process "
+                          "of a networked run (runtime 'service').")
+_LEARNER_ID = flags.DEFINE_integer("learner_id", None, "Learner group this process trains (--role=learner).")
+_SYNCER = flags.DEFINE_string("syncer", None, "host:port of the syncer service (--role=learner).")
+_GROUP_COORDINATOR = flags.DEFINE_string(
+    "group_coordinator", "", "--role=learner in a multi-process group: HOST:PORT of the group's process 0 "
+    "(JAX's coordinator), or 'auto' on Cloud TPU; '' = this process is the whole group.")
+_GROUP_PROCESSES = flags.DEFINE_integer("group_processes", 1, "Processes of this learner group (with "
+                                        "--group_coordinator=HOST:PORT); they split its devices evenly.")
+_GROUP_PROCESS_ID = flags.DEFINE_integer("group_process_id", 0, "This process's index in its group, 0..N-1.")
 
 
 def fail(message: str) -> None:
@@ -66,17 +87,26 @@ def main(argv: list[str]) -> None:
   config = load_config()
   # Virtual CPU devices must be requested before JAX's CPU backend starts; on TPU
   # hosts this only sizes the (unused) CPU backend.
-  jax.config.update("jax_num_cpu_devices", max(sum(config.learners.devices), 1))
+  try:
+    jax.config.update("jax_num_cpu_devices", _process_devices(config))
+  except ValueError as error:  # ConfigError: a group's devices that its processes do not split.
+    fail(error)
   # Imported here so that `--help` and flag errors stay fast.
   from decoupled_diloco import experiment  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from decoupled_diloco.runtime import lockstep, sim  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.runtime import lockstep, sim, threads  # pylint: disable=g-import-not-at-top
 
+  if _ROLE.value != "local":
+    _run_service_role(config)
+    return
+  if config.runtime == "service":
+    fail("runtime 'service' runs as separate processes: start them with --role=syncer and --role=learner, "
+         "or all at once with python -m experiments.launch_local")
   try:
     exp = experiment.build(config)
     logging.info("%s: %d learner group(s) on %s devices, %s tokens of data", config.mode,
                  len(exp.learners), tuple(config.learners.devices), f"{len(exp.corpus.train):,}")
-    summary = {"lockstep": lockstep, "sim": sim}[config.runtime].run(exp, _WORKDIR.value)
+    summary = {"lockstep": lockstep, "sim": sim, "threads": threads}[config.runtime].run(exp, _WORKDIR.value)
   except ConfigError as error:
     fail(error)
   if summary["eval_loss"] is None:
@@ -89,6 +119,49 @@ def main(argv: list[str]) -> None:
     message += (f"; virtual time {summary['virtual_seconds']:.1f}s, goodput {summary['goodput']:.3f}, "
                 f"{summary['outer_updates']} outer updates, steps per learner {summary['steps']}, "
                 f"idle fraction per learner {summary['idle_fraction']}")
+  logging.info(message)
+  print(message)
+
+
+def _process_devices(config) -> int:
+  """CPU devices this process needs: all groups (local), one group (learner) or one (syncer)."""
+  devices = tuple(config.learners.devices)
+  if _ROLE.value == "syncer":
+    return 1
+  if _ROLE.value == "learner" and _LEARNER_ID.value is not None and 0 <= _LEARNER_ID.value < len(devices):
+    from decoupled_diloco.service import group  # pylint: disable=g-import-not-at-top
+    processes = _GROUP_PROCESSES.value if _GROUP_COORDINATOR.value != group.AUTO else 1
+    return group.local_device_count(devices[_LEARNER_ID.value], processes)
+  return max(sum(devices), 1)
+
+
+def _run_service_role(config) -> None:
+  """One process of a networked run: the syncer service, or learner --learner_id."""
+  from decoupled_diloco import experiment  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.service import learner_main, syncer_main  # pylint: disable=g-import-not-at-top
+
+  config.runtime = "service"
+  try:
+    experiment.validate(config)
+    if _ROLE.value == "syncer":
+      summary = syncer_main.run(config, _WORKDIR.value)
+      message = (f"syncer: {summary['outer_updates']} outer updates, {summary['steps_done']} inner steps, "
+                 f"final eval loss {summary['eval_loss']}" if summary["done"] else "syncer stopped (SIGTERM); "
+                 "restart it with --config.resume=True to continue")
+    else:
+      if _LEARNER_ID.value is None or not _SYNCER.value:
+        raise ConfigError("--role=learner needs --learner_id=I and --syncer=HOST:PORT")
+      from decoupled_diloco.service import group  # pylint: disable=g-import-not-at-top
+      group.initialize(_GROUP_COORDINATOR.value, _GROUP_PROCESSES.value, _GROUP_PROCESS_ID.value)
+      summary = learner_main.run(config, _WORKDIR.value, _LEARNER_ID.value, _SYNCER.value)
+      message = (f"learner {summary['learner']}: {summary['steps']} steps, blocked "
+                 f"{100 * summary['blocked_fraction']:.2f}% of {summary['wall_seconds']:.1f}s")
+  except ConfigError as error:
+    fail(error)
+  except ConnectionError as error:  # SyncerUnreachable: retried for service.retry_seconds already.
+    sys.stderr.write(f"error: {error}\n")
+    sys.exit(1)
   logging.info(message)
   print(message)
 

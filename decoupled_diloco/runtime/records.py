@@ -21,9 +21,13 @@ def train_records(learner, outer_step: int, log_every: int, extra: dict) -> list
   return records
 
 
-def eval_record(exp: Experiment, clock: dict) -> dict:
-  """Held-out loss of the global params (and the optimum, when the data knows it)."""
-  record = {"kind": "eval", **clock, "eval_loss": exp.learners[0].evaluate(exp.global_params, exp.eval_batches)}
+def eval_record(exp: Experiment, clock: dict, params=None) -> dict:
+  """Held-out loss of the global params, or of a snapshot of them (and the optimum, when known).
+
+  `params`: a snapshot taken earlier, for runtimes that evaluate off the training threads.
+  """
+  params = exp.global_params if params is None else params
+  record = {"kind": "eval", **clock, "eval_loss": exp.learners[0].evaluate(params, exp.eval_batches)}
   if exp.corpus.optimal_loss is not None:
     record["optimal_loss"] = exp.corpus.optimal_loss
   return record

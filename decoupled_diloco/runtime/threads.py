@@ -1,0 +1,394 @@
+"""Real-time runtime: every learner group in one process, one thread each, wall-clock time.
+
+For a single TPU VM or a Colab. The groups already sit on disjoint device subsets (each
+learner has its own mesh), so one Python thread per group keeps every subset busy: JAX
+dispatch is thread-safe and releases the GIL while devices compute. The syncer is the same
+state machine as on the virtual clock, behind one lock (a condition variable) that a
+thread holds only to hand a push over (the syncer may merge right there) or to read Θ.
+The step budget has a lock of its own, never held across a merge, so a long merge never
+stops anyone's next step. No learner holds either lock while it computes inner steps, its
+pseudo-gradient, a pull or an evaluation. `now` is `time.monotonic()` seconds since the start.
+
+Modes: 'decoupled' (a learner pushes and goes on from the newest Θ at once; merges follow
+config.syncer, and a timer thread closes grace windows on time) and 'diloco' (a learner
+waits for the merge that includes its push; pushes are handed over in learner order, so
+the merge adds them up in the lockstep runtime's order and gives its numbers). DyLU sizes
+rounds from measured step times under policy.speed_source='measured' (inner steps are
+compiled before the clock starts; a learner's first step, which pays one-off dispatch
+costs, is not measured); a time budget (policy.round_seconds) is in wall-clock seconds.
+`config.learners.slowdown` emulates slower hardware on a homogeneous machine: learner m
+sleeps slowdown[m] × its measured step time after every step, which counts as part of the
+step. The run ends when the learners have taken outer_steps × inner_steps × M inner steps
+in total, as on the virtual clock; the budget is claimed one step at a time under its
+lock, so the total is exact whatever the timing.
+
+Θ is evaluated on its own thread (on learner 0's mesh), from a snapshot taken at the merge
+that crossed the next eval_every × inner_steps × Σ batch tokens, so no learner waits for it.
+Each learner's wall-clock splits into busy (inner steps, slowdown included), blocked
+(waiting for a lock or for a merge), idle (its own communication and bookkeeping:
+pseudo-gradient, hand-over, pull) and finished early; they add up to the run. Metrics
+records are those of the virtual clock, with `time` in wall-clock seconds.
+"""
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import os
+import queue
+import threading
+import time
+
+from absl import logging
+import jax
+
+from decoupled_diloco import checkpoint as checkpoint_lib
+from decoupled_diloco import metrics as metrics_lib
+from decoupled_diloco import policy as policy_lib
+from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.experiment import Experiment
+from decoupled_diloco.runtime import records
+from decoupled_diloco.syncer import MergeReport, Push, PushRejected
+
+
+@dataclasses.dataclass
+class Account:
+  """One learner's wall-clock accounting. `steps` changes under the budget lock; the rest
+  only in the learner's own thread, and is read once every learner thread has ended."""
+  steps: int = 0             # Inner steps finished.
+  busy: float = 0.0
+  useful: float = 0.0        # Busy time of rounds whose push was accepted (goodput's numerator).
+  blocked: float = 0.0
+  done_at: float = 0.0
+  pushes: int = 0
+  dropped: int = 0
+  rejected: int = 0
+  bytes_sent: int = 0
+  staleness: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+class ThreadedRun:
+  """Runs one experiment with a thread per learner; `run()` returns the summary figures."""
+
+  def __init__(self, exp: Experiment, writer: metrics_lib.MetricsWriter):
+    config = exp.config
+    if exp.syncer is None or config.mode not in ("decoupled", "diloco"):
+      raise ConfigError(f"the threads runtime runs modes 'decoupled' and 'diloco', not {config.mode!r}: "
+                        "use --config.runtime=lockstep or sim")
+    self.exp, self.config, self.writer, self.syncer = exp, config, writer, exp.syncer
+    self.blocking = config.mode == "diloco"
+    num = len(exp.learners)
+    self.slowdown = tuple(config.learners.slowdown) or (0.0,) * num
+    self.accounts = [Account() for _ in range(num)]
+    self.declared = [1.0 / p.mean_step_seconds(f) for p, f in zip(exp.profiles, exp.flops_per_step)]
+    # Under the budget lock: the budget, tokens done, measured speeds (0 = none yet).
+    self.budget = threading.Lock()
+    self.steps_left = config.outer_steps * config.inner_steps * num
+    self.tokens = 0
+    self.measured = policy_lib.SpeedTracker([0.0] * num)
+    # Under the syncer lock: the syncer and the coordination below.
+    self.lock = threading.Condition()
+    self.pushed: set[int] = set()   # diloco: learners that handed their push over since the last merge.
+    self.waiting: set[int] = set()  # diloco: learners waiting for a merge.
+    self.done: set[int] = set()
+    self.tokens_per_eval = config.eval_every * config.inner_steps * sum(l.batches.tokens_per_batch
+                                                                        for l in exp.learners)
+    self.next_eval_tokens = self.tokens_per_eval
+    self.last_eval_key = None
+    self.syncer_seconds = 0.0  # Time the syncer spent receiving and merging (lock held).
+    self.stopping, self.failure = False, None
+    # Lock order: syncer lock, then budget lock, then write lock; never the other way round.
+    self.write_lock = threading.Lock()
+    self.evals: queue.Queue = queue.Queue()
+    self.last_eval = None
+    self._start, self._begin = time.monotonic(), time.time()
+
+  def now(self) -> float:
+    """Wall-clock seconds since the run started: the syncer's `now`."""
+    return time.monotonic() - self._start
+
+  def _clock(self, version: int) -> dict:
+    with self.budget:
+      steps, tokens = max(a.steps for a in self.accounts), self.tokens
+    return {"outer_step": version, "inner_step": steps, "tokens": tokens, "time": self.now(),
+            "wall_time": time.time() - self._begin}
+
+  def _write(self, record: dict) -> None:
+    with self.write_lock:
+      self.writer.write(record)
+
+  @contextlib.contextmanager
+  def _holding(self, m: int, lock):
+    """`lock`, the wait for it counted as learner m's blocked time."""
+    asked = time.monotonic()
+    with lock:
+      self.accounts[m].blocked += time.monotonic() - asked
+      yield
+
+  def _wait(self, m: int, predicate) -> None:
+    """Waits (syncer lock held, released meanwhile) until `predicate` holds or the run failed."""
+    asked = time.monotonic()
+    self.lock.wait_for(lambda: predicate() or self.failure is not None)
+    self.accounts[m].blocked += time.monotonic() - asked
+
+  # Learner threads.
+  def _learner(self, m: int) -> None:
+    try:
+      with self._holding(m, self.lock):
+        params, versions = self.syncer.params, self.syncer.versions
+      self.exp.learners[m].pull(params, versions)
+      while self._round(m):
+        pass
+    except BaseException as error:  # pylint: disable=broad-except
+      self._fail(error)
+    finally:
+      with self.lock:
+        self.accounts[m].done_at = self.now()
+        self.done.add(m)
+        self.lock.notify_all()
+
+  def _round(self, m: int) -> bool:
+    """Local work, push, newest Θ; False once the budget left this learner nothing to do."""
+    learner, compute, steps = self.exp.learners[m], 0.0, 0
+    with self._holding(m, self.budget):
+      target = self._target(m)
+    while self._claim_step(m, target, steps, compute):
+      seconds = self._timed_step(m)
+      compute, steps = compute + seconds, steps + 1
+      with self._holding(m, self.budget):
+        self._account_step(m, seconds)
+    if steps == 0:
+      return False
+    push = learner.push(self.syncer, 0, compute_seconds=compute)
+    with self._holding(m, self.lock):
+      # Every step was waited for: draining its losses here only copies scalars.
+      extra = {"time": self.now(), "wall_time": time.time() - self._begin}
+      for record in records.train_records(learner, self.syncer.version, self.config.log_every, extra):
+        self._write(record)
+      if self.blocking:  # Hand over in learner order: the merge then sums as lockstep does.
+        self._wait(m, lambda: all(k in self.pushed or k in self.done for k in range(m)))
+      before = self.syncer.versions[0]
+      if self._hand_over(m, push) and self.blocking:  # Wait for the merge that includes the push.
+        self.waiting.add(m)
+        self.lock.notify_all()
+        self._wait(m, lambda: self.syncer.versions[0] > before or self._no_merge_coming())
+        self.waiting.discard(m)
+      params, version = self.syncer.fragment_params(0), self.syncer.versions[0]
+    learner.receive(0, params, version)
+    return True
+
+  def _target(self, m: int) -> int | None:
+    """The round's steps (budget lock held): DyLU on measured speeds once every learner has one."""
+    speeds = self.declared
+    if self.config.policy.speed_source == "measured" and min(self.measured.speeds) > 0:
+      speeds = self.measured.speeds
+    return policy_lib.target_steps(self.config.policy, self.config.inner_steps, speeds[m], max(speeds))
+
+  def _claim_step(self, m: int, target: int | None, steps: int, compute: float) -> bool:
+    """Takes one step of the run's budget if the round and the budget allow it."""
+    with self._holding(m, self.budget):
+      speed = self.measured.speeds[m]
+      if self.failure is not None or self.steps_left == 0 or not policy_lib.keep_training(
+          self.config.policy, target, steps, compute, 1.0 / speed if speed else 0.0):
+        return False
+      self.steps_left -= 1
+      return True
+
+  def _timed_step(self, m: int) -> float:
+    """One inner step, waited for (its wall-clock time is what DyLU measures), plus the slowdown."""
+    return self.exp.learners[m].timed_step(self.slowdown[m])
+
+  def _account_step(self, m: int, seconds: float) -> None:
+    """A finished step (budget lock held): tokens, busy time and, after the first, the speed."""
+    account = self.accounts[m]
+    account.steps += 1
+    account.busy += seconds
+    self.tokens += self.exp.learners[m].batches.tokens_per_batch
+    if account.steps >= 2:  # The first step pays one-off dispatch costs.
+      self.measured.observe(m, seconds)
+
+  # Syncer side (syncer lock held).
+  def _hand_over(self, m: int, push) -> bool:
+    """receive() at wall-clock now; records the push and any merge. True if it was accepted."""
+    account, began = self.accounts[m], time.monotonic()
+    staleness = self.syncer.versions[push.fragment] - push.base_version
+    self.pushed.add(m)
+    try:
+      accepted, report = self.syncer.receive(push, self.now())
+    except PushRejected as error:
+      logging.warning("%s", error)
+      account.rejected += 1
+      return False
+    finally:
+      self.syncer_seconds += time.monotonic() - began
+    account.pushes, account.bytes_sent = account.pushes + 1, account.bytes_sent + push.wire_bytes
+    account.staleness[staleness] += 1
+    if accepted:
+      account.useful += push.compute_seconds
+    else:
+      account.dropped += 1
+    self._write({"kind": "push", **self._clock(self.syncer.version), "learner": m, "fragment": push.fragment,
+                 "local_steps": push.local_steps, "tokens": push.tokens, "staleness": staleness,
+                 "accepted": int(accepted), "wire_bytes": push.wire_bytes})
+    if report is not None:
+      self.syncer.observe_sync_seconds(time.monotonic() - began)  # ξ_sync: the merge's own duration.
+      self._on_merge(report, "push")
+    elif self.syncer.deadlines:
+      self.lock.notify_all()  # The timer thread picks the new grace window up.
+    return accepted
+
+  def _no_merge_coming(self) -> bool:
+    """diloco: the budget is spent and nobody will push again, so the quorum can no longer fill."""
+    with self.budget:
+      spent = self.steps_left == 0
+    return spent and all(k in self.waiting or k in self.done for k in range(len(self.accounts)))
+
+  def _on_merge(self, report: MergeReport, trigger: str) -> None:
+    """Records a merge ('push': it completed the quorum; 'deadline': a grace window closed;
+    'end': what was left when the budget ran out) and queues Θ's evaluation when it is due."""
+    clock = self._clock(report.version)
+    self._write({"kind": "outer", **clock, "fragment": report.fragment, "learners": list(report.learners),
+                 "staleness": list(report.staleness), "weights": list(report.weights), "trigger": trigger})
+    self.pushed.clear()
+    if clock["tokens"] >= self.next_eval_tokens:
+      while self.next_eval_tokens <= clock["tokens"]:
+        self.next_eval_tokens += self.tokens_per_eval
+      self._enqueue_eval(clock)
+    self.lock.notify_all()
+
+  def _enqueue_eval(self, clock: dict) -> None:
+    """Hands a snapshot of Θ to the evaluator thread (Θ's arrays are never changed in place)."""
+    self.last_eval_key = (clock["tokens"], clock["outer_step"])
+    self.evals.put((self.syncer.params, clock))
+
+  # Helper threads.
+  def _timer(self) -> None:
+    """Closes grace windows on time: sleeps on the syncer lock until the earliest deadline."""
+    with self.lock:
+      while not self.stopping and self.failure is None:
+        deadlines = self.syncer.deadlines
+        if not deadlines or min(deadlines) > self.now():
+          self.lock.wait(min(deadlines) - self.now() if deadlines else None)
+          continue
+        began = time.monotonic()
+        reports = self.syncer.on_deadline(self.now())
+        self.syncer_seconds += time.monotonic() - began
+        for report in reports:
+          self._on_merge(report, "deadline")
+
+  def _evaluator(self) -> None:
+    """Evaluates queued snapshots of Θ in order, off every learner's critical path."""
+    while (item := self.evals.get()) is not None:
+      params, clock = item
+      record = records.eval_record(self.exp, clock, params)
+      self._write(record)
+      self.last_eval = record
+      logging.info("version %d | wall %.1fs | %s tokens | eval %.3f", clock["outer_step"], clock["time"],
+                   f"{clock['tokens']:,}", record["eval_loss"])
+
+  def _compile(self, m: int) -> None:
+    """Compiles what learner m runs before the clock starts: inner step, pseudo-gradient, push check.
+
+    Compilation is not a step time: left in, it would be measured as one (DyLU) and, with
+    several groups, spent while the others already train. Ahead-of-time compiling fills
+    the same cache the calls use, and allocates nothing but one batch; the pseudo-gradient
+    and the syncer's push validation run once on the initial params (no state changes).
+    The merge compiles at the first merge of each size, under the syncer's lock.
+    """
+    learner = self.exp.learners[m]
+    learner.loop.step.lower(learner.state, learner.loop.put_batch(learner.batches.batch(learner.steps))).compile()
+    if m == 0:
+      learner.loop.loss.lower(learner.state.params, learner.loop.put_batch(self.exp.eval_batches[0])).compile()
+    delta = self.syncer.pseudo_gradient(self.syncer.fragment_params(0), learner.state.params)
+    self.syncer.validate(Push(m, delta, 0, 1, 1))
+
+  def _guarded(self, target):
+    def body():
+      try:
+        target()
+      except BaseException as error:  # pylint: disable=broad-except
+        self._fail(error)
+    return body
+
+  def _fail(self, error: BaseException) -> None:
+    """The first error of any thread stops every thread; run() re-raises it."""
+    with self.lock:
+      if self.failure is None:
+        self.failure = error
+      self.lock.notify_all()
+
+  def run(self) -> dict:
+    """Starts the threads, waits for the budget to be spent, merges what is left, evaluates."""
+    helpers = [threading.Thread(target=self._guarded(self._timer), name="syncer-timer", daemon=True),
+               threading.Thread(target=self._guarded(self._evaluator), name="evaluator", daemon=True)]
+    learners = [threading.Thread(target=self._learner, args=(m,), name=f"learner-{m}", daemon=True)
+                for m in range(len(self.exp.learners))]
+    with concurrent.futures.ThreadPoolExecutor(len(learners)) as pool:
+      list(pool.map(self._compile, range(len(learners))))
+    self._start, self._begin = time.monotonic(), time.time()
+    for thread in helpers + learners:
+      thread.start()
+    for thread in learners:
+      thread.join()
+    with self.lock:
+      end = self.now()
+      self.stopping = True
+      if self.failure is None:
+        for report in self.syncer.flush(end):
+          self._on_merge(report, "end")
+        clock = self._clock(self.syncer.version)
+        if self.last_eval_key != (clock["tokens"], clock["outer_step"]):
+          self._enqueue_eval(clock)
+      self.lock.notify_all()
+    self.evals.put(None)
+    for thread in helpers:
+      thread.join()
+    if self.failure is not None:
+      raise self.failure
+    return self._summarize(end)
+
+  def _summarize(self, end: float) -> dict:
+    """Per-learner accounting records and the run's totals (goodput = useful / allocated device-time)."""
+    version, devices = self.syncer.version, self.config.learners.devices
+    theta_bytes = sum(x.nbytes for x in jax.tree.leaves(self.syncer.params))
+    for m, (account, learner) in enumerate(zip(self.accounts, self.exp.learners)):
+      self._write({"kind": "learner_summary", **self._clock(version), "learner": m, "busy_seconds": account.busy,
+                   "blocked_seconds": account.blocked, "finished_early_seconds": end - account.done_at,
+                   "idle_seconds": max(0.0, account.done_at - account.busy - account.blocked),
+                   "steps": learner.steps, "tokens": learner.steps * learner.batches.tokens_per_batch,
+                   "pushes": account.pushes, "dropped": account.dropped, "rejected": account.rejected,
+                   "compute_utilization": account.busy / end, "bytes_sent": account.bytes_sent,
+                   "bytes_received": (account.pushes + account.rejected + 1) * theta_bytes,
+                   "staleness_histogram": {str(s): n for s, n in sorted(account.staleness.items())}})
+    allocated = sum(d * end for d in devices)
+    summary = {"eval_loss": self.last_eval["eval_loss"], "optimal_loss": self.exp.corpus.optimal_loss,
+               "wall_seconds": end, "syncer_seconds": self.syncer_seconds,
+               "goodput": sum(d * a.useful for d, a in zip(devices, self.accounts)) / allocated,
+               "compute_utilization": sum(d * a.busy for d, a in zip(devices, self.accounts)) / allocated,
+               "bytes_sent": sum(a.bytes_sent for a in self.accounts), "outer_updates": version,
+               "steps": [l.steps for l in self.exp.learners],
+               "blocked_fraction": [round(a.blocked / end, 4) for a in self.accounts],
+               **{("merges" if k == "merges" else f"{k}_pushes"): v for k, v in self.syncer.counts.items()}}
+    self._write({"kind": "summary", **self._clock(version),
+                 **{k: v for k, v in summary.items() if k not in ("steps", "optimal_loss", "blocked_fraction")}})
+    return summary
+
+
+def run(exp: Experiment, workdir: str) -> dict:
+  """Trains `exp` in real time in `workdir` and checkpoints the final state; returns the summary."""
+  if exp.config.resume:
+    raise ConfigError("the threads runtime does not resume: start a new run with a new --workdir")
+  checkpoints = os.path.join(workdir, "checkpoints")
+  if os.path.isdir(checkpoints) and os.listdir(checkpoints):
+    raise ConfigError(f"workdir {workdir} already holds a run: pick a new --workdir")
+  os.makedirs(workdir, exist_ok=True)
+  with metrics_lib.MetricsWriter(workdir, resume_from_step=-1) as writer:
+    summary = ThreadedRun(exp, writer).run()
+  logging.info("wall-clock %.1fs, goodput %.3f, %d outer updates, steps per learner %s, blocked fraction %s",
+               summary["wall_seconds"], summary["goodput"], summary["outer_updates"], summary["steps"],
+               summary["blocked_fraction"])
+  with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
+    state = {f"learner_{l.index}": l.state for l in exp.learners}
+    state.update(syncer_params=exp.syncer.params, syncer_opt_state=exp.syncer.state.opt_state)
+    checkpointer.save(summary["outer_updates"], state, {"config": exp.config.to_dict(), "summary": summary})
+  return summary

@@ -1,0 +1,116 @@
+"""A learner's side of the syncer service: calls with the token, chunked streams, retries.
+
+Every call is retried with exponential backoff (and jitter) while the syncer is
+unreachable — restarting, or briefly overloaded — for up to `retry_seconds`; then
+`SyncerUnreachable` is raised. A retried push is the same (learner, seq), so the syncer
+applies it once even if the first attempt's ack was lost. Refusals (bad token, malformed
+push, unknown learner) are not retried: they raise `grpc.RpcError` at once.
+"""
+
+import random
+import time
+
+import grpc
+
+from decoupled_diloco.service import security, server, wire
+
+# CANCELLED: what calls in flight get from a syncer that is shutting down (it restarts).
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
+             grpc.StatusCode.CANCELLED)
+STATUS_SCHEMA = {"version": int, "versions": list, "acked_seq": int, "steps_left": int, "done": bool,
+                 "max_speed": float, "payload_bytes": int}
+PUSH_REPLY_SCHEMA = {**{k: v for k, v in STATUS_SCHEMA.items() if k != "payload_bytes"}, "status": str}
+HEARTBEAT_REPLY_SCHEMA = {k: v for k, v in STATUS_SCHEMA.items() if k != "payload_bytes"}
+
+
+class SyncerUnreachable(ConnectionError):
+  """The syncer did not answer for longer than the retry budget."""
+
+
+def backoff_delays(initial: float = 0.1, factor: float = 2.0, cap: float = 5.0, seed: int | None = None):
+  """Endless delays initial·factor^k (capped), each jittered to [0.5, 1]×: learners do not retry in step."""
+  rng = random.Random(seed)
+  delay = initial
+  while True:
+    yield delay * rng.uniform(0.5, 1.0)
+    delay = min(cap, delay * factor)
+
+
+class SyncerClient:
+  """Calls the syncer service at `target` ('host:port') as learner `learner`."""
+
+  def __init__(self, target: str, token: str, learner: int, *, chunk_bytes: int, timeout_seconds: float,
+               retry_seconds: float, credentials: grpc.ChannelCredentials | None = None,
+               max_payload_bytes: int = 1 << 40):
+    options = server.message_options(chunk_bytes)
+    self._channel = (grpc.secure_channel(target, credentials, options=options) if credentials is not None
+                     else grpc.insecure_channel(target, options=options))
+    self.learner, self.chunk_bytes, self.max_payload_bytes = learner, chunk_bytes, max_payload_bytes
+    self.timeout, self.retry_seconds = timeout_seconds, retry_seconds
+    self._metadata = ((security.TOKEN_METADATA_KEY, token),)
+    method = f"/{server.SERVICE}/"
+    self._join = self._channel.unary_stream(method + "Join")
+    self._pull = self._channel.unary_stream(method + "Pull")
+    self._push = self._channel.stream_unary(method + "Push")
+    self._heartbeat = self._channel.unary_unary(method + "Heartbeat")
+    self.retries = 0  # Attempts that failed and were retried (a metric of the learner).
+
+  def _retrying(self, call):
+    """`call()` until it succeeds, is refused, or the syncer stays unreachable too long."""
+    give_up = time.monotonic() + self.retry_seconds
+    for delay in backoff_delays():
+      try:
+        return call()
+      except grpc.RpcError as error:
+        if error.code() not in RETRYABLE:
+          raise
+        if time.monotonic() + delay > give_up:
+          raise SyncerUnreachable(f"syncer unreachable for {self.retry_seconds:.0f}s: {error.details()}") from error
+        self.retries += 1
+        time.sleep(delay)
+
+  def _read_stream(self, replies) -> tuple[dict, object]:
+    """(status, decoded Θ or None) from a Join/Pull reply stream."""
+    status = wire.parse_header(next(replies), STATUS_SCHEMA)
+    if not status["payload_bytes"]:
+      return status, None
+    data = wire.assemble(replies, status["payload_bytes"], self.max_payload_bytes, self.chunk_bytes)
+    return status, wire.decode(data)
+
+  def join(self) -> tuple[dict, object]:
+    """(status, Θ): the current global params, version and this learner's last acked seq."""
+    request = wire.pack_header({"learner": self.learner})
+    return self._retrying(lambda: self._read_stream(
+        self._join(request, timeout=self.timeout, metadata=self._metadata)))
+
+  def pull(self, have_version: int) -> tuple[dict, object]:
+    """(status, Θ), or (status, None) when `have_version` is still current."""
+    request = wire.pack_header({"learner": self.learner, "have_version": have_version})
+    return self._retrying(lambda: self._read_stream(
+        self._pull(request, timeout=self.timeout, metadata=self._metadata)))
+
+  def heartbeat(self, retry: bool = True) -> dict:
+    """Renews this learner's lease; returns the run's status (one attempt only if not `retry`)."""
+    request = wire.pack_header({"learner": self.learner})
+    call = lambda: self._heartbeat(request, timeout=self.timeout, metadata=self._metadata)  # noqa: E731
+    reply = self._retrying(call) if retry else call()
+    return wire.parse_header(reply, HEARTBEAT_REPLY_SCHEMA)
+
+  def push(self, seq: int, delta, *, base_version: int, tokens: int, local_steps: int, compute_seconds: float,
+           fragment: int = 0) -> dict:
+    """Sends one push (resent as the same seq until acknowledged); returns the syncer's reply."""
+    parts = wire.encode(delta)
+    header = wire.pack_header({"learner": self.learner, "seq": seq, "base_version": base_version,
+                               "fragment": fragment, "tokens": tokens, "local_steps": local_steps,
+                               "compute_seconds": float(compute_seconds), "payload_bytes": wire.encoded_size(parts)})
+
+    def messages():
+      yield header
+      yield from wire.chunks(parts, self.chunk_bytes)
+
+    reply = self._retrying(lambda: self._push(messages(), timeout=self.timeout, metadata=self._metadata))
+    return wire.parse_header(reply, PUSH_REPLY_SCHEMA)
+
+  def close(self) -> None:
+    """Closes the channel."""
+    self._channel.close()

@@ -1,0 +1,60 @@
+"""What the syncer and learner processes derive from a config, and the checks they share."""
+
+import os
+
+import jax
+import numpy as np
+
+from decoupled_diloco.errors import ConfigError
+
+ADDRESS_FILE = "syncer_address"
+
+
+def _require(condition: bool, message: str) -> None:
+  if not condition:
+    raise ConfigError(message)
+
+
+def validate(config) -> None:
+  """Rejects service settings that cannot work, with the flag to fix."""
+  s = config.service
+  _require(config.mode in ("diloco", "decoupled"),
+           f"mode={config.mode!r} has no syncer to serve: use --config.mode=diloco or decoupled with --role")
+  _require(config.streaming.num_fragments == 1,
+           "the service runtime syncs whole models (one fragment): set --config.streaming.num_fragments=1")
+  _require(0 <= s.port <= 65535, f"service.port={s.port} must be in [0, 65535] (0 = a free port)")
+  _require(64 << 10 <= s.chunk_bytes <= 64 << 20,
+           f"service.chunk_bytes={s.chunk_bytes} must be in [64 KiB, 64 MiB]: set --config.service.chunk_bytes")
+  _require(s.checkpoint_every_merges >= 1,
+           f"service.checkpoint_every_merges={s.checkpoint_every_merges} must be >= 1")
+  for name in ("lease_seconds", "linger_seconds", "rpc_timeout_seconds", "retry_seconds"):
+    _require(s[name] > 0, f"service.{name}={s[name]} must be > 0: set --config.service.{name}")
+  _require(s.learner_checkpoint_every >= 0,
+           f"service.learner_checkpoint_every={s.learner_checkpoint_every} must be >= 0 (0 = never)")
+
+
+def budget_steps(config) -> int:
+  """The run's inner steps over all learners: outer_steps × inner_steps × M, as in the simulator."""
+  return config.outer_steps * config.inner_steps * len(config.learners.devices)
+
+
+def max_payload_bytes(params) -> int:
+  """Largest push or Θ accepted: twice the fp32 model (top-k at fraction 1 sends index + value) + 1 MiB."""
+  return 2 * sum(int(np.size(x)) * 4 for x in jax.tree.leaves(params)) + (1 << 20)
+
+
+def write_address(workdir: str, address: str) -> None:
+  """Publishes 'host:port' atomically, so a launcher never reads half of it."""
+  path = os.path.join(workdir, ADDRESS_FILE)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    f.write(address)
+  os.replace(path + ".tmp", path)
+
+
+def read_address(workdir: str) -> str | None:
+  """The address a syncer in `workdir` published, or None before it has."""
+  path = os.path.join(workdir, ADDRESS_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return f.read().strip() or None

@@ -1,0 +1,63 @@
+"""Who may talk to the syncer: a shared secret on every call, and TLS when certificates are given.
+
+The token never appears on a command line (where `ps` shows it to every user of the
+machine): it comes from the environment variable DD_SYNCER_TOKEN or from the file
+`service.token_file`. Calls carry it in the `x-dd-token` metadata entry and the server
+compares in constant time.
+"""
+
+import hmac
+import os
+
+import grpc
+
+from decoupled_diloco.errors import ConfigError
+
+TOKEN_ENV = "DD_SYNCER_TOKEN"
+TOKEN_METADATA_KEY = "x-dd-token"
+MIN_TOKEN_CHARS = 16
+
+
+def load_token(token_file: str) -> str:
+  """The shared secret: `service.token_file` if set, else $DD_SYNCER_TOKEN; ConfigError if neither."""
+  if token_file:
+    if not os.path.isfile(token_file):
+      raise ConfigError(f"service.token_file {token_file!r} does not exist: point it at a file holding the token")
+    with open(token_file, encoding="utf-8") as f:
+      token = f.read().strip()
+  else:
+    token = os.environ.get(TOKEN_ENV, "").strip()
+  if len(token) < MIN_TOKEN_CHARS:
+    raise ConfigError(f"the syncer needs a shared token of at least {MIN_TOKEN_CHARS} characters: export "
+                      f"{TOKEN_ENV}=$(python -c 'import secrets; print(secrets.token_hex(16))') or set "
+                      "--config.service.token_file")
+  return token
+
+
+def token_matches(metadata, token: str) -> bool:
+  """Whether the call's metadata carries `token` (constant-time comparison)."""
+  sent = dict(metadata or ()).get(TOKEN_METADATA_KEY, "")
+  return hmac.compare_digest(str(sent).encode(), token.encode())
+
+
+def _read(path: str, what: str) -> bytes:
+  if not os.path.isfile(path):
+    raise ConfigError(f"{what} {path!r} does not exist: point --config.service.{what} at a PEM file")
+  with open(path, "rb") as f:
+    return f.read()
+
+
+def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials | None:
+  """TLS credentials when both PEM files are given, None (plaintext) when neither is."""
+  if bool(cert_file) != bool(key_file):
+    raise ConfigError("TLS needs both --config.service.tls_cert and --config.service.tls_key (or neither)")
+  if not cert_file:
+    return None
+  return grpc.ssl_server_credentials([(_read(key_file, "tls_key"), _read(cert_file, "tls_cert"))])
+
+
+def channel_credentials(ca_file: str) -> grpc.ChannelCredentials | None:
+  """TLS credentials trusting `ca_file` (e.g. the syncer's self-signed cert); None = plaintext."""
+  if not ca_file:
+    return None
+  return grpc.ssl_channel_credentials(root_certificates=_read(ca_file, "tls_ca"))

@@ -1,0 +1,180 @@
+"""The syncer process (`experiments.train --role=syncer`): serve Θ until the token budget is spent.
+
+It owns Θ on its host CPU, serves learners over gRPC, evaluates Θ on the held-out batches
+as tokens accumulate (in a thread, so merges never wait for an eval), and writes
+metrics.jsonl: 'push', 'outer', 'eval' and a final 'summary'. It checkpoints every
+`service.checkpoint_every_merges` merges, on SIGTERM and at the end; restarted with
+--config.resume=True in the same workdir it restores the checkpoint, replays its log and
+carries on, and the learners (who retry) never notice more than a pause.
+"""
+
+import os
+import queue
+import signal
+import threading
+import time
+
+from absl import logging
+import jax
+
+from decoupled_diloco import checkpoint as checkpoint_lib
+from decoupled_diloco import compression, metrics as metrics_lib, model as model_lib, outer
+from decoupled_diloco.data import batches as batches_lib
+from decoupled_diloco.data import sources
+from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.service import core as core_lib
+from decoupled_diloco.service import runconfig, security
+from decoupled_diloco.service import server as server_lib
+from decoupled_diloco.syncer import Settings, Syncer
+
+TICK_SECONDS = 0.2
+
+
+class Recorder:
+  """A MetricsWriter shared by gRPC handler threads and the eval thread."""
+
+  def __init__(self, writer: metrics_lib.MetricsWriter):
+    self.writer, self.lock = writer, threading.Lock()
+
+  def write(self, record: dict) -> None:
+    """Appends one record (thread-safe)."""
+    with self.lock:
+      self.writer.write(record)
+
+
+class Evaluator:
+  """Held-out loss of Θ snapshots, computed in one background thread in merge order."""
+
+  def __init__(self, config, model, corpus, recorder: Recorder):
+    self.batches = batches_lib.eval_batches(corpus, config.model.seq_len, config.eval_batch_size,
+                                            config.eval_batches)
+    self.loss = jax.jit(model.loss)
+    self.recorder, self.optimal_loss = recorder, corpus.optimal_loss
+    self.last: dict | None = None
+    self._queue: queue.Queue = queue.Queue()
+    self._thread = threading.Thread(target=self._work, name="eval", daemon=True)
+    self._thread.start()
+
+  def submit(self, params, clock: dict) -> None:
+    """Queues an eval of `params` (a snapshot: merges replace Θ, they never mutate it)."""
+    self._queue.put((params, clock))
+
+  def _work(self) -> None:
+    while (item := self._queue.get()) is not None:
+      params, clock = item
+      loss = float(sum(float(self.loss(params, b)) for b in self.batches) / len(self.batches))
+      record = {"kind": "eval", **clock, "eval_loss": loss}
+      if self.optimal_loss is not None:
+        record["optimal_loss"] = self.optimal_loss
+      self.recorder.write(record)
+      self.last = record
+      logging.info("version %d | %d tokens | eval %.4f", clock["outer_step"], clock["tokens"], loss)
+
+  def close(self) -> None:
+    """Finishes queued evals."""
+    self._queue.put(None)
+    self._thread.join()
+
+
+def build_core(config, params, workdir: str, recorder: Recorder, evaluator: Evaluator) -> core_lib.SyncerCore:
+  """The syncer (same state machine as the simulator's) wrapped for the service; evals every
+  eval_every × inner_steps × Σ batch tokens, as the simulator does."""
+  settings = Settings.from_config(config.syncer) if config.mode == "decoupled" else Settings()
+  num_learners = len(config.learners.devices)
+  syncer = Syncer(outer.outer_optimizer(config.outer), params, range(num_learners), settings,
+                  codec=compression.Codec.from_config(config.compression))
+  tokens_per_eval = (config.eval_every * config.inner_steps * config.model.seq_len
+                     * sum(config.learners.batch_size))
+  schedule = {"next": tokens_per_eval}
+
+  def on_merge(version, params, now):
+    if core.tokens_done >= schedule["next"]:
+      while schedule["next"] <= core.tokens_done:
+        schedule["next"] += tokens_per_eval
+      evaluator.submit(params, clock(core, version, now))
+
+  core = core_lib.SyncerCore(syncer, num_learners, runconfig.budget_steps(config), workdir,
+                             checkpoint_every_merges=config.service.checkpoint_every_merges,
+                             lease_seconds=config.service.lease_seconds, metadata={"config": config.to_dict()},
+                             emit=recorder.write, on_merge=on_merge)
+  return core
+
+
+def clock(core: core_lib.SyncerCore, version: int, now: float) -> dict:
+  """Where the run is, for records: version, mean steps per learner, tokens, seconds since it began."""
+  return {"outer_step": version, "inner_step": core.steps_done // core.num_learners, "tokens": core.tokens_done,
+          "wall_time": now - core.start_time}
+
+
+def run(config, workdir: str) -> dict:
+  """Serves until the budget is spent and every learner heard so (or linger_seconds passed); returns the summary."""
+  runconfig.validate(config)
+  token = security.load_token(config.service.token_file)
+  credentials = security.server_credentials(config.service.tls_cert, config.service.tls_key)
+  os.makedirs(workdir, exist_ok=True)
+  checkpoints = os.path.join(workdir, "checkpoints")
+  if os.path.isdir(checkpoints) and os.listdir(checkpoints) and not config.resume:
+    raise ConfigError(f"workdir {workdir} already holds a syncer run: pass --config.resume=True to continue it "
+                      "(launch_local does on restarts), or pick a new --workdir")
+  stop = threading.Event()
+  signal.signal(signal.SIGTERM, lambda *_: stop.set())
+  model, params, _ = model_lib.build_model(config.model, config.seed)
+  corpus = sources.load_corpus(config.data, config.model.seq_len)
+  with metrics_lib.MetricsWriter(workdir, resume_from_step=_resume_step(checkpoints)) as writer:
+    recorder = Recorder(writer)
+    evaluator = Evaluator(config, model, corpus, recorder)
+    core = build_core(config, params, workdir, recorder, evaluator)
+    try:
+      core.start(time.time())
+      server = server_lib.SyncerServer(
+          core, token, host=config.service.host, port=config.service.port, chunk_bytes=config.service.chunk_bytes,
+          max_payload_bytes=runconfig.max_payload_bytes(params), credentials=credentials,
+          workers=2 * core.num_learners + 4)
+      port = server.start()
+      runconfig.write_address(workdir, f"{config.service.host}:{port}")
+      logging.info("syncer serving %d learners on %s:%d (%s), version %d", core.num_learners, config.service.host,
+                   port, "TLS" if credentials else "plaintext", core.syncer.version)
+      done_at = None
+      while not stop.wait(TICK_SECONDS):
+        now = time.time()
+        core.tick(now)
+        if core.done:
+          done_at = done_at or now
+          if core.all_told_done() or now - done_at > config.service.linger_seconds:
+            break
+      server.stop(grace=1.0)
+      core.checkpoint(time.time())  # SIGTERM: keeps the log short; at the end: already saved.
+      return _finish(core, evaluator, recorder, server, write_summary=core.done and not _has_summary(writer.path))
+    finally:
+      core.close()
+
+
+def _resume_step(checkpoints: str) -> int:
+  """Records after the checkpoint a restart resumes from are replayed from the log: drop them first."""
+  if not os.path.isdir(checkpoints):
+    return -1
+  with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
+    step = checkpointer.latest_step()
+  return -1 if step is None else step
+
+
+def _has_summary(path: str) -> bool:
+  """Whether an earlier start of this syncer already wrote the run's summary record."""
+  return any(r["kind"] == "summary" for r in metrics_lib.read_metrics(path))
+
+
+def _finish(core: core_lib.SyncerCore, evaluator: Evaluator, recorder: Recorder,
+            server: server_lib.SyncerServer, write_summary: bool) -> dict:
+  """Final eval, and the run's summary record once it is done (nothing more on SIGTERM)."""
+  if core.done and (evaluator.last is None or evaluator.last["outer_step"] != core.syncer.version):
+    evaluator.submit(core.syncer.params, clock(core, core.syncer.version, time.time()))
+  evaluator.close()
+  last = evaluator.last or {}
+  summary = {"eval_loss": last.get("eval_loss"), "optimal_loss": last.get("optimal_loss"),
+             "outer_updates": core.syncer.version, "steps_done": core.steps_done, "done": core.done,
+             **{f"{k}_pushes": v for k, v in core.counts.items()},
+             "refused_calls": dict(server.rejections)}
+  if write_summary:
+    recorder.write({"kind": "summary", **clock(core, core.syncer.version, time.time()),
+                    **{k: v for k, v in summary.items() if k != "optimal_loss"}})
+  return summary

@@ -1,0 +1,256 @@
+"""The syncer service's wire format: msgpack headers and self-describing array payloads.
+
+No protoc: every gRPC method carries plain bytes, so the format is defined here.
+
+Header: one msgpack map per call (request and reply), at most MAX_HEADER_BYTES, checked
+against a schema (exact keys, exact types) by `parse_header` before anything reads it.
+
+Payload (a pytree of arrays, or a `compression.Compressed`), as one byte string:
+  u32 little-endian skeleton length | skeleton (msgpack) | array bytes, back to back
+The skeleton is {"kind": "tree" | "compressed", "value": ...}: nested maps (str keys),
+lists, None and scalars, with every array replaced by msgpack ext type 1 holding
+[dtype name, shape, offset into the array bytes]. Arrays must tile the array section
+exactly, in order, so a payload cannot alias or hide bytes. A "compressed" value is
+[format, shapes, leaves] and decodes back into a `compression.Compressed`.
+
+Streams: a push is its header message followed by the payload cut into chunks of at most
+`chunk_bytes`; the header's `payload_bytes` says how many bytes follow, so a receiver
+rejects a short, long or oversized stream before decoding it. Pull/Join replies stream
+the same way. Any violation raises WireError (a ValueError) with a message naming it.
+"""
+
+import struct
+from collections.abc import Iterable, Iterator
+
+import ml_dtypes
+import msgpack
+import numpy as np
+
+from decoupled_diloco import compression
+
+MAX_HEADER_BYTES = 64 << 10
+MAX_SKELETON_BYTES = 16 << 20
+MAX_DEPTH = 32
+_ARRAY_EXT = 1
+_PREFIX = struct.Struct("<I")
+# Every dtype a params tree or a compression payload uses; nothing else is decoded.
+DTYPES = {name: np.dtype(getattr(ml_dtypes, name, name)) for name in (
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "float16", "float32", "float64",
+    "bfloat16")}
+
+
+class WireError(ValueError):
+  """A malformed, oversized or truncated message; nothing derived from it was applied."""
+
+
+class PayloadTooLarge(WireError):
+  """A payload or chunk over the configured limits."""
+
+
+def pack_header(fields: dict) -> bytes:
+  """A header map as bytes (the first message of every call and reply)."""
+  return msgpack.packb(fields, use_bin_type=True)
+
+
+def parse_header(data: bytes, schema: dict[str, type]) -> dict:
+  """The header in `data`, checked key by key against `schema` (float fields accept ints).
+
+  Why strict: every field steers the syncer's state machine, so an unknown, missing or
+  mistyped field is rejected here rather than deep inside a merge.
+  """
+  if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_HEADER_BYTES:
+    raise WireError(f"header must be at most {MAX_HEADER_BYTES} bytes of msgpack")
+  try:
+    fields = msgpack.unpackb(data, raw=False, max_bin_len=0, max_ext_len=0, max_array_len=64, max_map_len=64)
+  except Exception as error:  # msgpack raises several unrelated types for bad input.
+    raise WireError(f"header is not msgpack ({type(error).__name__}: {error})") from error
+  if not isinstance(fields, dict) or set(fields) != set(schema):
+    got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
+    raise WireError(f"header fields are {got}, expected {sorted(schema)}")
+  for name, kind in schema.items():
+    value = fields[name]
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
+          else isinstance(value, kind) and (kind is bool or not isinstance(value, bool)))
+    if not ok:
+      raise WireError(f"header field {name!r} is {type(value).__name__}, expected {kind.__name__}")
+    if kind is float and not np.isfinite(value):
+      raise WireError(f"header field {name!r} is {value}, expected a finite number")
+  return fields
+
+
+def _to_skeleton(node, arrays: list, offset: list, depth: int = 0):
+  """`node` with arrays swapped for ext references; collects the arrays in order."""
+  if depth > MAX_DEPTH:
+    raise WireError(f"payload nests deeper than {MAX_DEPTH} levels")
+  if isinstance(node, dict):
+    if not all(isinstance(k, str) for k in node):
+      raise WireError("payload maps must have str keys")
+    return {k: _to_skeleton(v, arrays, offset, depth + 1) for k, v in node.items()}
+  if isinstance(node, (list, tuple)):
+    return [_to_skeleton(v, arrays, offset, depth + 1) for v in node]
+  if node is None or isinstance(node, (bool, int, float, str)):
+    return node
+  array = np.ascontiguousarray(node)  # jax.Array on the host and numpy alike; no copy if contiguous.
+  if array.dtype.name not in DTYPES:
+    raise WireError(f"dtype {array.dtype} cannot go on the wire; allowed: {sorted(DTYPES)}")
+  arrays.append(array)
+  ref = msgpack.ExtType(_ARRAY_EXT, msgpack.packb([array.dtype.name, list(array.shape), offset[0]]))
+  offset[0] += array.nbytes
+  return ref
+
+
+def encode(payload) -> list[memoryview]:
+  """`payload` (pytree of arrays, or Compressed) as byte parts, without copying arrays.
+
+  Why parts: a 100 MB push is chunked straight from the arrays' memory; only the
+  chunker copies, once.
+  """
+  arrays, offset = [], [0]
+  if isinstance(payload, compression.Compressed):
+    value = [payload.format, [list(s) for s in payload.shapes], list(payload.leaves)]
+    skeleton = {"kind": "compressed", "value": _to_skeleton(value, arrays, offset)}
+  else:
+    skeleton = {"kind": "tree", "value": _to_skeleton(payload, arrays, offset)}
+  head = msgpack.packb(skeleton, use_bin_type=True)
+  return [memoryview(_PREFIX.pack(len(head)) + head)] + [memoryview(a).cast("B") for a in arrays if a.nbytes]
+
+
+def encoded_size(parts: list[memoryview]) -> int:
+  """Bytes `encode` produced: what `payload_bytes` announces."""
+  return sum(p.nbytes for p in parts)
+
+
+def chunks(parts: Iterable[memoryview], chunk_bytes: int) -> Iterator[bytes]:
+  """The parts re-cut into messages of exactly `chunk_bytes` (the last may be shorter).
+
+  Each message is built with one copy (a join of memoryview slices), whatever the part
+  boundaries.
+  """
+  pending, filled = [], 0
+  for part in parts:
+    start = 0
+    while start < part.nbytes:
+      take = min(chunk_bytes - filled, part.nbytes - start)
+      pending.append(part[start:start + take])
+      filled, start = filled + take, start + take
+      if filled == chunk_bytes:
+        yield b"".join(pending)
+        pending, filled = [], 0
+  if filled:
+    yield b"".join(pending)
+
+
+def assemble(messages: Iterator[bytes], payload_bytes: int, max_payload_bytes: int, chunk_bytes: int) -> bytes:
+  """Reads exactly `payload_bytes` from the chunk messages; WireError on any mismatch.
+
+  Sizes are checked as messages arrive (nothing over the announced size is kept); the
+  bytes are joined once at the end.
+  """
+  if not 0 <= payload_bytes <= max_payload_bytes:
+    raise PayloadTooLarge(f"payload of {payload_bytes} bytes is outside the limit [0, {max_payload_bytes}] bytes")
+  received, filled = [], 0
+  for message in messages:
+    if len(message) > chunk_bytes:
+      raise PayloadTooLarge(f"chunk of {len(message)} bytes exceeds chunk_bytes={chunk_bytes}")
+    if filled + len(message) > payload_bytes:
+      raise WireError(f"stream carries more than the announced {payload_bytes} payload bytes")
+    received.append(message)
+    filled += len(message)
+  if filled != payload_bytes:
+    raise WireError(f"stream ended after {filled} of the announced {payload_bytes} payload bytes")
+  return b"".join(received)
+
+
+def decode(data) -> object:
+  """The payload in `data` (bytes-like): arrays are read-only views, nothing is copied."""
+  view = memoryview(data)
+  if view.nbytes < _PREFIX.size:
+    raise WireError("payload is shorter than its length prefix")
+  (length,) = _PREFIX.unpack_from(view)
+  if length > min(MAX_SKELETON_BYTES, view.nbytes - _PREFIX.size):
+    raise WireError(f"payload skeleton length {length} exceeds the payload or {MAX_SKELETON_BYTES} bytes")
+  body = view[_PREFIX.size + length:]
+  refs = []
+
+  def ext_hook(code, ext_data):
+    if code != _ARRAY_EXT:
+      raise WireError(f"unknown msgpack ext type {code} in payload")
+    refs.append(msgpack.unpackb(ext_data, raw=False, max_array_len=MAX_DEPTH, max_map_len=0))
+    return _ArrayRef(len(refs) - 1)
+
+  try:
+    skeleton = msgpack.unpackb(view[_PREFIX.size:_PREFIX.size + length], raw=False, ext_hook=ext_hook,
+                               strict_map_key=True)
+  except WireError:
+    raise
+  except Exception as error:
+    raise WireError(f"payload skeleton is not msgpack ({type(error).__name__}: {error})") from error
+  arrays, end = [], 0
+  for ref in refs:
+    arrays.append(_array(ref, body, end))
+    end += arrays[-1].nbytes
+  if end != body.nbytes:
+    raise WireError(f"payload carries {body.nbytes} array bytes but its arrays describe {end}")
+  if not isinstance(skeleton, dict) or set(skeleton) != {"kind", "value"}:
+    raise WireError("payload skeleton must be a map with 'kind' and 'value'")
+  value = _resolve(skeleton["value"], arrays, 0)
+  if skeleton["kind"] == "tree":
+    return value
+  if skeleton["kind"] == "compressed":
+    return _compressed(value)
+  raise WireError(f"payload kind {skeleton['kind']!r} is unknown: expected 'tree' or 'compressed'")
+
+
+class _ArrayRef(int):
+  """Placeholder for the i-th array while the skeleton is unpacked."""
+
+
+def _array(ref, body: memoryview, expected_offset: int) -> np.ndarray:
+  """One array reference checked against the bytes it claims (dtype, shape, position)."""
+  if not (isinstance(ref, list) and len(ref) == 3 and isinstance(ref[0], str) and isinstance(ref[1], list)
+          and isinstance(ref[2], int)):
+    raise WireError("array reference must be [dtype, shape, offset]")
+  name, shape, offset = ref
+  if name not in DTYPES:
+    raise WireError(f"array dtype {name!r} is not allowed; allowed: {sorted(DTYPES)}")
+  if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+    raise WireError(f"array shape {shape} must be non-negative ints")
+  if offset != expected_offset:
+    raise WireError(f"array at offset {offset} does not follow the previous one (expected {expected_offset})")
+  dtype = DTYPES[name]
+  count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+  nbytes = count * dtype.itemsize
+  if offset + nbytes > body.nbytes:
+    raise WireError(f"array {name}{shape} needs {nbytes} bytes at offset {offset}; the payload has {body.nbytes}")
+  array = np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)
+  array.flags.writeable = False
+  return array
+
+
+def _resolve(node, arrays: list, depth: int):
+  """The skeleton with references replaced by their arrays (and a depth limit)."""
+  if depth > MAX_DEPTH:
+    raise WireError(f"payload nests deeper than {MAX_DEPTH} levels")
+  if isinstance(node, _ArrayRef):
+    return arrays[node]
+  if isinstance(node, dict):
+    return {k: _resolve(v, arrays, depth + 1) for k, v in node.items()}
+  if isinstance(node, list):
+    return [_resolve(v, arrays, depth + 1) for v in node]
+  return node
+
+
+def _compressed(value) -> compression.Compressed:
+  """[format, shapes, leaves] back into a Compressed, with its static parts checked."""
+  if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str) and isinstance(value[1], list)
+          and isinstance(value[2], list) and len(value[1]) == len(value[2])):
+    raise WireError("compressed payload must be [format, shapes, leaves] with one shape per leaf")
+  fmt, shapes, leaves = value
+  if fmt not in compression.FORMATS:
+    raise WireError(f"compression format {fmt!r} is unknown; known: {compression.FORMATS}")
+  for shape, leaf in zip(shapes, leaves):
+    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+      raise WireError(f"compressed shape {shape} must be a list of non-negative ints")
+    if not (isinstance(leaf, dict) and all(isinstance(a, np.ndarray) for a in leaf.values())):
+      raise WireError("each compressed leaf must be a map of arrays")
+  return compression.Compressed(fmt, tuple(tuple(s) for s in shapes), tuple(leaves))

@@ -1,0 +1,65 @@
+r"""Syncer merge throughput: M pushes of N params (weighting + outer step) vs a numpy copy of their bytes.
+
+  python -m experiments.benchmarks.merge_throughput
+
+One block hands M float32 pseudo-gradients of N parameters to `Syncer.receive` with quorum
+M: each push is moved to the host device and validated (shapes, dtypes, NaN/Inf), the last
+one triggers the merge (token × staleness weights, weighted mean) and the outer step
+(Nesterov SGD). The baseline copies the same M·N·4 bytes with numpy (`np.copyto` into
+preallocated buffers), interleaved with the syncer in the same run. Key `ratio` = numpy
+seconds / syncer seconds, i.e. the syncer's bytes/s as a fraction of a memory copy's
+(target >= 0.25).
+"""
+
+from absl import app
+from absl import flags
+import numpy as np
+
+from experiments.benchmarks import common
+
+_PARAMS = flags.DEFINE_integer("params", 4_000_000, "N: parameters per push.")
+_PUSHES = flags.DEFINE_integer("pushes", 4, "M: pushes per merge (the quorum).")
+_BLOCKS = flags.DEFINE_integer("blocks", 7, "Interleaved repetitions (median taken).")
+
+
+def main(argv) -> None:
+  """Times one M-push merge of the real syncer against copying the same bytes."""
+  del argv
+  import jax  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco import outer  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.syncer import Push, Settings, Syncer  # pylint: disable=g-import-not-at-top
+  from ml_collections import ConfigDict  # pylint: disable=g-import-not-at-top
+
+  m, leaves = _PUSHES.value, 8
+  shape = (_PARAMS.value // leaves,)
+  rng = np.random.default_rng(0)
+  params = {f"block_{i}": {"w": rng.standard_normal(shape, dtype=np.float32)} for i in range(leaves)}
+  deltas = [jax.tree.map(lambda x: (rng.standard_normal(x.shape, dtype=np.float32) * 1e-3), params)
+            for _ in range(m)]
+  optimizer = outer.outer_optimizer(ConfigDict({"optimizer": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}))
+  syncer = Syncer(optimizer, params, range(m), Settings(quorum=m, token_weighting="tokens"))
+  sources = [leaf for delta in deltas for leaf in jax.tree.leaves(delta)]
+  targets = [np.empty_like(leaf) for leaf in sources]
+
+  def merge():
+    reports = [syncer.receive(Push(k, delta, syncer.version, 1024 * (k + 1), 16), now=0.0)[1]
+               for k, delta in enumerate(deltas)]
+    assert reports[-1] is not None
+    jax.block_until_ready(syncer.params)
+
+  def copy():
+    for source, target in zip(sources, targets):
+      np.copyto(target, source)
+
+  merge(), copy()  # Compile and warm up.
+  medians = common.interleaved_medians({"syncer": merge, "numpy": copy}, _BLOCKS.value)
+  size = sum(leaf.nbytes for leaf in sources)
+  common.emit({"benchmark": "merge_throughput", "pushes": m, "params": _PARAMS.value, "bytes": size,
+               "syncer_seconds": round(medians["syncer"], 4), "numpy_copy_seconds": round(medians["numpy"], 4),
+               "syncer_gbytes_per_s": round(size / medians["syncer"] / 1e9, 3),
+               "numpy_gbytes_per_s": round(size / medians["numpy"] / 1e9, 3),
+               "ratio": round(medians["numpy"] / medians["syncer"], 3)})
+
+
+if __name__ == "__main__":
+  app.run(main)

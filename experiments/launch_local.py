@@ -1,0 +1,256 @@
+r"""Starts a syncer and one process per learner group on this machine; optionally kills them on a schedule.
+
+  python -m experiments.launch_local --config=configs/demo.py --workdir=/tmp/dd_local
+  python -m experiments.launch_local --config=configs/demo.py --workdir=/tmp/dd_chaos \
+      --chaos_seed=0 --kill_every_seconds=20
+  python -m experiments.launch_local --config=configs/demo.py --workdir=/tmp/dd_multi --processes_per_group=2
+
+`--config.*` overrides are passed on to every process. The shared token is
+$DD_SYNCER_TOKEN if set (or the config's service.token_file), else a fresh random one; the
+children get it through their environment, never on a command line. The launcher picks a
+free port (or takes service.port), so the learners start with the syncer and retry until it
+serves; a restarted syncer gets the same port and --config.resume=True. Logs: <workdir>/logs/<process>.log. The launcher
+exits 0 once the syncer and every learner exited 0.
+
+Chaos: every --kill_every_seconds a seeded choice among the running learners (and the syncer,
+with --chaos_syncer) is SIGKILLed and restarted --restart_delay_seconds later.
+
+--processes_per_group=N runs each learner group as N JAX processes (gloo collectives, a
+fresh coordinator port per start) named learner_<i>.p<k>; a group is killed and restarted
+as a whole, like a slice that lost a host.
+"""
+
+import os
+import random
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py", "Experiment config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Shared workdir of the syncer and learners.")
+flags.mark_flag_as_required("workdir")
+_CHAOS_SEED = flags.DEFINE_integer("chaos_seed", None, "Seed of the kill/restart schedule (None = no chaos).")
+_KILL_EVERY = flags.DEFINE_float("kill_every_seconds", 0.0, "Seconds between SIGKILLs of a chaos run.")
+_RESTART_DELAY = flags.DEFINE_float("restart_delay_seconds", 2.0, "Seconds a killed process stays down.")
+_CHAOS_SYNCER = flags.DEFINE_bool("chaos_syncer", False, "Chaos may also kill (and restart) the syncer.")
+_TIMEOUT = flags.DEFINE_float("timeout_seconds", 3600.0, "Kill everything and fail after this long.")
+_PROCESSES_PER_GROUP = flags.DEFINE_integer("processes_per_group", 1, "JAX processes per learner group (each "
+                                            "gets an equal share of the group's devices).")
+
+TOKEN_ENV = "DD_SYNCER_TOKEN"
+
+
+class LocalCluster:
+  """The syncer and learner processes of one run: start, kill, restart, wait."""
+
+  def __init__(self, config_path: str, workdir: str, overrides: list[str], num_learners: int,
+               env: dict | None = None, host: str = "127.0.0.1", port: int = 0,
+               group_processes: tuple[int, ...] = ()):
+    self.config_path, self.workdir, self.overrides = config_path, os.path.abspath(workdir), list(overrides)
+    self.num_learners, self.host, self.port = num_learners, host, port
+    self.group_processes = tuple(group_processes) or (1,) * num_learners  # JAX processes per learner group.
+    self.env = dict(os.environ if env is None else env)
+    self.env.pop("XLA_FLAGS", None)  # Each process sizes its own CPU backend (jax_num_cpu_devices).
+    self.env.setdefault(TOKEN_ENV, secrets.token_hex(16))
+    self.processes: dict[str, subprocess.Popen] = {}
+    self.address: str | None = None
+    self.starts: dict[str, int] = {}
+    os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
+
+  def _command(self, *args: str) -> list[str]:
+    return [sys.executable, "-m", "experiments.train", f"--config={self.config_path}", *self.overrides,
+            f"--workdir={self.workdir}", *args]
+
+  def _spawn(self, name: str, command: list[str]) -> subprocess.Popen:
+    self.starts[name] = self.starts.get(name, 0) + 1
+    log = open(os.path.join(self.workdir, "logs", f"{name}.log"), "ab")  # pylint: disable=consider-using-with
+    log.write(f"=== start {self.starts[name]}: {' '.join(command)}\n".encode())
+    log.flush()
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    log.close()
+    self.processes[name] = process
+    return process
+
+  def start_syncer(self, wait: bool = True, timeout: float = 300.0) -> str:
+    """Starts (or restarts, resuming) the syncer on a fixed port; returns its address.
+
+    The port is picked here (free now) rather than by the syncer, so learners can start at
+    the same time (they retry until it serves) and a restart keeps the address. `wait`:
+    return only once the syncer serves.
+    """
+    address_file = os.path.join(self.workdir, "syncer_address")
+    args = ["--role=syncer"]
+    if self.address is None:
+      self.address = f"{self.host}:{self.port or _free_port(self.host)}"
+    else:  # A restart: resume from the checkpoint and the log.
+      args.append("--config.resume=True")
+    args.append(f"--config.service.port={self.address.rsplit(':', 1)[1]}")
+    if os.path.exists(address_file):
+      os.remove(address_file)
+    process = self._spawn("syncer", self._command(*args))
+    deadline = time.monotonic() + timeout
+    while wait and not os.path.exists(address_file):
+      if process.poll() is not None:
+        raise RuntimeError(f"the syncer exited with {process.returncode} before serving: see "
+                           f"{self.workdir}/logs/syncer.log")
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"the syncer did not publish its address within {timeout:.0f}s")
+      time.sleep(0.1)
+    return self.address
+
+  def start_learner(self, index: int) -> None:
+    """Starts (or restarts) learner group `index` against the syncer: one process, or several."""
+    args = ("--role=learner", f"--learner_id={index}", f"--syncer={self.address}")
+    count = self.group_processes[index]
+    if count == 1:
+      self._spawn(f"learner_{index}", self._command(*args))
+      return
+    coordinator = f"127.0.0.1:{_free_port('127.0.0.1')}"
+    for k in range(count):
+      self._spawn(f"learner_{index}.p{k}", self._command(*args, f"--group_coordinator={coordinator}",
+                                                         f"--group_processes={count}", f"--group_process_id={k}"))
+
+  def start(self) -> None:
+    """The syncer and every learner, all at once."""
+    self.start_syncer(wait=False)
+    for index in range(self.num_learners):
+      self.start_learner(index)
+
+  def kill(self, name: str) -> None:
+    """SIGKILL of a process, or of every process of a learner group: no handler runs, like a lost machine."""
+    for member in [n for n in self.processes if _unit(n) == name or n == name]:
+      process = self.processes[member]
+      if process.poll() is None:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+
+  def restart(self, name: str) -> None:
+    """Starts a killed process again (a syncer resumes from its checkpoint and log)."""
+    if name == "syncer":
+      self.start_syncer()
+    else:
+      self.start_learner(int(name.split("_")[1]))
+
+  def running(self) -> list[str]:
+    """Names of the syncer and learner groups with a process alive now."""
+    return sorted({_unit(name) for name, p in self.processes.items() if p.poll() is None})
+
+  def wait(self, timeout: float, chaos: "Chaos | None" = None) -> dict[str, int]:
+    """Waits for the syncer to finish and the learners to exit; returns each one's exit code."""
+    deadline = time.monotonic() + timeout
+    while self.processes["syncer"].poll() is None or (chaos and chaos.down):
+      if time.monotonic() > deadline:
+        self.stop()
+        raise TimeoutError(f"the run did not finish within {timeout:.0f}s: see {self.workdir}/logs")
+      if chaos is not None:
+        chaos.step(self, time.monotonic())
+      failed = [n for n, p in self.processes.items() if p.poll() not in (None, 0) and n != "syncer"
+                and not (chaos and _unit(n) in chaos.down)]
+      if failed:
+        self.stop()
+        raise RuntimeError(f"{', '.join(failed)} failed: see {self.workdir}/logs")
+      time.sleep(0.1)
+    for name, process in self.processes.items():
+      try:
+        process.wait(timeout=max(1.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        logging.warning("%s still running after the syncer finished: terminating it", name)
+        process.terminate()
+        process.wait()
+    return {name: p.returncode for name, p in self.processes.items()}
+
+  def stop(self) -> None:
+    """Kills every process still running."""
+    for name in self.running():
+      self.kill(name)
+
+
+def _unit(process_name: str) -> str:
+  """What fails and restarts as one: the syncer, or a learner group (all its processes)."""
+  return process_name.split(".")[0]
+
+
+def _free_port(host: str) -> int:
+  """A port nobody listens on right now (the OS picks it)."""
+  with socket.socket() as probe:
+    probe.bind((host, 0))
+    return probe.getsockname()[1]
+
+
+class Chaos:
+  """A seeded schedule: every `every` seconds SIGKILL one running process, restart it `delay` s later."""
+
+  def __init__(self, seed: int, every: float, delay: float, include_syncer: bool):
+    self.rng, self.every, self.delay, self.include_syncer = random.Random(seed), every, delay, include_syncer
+    self.next_kill: float | None = None
+    self.down: dict[str, float] = {}  # name -> when to restart it
+    self.abandoned: set[str] = set()  # Killed, and not restarted because the run ended meanwhile.
+    self.events: list[tuple[float, str, str]] = []
+
+  def step(self, cluster: LocalCluster, now: float) -> None:
+    """Restarts what is due, then kills the next victim if it is time."""
+    self.next_kill = self.next_kill or now + self.every
+    if cluster.processes["syncer"].poll() is not None and "syncer" not in self.down:  # The run is over.
+      self.abandoned.update(self.down)
+      self.down.clear()
+      return
+    for name, when in list(self.down.items()):
+      if now >= when:
+        del self.down[name]
+        cluster.restart(name)
+        self.events.append((now, "restart", name))
+    learners_running = any(n != "syncer" for n in cluster.running()) or any(n != "syncer" for n in self.down)
+    if now < self.next_kill or cluster.processes["syncer"].poll() is not None or not learners_running:
+      return  # Too early, or the run is over (the learners exited after hearing so).
+    self.next_kill = now + self.every
+    candidates = [n for n in sorted(cluster.running()) if n != "syncer" or self.include_syncer]
+    candidates = [n for n in candidates if n not in self.down]
+    if candidates:
+      victim = self.rng.choice(candidates)
+      cluster.kill(victim)
+      self.down[victim] = now + self.delay
+      self.events.append((now, "kill", victim))
+      logging.info("chaos: killed %s, restarting it in %.1fs", victim, self.delay)
+
+
+def main(argv: list[str]) -> None:
+  """Launches the run, applies the chaos schedule, and exits with the run's status."""
+  del argv
+  config = _CONFIG.value
+  overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
+  config_path = config_flags.get_config_filename(flags.FLAGS["config"])
+  cluster = LocalCluster(config_path, _WORKDIR.value, overrides, len(config.learners.devices),
+                         host=config.service.host if config.service.host not in ("0.0.0.0", "::") else "127.0.0.1",
+                         port=config.service.port,
+                         group_processes=(_PROCESSES_PER_GROUP.value,) * len(config.learners.devices))
+  chaos = None
+  if _CHAOS_SEED.value is not None and _KILL_EVERY.value > 0:
+    chaos = Chaos(_CHAOS_SEED.value, _KILL_EVERY.value, _RESTART_DELAY.value, _CHAOS_SYNCER.value)
+  signal.signal(signal.SIGTERM, lambda *_: (cluster.stop(), sys.exit(143)))
+  try:
+    cluster.start()
+    print(f"syncer at {cluster.address}; logs in {cluster.workdir}/logs", flush=True)
+    codes = cluster.wait(_TIMEOUT.value, chaos)
+  except (RuntimeError, TimeoutError) as error:
+    cluster.stop()
+    sys.stderr.write(f"error: {error}\n")
+    sys.exit(1)
+  if chaos is not None:
+    print(f"chaos events (seconds after the first): "
+          f"{[(round(t - chaos.events[0][0], 1), e, n) for t, e, n in chaos.events]}")
+  abandoned = chaos.abandoned if chaos is not None else set()
+  print(f"exit codes: {codes}" + (f" (killed at the end, not restarted: {sorted(abandoned)})" if abandoned else ""))
+  sys.exit(0 if not any(code for name, code in codes.items() if name not in abandoned) else 1)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,128 @@
+"""The Cloud TPU launcher's plan, checked through its dry run: what it would create and start."""
+
+import pathlib
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from decoupled_diloco.errors import ConfigError
+from experiments import launch_tpu
+
+REPO = pathlib.Path(__file__).parents[1]
+SLICES = "v5p-32@us-east5-a,v6e-32@us-east1-d"
+OVERRIDES = ("--config.learners.devices=(16, 32)", "--config.learners.batch_size=(16, 32)")
+
+
+def _dry_run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "experiments.launch_tpu", "--config=configs/default.py", *args,
+                         "--dry_run"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _commands(stdout: str) -> list[list[str]]:
+  return [shlex.split(line) for line in stdout.splitlines() if line and not line.startswith("#")]
+
+
+def _remote(command: list[str]) -> str:
+  return next(a.split("=", 1)[1] for a in command if a.startswith("--command="))
+
+
+def _host(command: list[str]) -> str:
+  return command[5] if command[2] == "tpus" else command[3]
+
+
+def _options(**changes) -> launch_tpu.Options:
+  base = launch_tpu.Options("configs/default.py", OVERRIDES, tuple(launch_tpu.parse_slices(SLICES)), "proj", "dd-t",
+                            token_file="/home/me/.config/decoupled_diloco/dd-t.token")
+  return launch_tpu.Options(**{**base.__dict__, **changes})
+
+
+def test_dry_run_creates_each_slice_and_starts_the_syncer_and_one_learner_per_slice(tmp_path):
+  secret = "s3cr3t-token-that-must-never-show-0123456789"
+  token = tmp_path / "token"
+  token.write_text(secret + "\n")
+  result = _dry_run(*OVERRIDES, f"--slices={SLICES}", "--project=proj", "--run_name=dd-t", f"--token_file={token}")
+  assert result.returncode == 0, result.stderr
+  assert secret not in result.stdout + result.stderr
+  commands = _commands(result.stdout)
+  creates = [c for c in commands if c[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "create"]]
+  assert [(c[5], c[6], c[7], c[8]) for c in creates] == [
+      ("dd-t-0", "--zone=us-east5-a", "--accelerator-type=v5p-32", "--version=v2-alpha-tpuv5"),
+      ("dd-t-1", "--zone=us-east1-d", "--accelerator-type=v6e-32", "--version=v2-alpha-tpuv6e")]
+  assert all("--project=proj" in c for c in commands if c[0] == "gcloud")
+  syncers = [c for c in commands if any("--role=syncer" in a for a in c)]
+  assert len(syncers) == 1 and syncers[0][5:9] == ["dd-t-0", "--zone=us-east5-a", "--project=proj", "--worker=0"]
+  syncer = _remote(syncers[0])
+  assert "JAX_PLATFORMS=cpu " in syncer  # shares worker 0 with learner 0: keeps off its TPU
+  assert "--config.service.host=0.0.0.0" in syncer and "--config.service.port=50051" in syncer
+  lookup = commands.index(next(c for c in commands if c[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "describe"]))
+  learners = [c for c in commands if any("--role=learner" in a for a in c)]
+  assert len(learners) == 2
+  for i, command in enumerate(learners):
+    assert command[5] == f"dd-t-{i}" and "--worker=all" in command and commands.index(command) > lookup
+    remote = _remote(command)
+    assert f"--learner_id={i} " in remote and "--syncer=SYNCER_IP:50051 " in remote
+    assert "--group_coordinator=auto" in remote  # the slice's workers form one multi-host JAX program
+    assert "--config.learners.devices=(16, 32)" in remote  # overrides reach every process
+  for command in syncers + learners:  # the token travels as a file path only
+    assert '--config.service.token_file="$D/token"' in _remote(command) and "DD_SYNCER_TOKEN" not in _remote(command)
+  copies = [c for c in commands if c[4:5] == ["scp"] and c[6].endswith(":dd/dd-t/token")]
+  assert [(c[5], c[6]) for c in copies] == [(str(token), "dd-t-0:dd/dd-t/token"), (str(token), "dd-t-1:dd/dd-t/token")]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("", "--slices is empty"),
+    ("v5p32@us-east5-a", "bad --slices entry 'v5p32@us-east5-a': expected TYPE-SIZE@ZONE"),
+    ("v7x-8@us-east5-a", "bad --slices entry 'v7x-8@us-east5-a'"),
+    ("v5p-32", "bad --slices entry 'v5p-32'"),
+    ("v5p-32@useast5", "bad zone 'useast5'"),
+    ("v5p-31@us-east5-a", "two per chip: use an even size"),
+])
+def test_bad_slice_specs_name_the_expected_form(spec, message):
+  with pytest.raises(ConfigError, match=message) as error:
+    launch_tpu.parse_slices(spec)
+  assert "\n" not in str(error.value)
+
+
+def test_a_bad_slice_spec_on_the_command_line_is_one_error_line_and_status_2():
+  result = _dry_run("--slices=v5p-32@us-east5-a,v6e32@us-east1-d", "--project=proj")
+  assert result.returncode == 2 and result.stdout == ""
+  assert result.stderr.startswith("error: bad --slices entry 'v6e32@us-east1-d'") and result.stderr.count("\n") == 1
+
+
+def test_slices_must_match_the_learner_groups():
+  options = _options()
+  launch_tpu.check(options, (16, 32))
+  with pytest.raises(ConfigError, match="lists 2 slices but the config has 4 learner groups"):
+    launch_tpu.check(options, (2, 2, 2, 2))
+  with pytest.raises(ConfigError, match=r"slice 1 \(v6e-32\) has 32 chips but learners.devices\[1\]=16"):
+    launch_tpu.check(options, (16, 16))
+  with pytest.raises(ConfigError, match="--run_name"):
+    launch_tpu.check(_options(run_name="Bad_Name"), (16, 32))
+
+
+def test_a_cpu_syncer_vm_with_secret_manager_and_tls_reusing_the_slices():
+  options = _options(reuse=True, syncer_vm="dd-syncer@us-central1-a", token_file="", token_secret="dd-token",
+                     tls_cert="/certs/syncer.pem", tls_key="/certs/syncer.key")
+  commands = [list(s.argv) for s in launch_tpu.plan(options)]
+  assert not any("create" in c for c in commands if c[0] == "gcloud")  # --reuse
+  fetches = [c for c in commands if "secrets versions access latest --secret=dd-token" in " ".join(c)]
+  assert [_host(c) for c in fetches] == ["dd-t-0", "dd-t-1", "dd-syncer"]
+  assert not any(c[4:5] == ["scp"] and c[6].endswith("/token") for c in commands)
+  keys = [c for c in commands if any(a.endswith(":dd/dd-t/tls.key") for a in c)]
+  assert len(keys) == 1 and keys[0][:4] == ["gcloud", "compute", "scp", "/certs/syncer.key"]
+  syncer = next(c for c in commands if "--role=syncer" in " ".join(c))
+  assert syncer[:4] == ["gcloud", "compute", "ssh", "dd-syncer"] and "JAX_PLATFORMS" not in _remote(syncer)
+  assert '--config.service.tls_key="$D/tls.key"' in _remote(syncer)
+  lookup = next(c for c in commands if "describe" in c)
+  assert lookup[:5] == ["gcloud", "compute", "instances", "describe", "dd-syncer"]
+  for learner in (c for c in commands if "--role=learner" in " ".join(c)):
+    assert '--config.service.tls_ca="$D/tls.crt"' in _remote(learner)
+
+
+def test_a_given_syncer_address_needs_no_lookup():
+  steps = launch_tpu.plan(_options(syncer_address="10.0.0.7", port=8470, reuse=True))
+  assert not any(s.captures for s in steps)
+  learners = [_remote(list(s.argv)) for s in steps if "--role=learner" in " ".join(s.argv)]
+  assert len(learners) == 2 and all("--syncer=10.0.0.7:8470 " in l for l in learners)

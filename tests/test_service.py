@@ -1,0 +1,239 @@
+"""The networked runtime with real processes on localhost: a syncer and two learner processes.
+
+Each test starts `experiments.train --role=syncer|learner` processes through the local
+launcher's `LocalCluster`, kills some of them with SIGKILL, and checks the run's records:
+the syncer's metrics.jsonl and each learner's <workdir>/learner_<i>/metrics.jsonl.
+"""
+
+import collections
+import os
+import time
+
+import grpc
+import jax
+import numpy as np
+import pytest
+
+from decoupled_diloco import metrics as metrics_lib
+from decoupled_diloco import model as model_lib
+from decoupled_diloco.service import client as client_lib
+from decoupled_diloco.service import security, server as server_lib, wire
+from experiments.launch_local import Chaos, LocalCluster
+from tests import service_config
+
+CONFIG = "tests/service_config.py"
+TOKEN = "s" * 32
+RUN_TIMEOUT = 400.0
+
+
+def _records(path) -> list[dict]:
+  return metrics_lib.read_metrics(path) if os.path.exists(path) else []
+
+
+def _syncer_records(workdir, kind):
+  return [r for r in _records(os.path.join(workdir, "metrics.jsonl")) if r["kind"] == kind]
+
+
+def _learner_records(workdir, index, kind):
+  return [r for r in _records(os.path.join(workdir, f"learner_{index}", "metrics.jsonl")) if r["kind"] == kind]
+
+
+def _wait_until(condition, timeout=RUN_TIMEOUT, what="condition"):
+  deadline = time.monotonic() + timeout
+  while not condition():
+    assert time.monotonic() < deadline, f"timed out waiting for {what}"
+    time.sleep(0.2)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+  env = dict(os.environ, DD_SYNCER_TOKEN=TOKEN)
+  made = []
+
+  def make(*overrides, group_processes=(), name="run"):
+    made.append(LocalCluster(CONFIG, str(tmp_path / name), list(overrides), 2, env=env,
+                             group_processes=group_processes))
+    return made[-1]
+
+  yield make
+  for c in made:
+    c.stop()
+
+
+def _assert_completed(workdir, codes, learner_0=("learner_0",)):
+  assert codes == {"syncer": 0, **{name: 0 for name in learner_0}, "learner_1": 0}, codes
+  summary, = _syncer_records(workdir, "summary")
+  assert summary["done"] and summary["steps_done"] >= 2 * 4 * service_config.get_config().outer_steps
+  return summary
+
+
+def _assert_exactly_once(workdir):
+  """Every push a learner saw acknowledged is in the syncer's records once; versions only go up."""
+  applied = collections.Counter((r["learner"], r["seq"]) for r in _syncer_records(workdir, "push"))
+  assert max(applied.values()) == 1, [k for k, n in applied.items() if n > 1]
+  for index in range(2):
+    acked = [(index, r["seq"]) for r in _learner_records(workdir, index, "ack")
+             if r["status"] in ("applied", "dropped", "duplicate")]
+    assert acked and all(applied[key] == 1 for key in acked), [k for k in acked if applied[k] != 1]
+  versions = [r["outer_step"] for r in _syncer_records(workdir, "outer")]
+  assert versions == sorted(set(versions)) and versions[-1] == _syncer_records(workdir, "summary")[0]["outer_step"]
+
+
+def test_syncer_and_two_learner_processes_train_to_completion(cluster):
+  # Learner 1 emulates a slice three times slower; DyLU sizes rounds from measured speeds.
+  run = cluster("--config.learners.slowdown=(0.0,2.0)", "--config.policy.kind=dylu",
+                "--config.policy.speed_source=measured")
+  run.start()
+  codes = run.wait(RUN_TIMEOUT)
+  summary = _assert_completed(run.workdir, codes)
+  evals = [r["eval_loss"] for r in _syncer_records(run.workdir, "eval")]
+  first_losses = [_learner_records(run.workdir, m, "train")[0]["loss"] for m in range(2)]
+  assert evals[-1] < min(first_losses) - 1.0, (evals, first_losses)  # ln 256 ≈ 5.5 at the start.
+  assert summary["rejected_pushes"] == 0 and summary["duplicates_pushes"] == 0
+  for m in range(2):
+    learner_summary, = _learner_records(run.workdir, m, "learner_summary")
+    assert learner_summary["blocked_fraction"] < 0.5 and learner_summary["steps"] > 0
+  _assert_exactly_once(run.workdir)
+  # Rounds of H = 4 until a learner has measured itself (its first round compiles); then the
+  # slow learner takes about a third of the fast one's local steps, and pushes as often.
+  local_steps = {m: [r["local_steps"] for r in _syncer_records(run.workdir, "push") if r["learner"] == m]
+                 for m in range(2)}
+  assert local_steps[0][:-2] == [4] * (len(local_steps[0]) - 2), local_steps  # The budget may cut the last ones.
+  assert local_steps[1][:2] == [4, 4] and len(local_steps[1]) >= 4 and max(local_steps[1][2:]) <= 2, local_steps
+
+
+def test_a_learner_group_of_two_jax_processes_trains_as_one_group(cluster):
+  run = cluster(group_processes=(2, 1))  # Learner 0's two devices: one in each of two gloo-connected processes.
+  run.start()
+  codes = run.wait(RUN_TIMEOUT)
+  _assert_completed(run.workdir, codes, learner_0=("learner_0.p0", "learner_0.p1"))
+  _assert_exactly_once(run.workdir)
+  group, = _learner_records(run.workdir, 0, "learner_summary")
+  assert group["processes"] == 2 and group["applied_pushes"] >= 2
+  losses = [r["loss"] for r in _learner_records(run.workdir, 0, "train")]
+  assert losses[-1] < losses[0] - 1.0, losses
+  # The group checkpointed its inner state from both processes (orbax writes each one's shards).
+  assert os.listdir(os.path.join(run.workdir, "learner_0", "checkpoints"))
+
+
+def test_a_killed_learner_rejoins_while_the_other_keeps_training(cluster):
+  run = cluster("--config.outer_steps=80")  # Learner 0 alone must not spend the budget while 1 restarts.
+  run.start()
+  _wait_until(lambda: len(_learner_records(run.workdir, 1, "ack")) >= 4, what="learner 1's fourth ack")
+  run.kill("learner_1")
+  acks_before = len(_learner_records(run.workdir, 1, "ack"))
+  pushes_of_0 = len([r for r in _syncer_records(run.workdir, "push") if r["learner"] == 0])
+  run.restart("learner_1")
+  _wait_until(lambda: len(_learner_records(run.workdir, 1, "ack")) > acks_before, what="learner 1 to push again")
+  during_outage = len([r for r in _syncer_records(run.workdir, "push") if r["learner"] == 0]) - pushes_of_0
+  assert during_outage >= 2, "learner 0 stopped while learner 1 was down"
+  codes = run.wait(RUN_TIMEOUT)
+  _assert_completed(run.workdir, codes)
+  steps = [r["inner_step"] for r in _learner_records(run.workdir, 1, "train")]
+  restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+  assert steps[restart] > 2, "the restarted learner did not resume its inner state from its checkpoint"
+  _assert_exactly_once(run.workdir)
+
+
+def test_a_killed_syncer_resumes_from_its_checkpoint_and_log(cluster):
+  run = cluster("--config.outer_steps=20")
+  run.start()
+  _wait_until(lambda: len(_syncer_records(run.workdir, "outer")) >= 10, what="10 merges")
+  run.kill("syncer")
+  killed_at = max(r["outer_step"] for r in _syncer_records(run.workdir, "outer"))
+  time.sleep(1.0)
+  run.restart("syncer")  # Same port, --config.resume=True; the learners have been retrying.
+  codes = run.wait(RUN_TIMEOUT)
+  _assert_completed(run.workdir, codes)
+  _assert_exactly_once(run.workdir)
+  outer = _syncer_records(run.workdir, "outer")
+  assert max(r["outer_step"] for r in outer) > killed_at
+  assert any(r["replayed"] for r in _syncer_records(run.workdir, "push")) or killed_at % 8 == 0
+
+
+def _raw_push(stub, header, payload_parts, metadata, chunk=64 << 10):
+  return stub(iter([wire.pack_header(header), *wire.chunks(payload_parts, chunk)]), metadata=metadata, timeout=30)
+
+
+def test_bad_inputs_from_a_raw_client_are_refused_and_the_run_continues(cluster):
+  run = cluster()
+  address = run.start_syncer()
+  config = service_config.get_config()
+  params = jax.device_get(model_lib.build_model(config.model, config.seed)[1])
+  channel = grpc.insecure_channel(address, options=server_lib.message_options(4 << 20))
+  push = channel.stream_unary(f"/{server_lib.SERVICE}/Push")
+  heartbeat = channel.unary_unary(f"/{server_lib.SERVICE}/Heartbeat")
+  good = ((security.TOKEN_METADATA_KEY, TOKEN),)
+  delta = jax.tree.map(lambda x: np.full(x.shape, 0.01, np.float32), params)
+
+  def header(parts, **fields):
+    return {"learner": 0, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 64, "local_steps": 4,
+            "compute_seconds": 0.1, "payload_bytes": wire.encoded_size(parts), **fields}
+
+  def refused(call, code, text):
+    with pytest.raises(grpc.RpcError) as error:
+      call()
+    assert error.value.code() == code and text in error.value.details(), (error.value.code(),
+                                                                         error.value.details())
+
+  parts = wire.encode(delta)
+  nan = wire.encode(jax.tree.map(lambda x: np.where(np.arange(x.size).reshape(x.shape) == 0, np.nan, x), delta))
+  wide = wire.encode(jax.tree.map(lambda x: np.zeros((*x.shape, 2), np.float32), delta))
+  doubles = wire.encode(jax.tree.map(lambda x: x.astype(np.float64), delta))
+  garbage = [memoryview(b"\x10\x00\x00\x00" + b"\xc1" * 16)]
+  hb = wire.pack_header({"learner": 0})
+  cases = [
+      (lambda: heartbeat(hb, timeout=30), grpc.StatusCode.UNAUTHENTICATED, "token"),
+      (lambda: _raw_push(push, header(parts), parts, (("x-dd-token", "w" * 32),)), grpc.StatusCode.UNAUTHENTICATED,
+       "token"),
+      (lambda: push(iter([b"\x93\x01"]), metadata=good, timeout=30), grpc.StatusCode.INVALID_ARGUMENT, "header"),
+      (lambda: _raw_push(push, header(parts, learner=7), parts, good), grpc.StatusCode.NOT_FOUND, "unknown learner"),
+      (lambda: _raw_push(push, header(nan), nan, good), grpc.StatusCode.INVALID_ARGUMENT, "NaN"),
+      (lambda: _raw_push(push, header(wide), wide, good), grpc.StatusCode.INVALID_ARGUMENT, "expected float32"),
+      (lambda: _raw_push(push, header(doubles), doubles, good), grpc.StatusCode.INVALID_ARGUMENT, "float64"),
+      (lambda: _raw_push(push, header(parts, base_version=3), parts, good), grpc.StatusCode.INVALID_ARGUMENT,
+       "future"),
+      (lambda: _raw_push(push, header(parts, payload_bytes=1 << 40), parts, good),
+       grpc.StatusCode.RESOURCE_EXHAUSTED, "limit"),
+      (lambda: _raw_push(push, header(parts, payload_bytes=wire.encoded_size(parts) + 5), parts, good),
+       grpc.StatusCode.INVALID_ARGUMENT, "ended after"),
+      (lambda: _raw_push(push, header(parts), parts, good, chunk=128 << 10), grpc.StatusCode.RESOURCE_EXHAUSTED,
+       "chunk"),
+      (lambda: _raw_push(push, header(garbage), garbage, good), grpc.StatusCode.INVALID_ARGUMENT, "skeleton"),
+      (lambda: push(iter([b"x" * (1 << 20)]), metadata=good, timeout=30), grpc.StatusCode.RESOURCE_EXHAUSTED,
+       "larger than max"),
+  ]
+  for call, code, text in cases:
+    refused(call, code, text)
+  client = client_lib.SyncerClient(address, TOKEN, 0, chunk_bytes=64 << 10, timeout_seconds=30, retry_seconds=30)
+  status, theta = client.pull(-1)
+  assert status["version"] == 0 and status["acked_seq"] == -1 and status["steps_left"] == 80
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(theta), jax.tree.leaves(params)))
+  client.close()
+  for index in range(2):
+    run.start_learner(index)
+  codes = run.wait(RUN_TIMEOUT)
+  summary = _assert_completed(run.workdir, codes)
+  refused = dict(summary["refused_calls"])
+  assert refused.pop("empty", 0) <= 1  # gRPC's own refusal of the 1 MiB message reaches a handler only sometimes.
+  assert refused == {"unauthenticated": 2, "malformed": 3, "unknown_learner": 1, "rejected": 4, "oversized": 2}
+
+
+def test_a_chaos_run_of_learner_kills_ends_within_3_percent_of_the_undisturbed_run(cluster):
+  longer = ("--config.outer_steps=40", "--config.eval_every=1000")
+  undisturbed = cluster(*longer, name="undisturbed")
+  undisturbed.start()
+  _assert_completed(undisturbed.workdir, undisturbed.wait(RUN_TIMEOUT))
+  chaotic = cluster(*longer, name="chaos")
+  chaos = Chaos(seed=0, every=6.0, delay=2.0, include_syncer=False)
+  chaotic.start()
+  codes = chaotic.wait(RUN_TIMEOUT, chaos)
+  kills = [name for _, event, name in chaos.events if event == "kill"]
+  assert len(kills) >= 3 and set(kills) == {"learner_0", "learner_1"}, chaos.events
+  assert all(code == 0 for name, code in codes.items() if name not in chaos.abandoned), codes
+  _assert_exactly_once(chaotic.workdir)
+  reference, = _syncer_records(undisturbed.workdir, "summary")
+  disturbed, = _syncer_records(chaotic.workdir, "summary")
+  assert disturbed["steps_done"] >= reference["steps_done"] - 2 * 4  # The same budget, give or take the last round.
+  assert abs(disturbed["eval_loss"] / reference["eval_loss"] - 1) < 0.03, (disturbed["eval_loss"],
+                                                                           reference["eval_loss"])

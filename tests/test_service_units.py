@@ -1,0 +1,244 @@
+"""The service's parts in one process: wire format, write-ahead log, exactly-once core, TLS."""
+
+import datetime
+import ipaddress
+import os
+import time
+
+import grpc
+import jax
+import numpy as np
+import pytest
+
+from decoupled_diloco import compression, model as model_lib, outer
+from decoupled_diloco.service import client as client_lib
+from decoupled_diloco.service import core as core_lib
+from decoupled_diloco.service import server as server_lib
+from decoupled_diloco.service import security, wal, wire
+from decoupled_diloco.syncer import PushRejected, Settings, Syncer
+from tests import service_config
+
+TOKEN = "t" * 32
+
+
+@pytest.fixture(scope="module")
+def params():
+  return model_lib.build_model(service_config.get_config().model, 0)[1]
+
+
+def _header(**fields):
+  base = {"learner": 0, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 64, "local_steps": 4,
+          "compute_seconds": 0.1, "payload_bytes": 0}
+  return {**base, **fields}
+
+
+def _core(params, directory, quorum=2, lease=30.0, every=2, emit=None):
+  syncer = Syncer(outer.outer_optimizer(service_config.get_config().outer), params, range(2),
+                  Settings(quorum=quorum))
+  core = core_lib.SyncerCore(syncer, 2, budget_steps=1000, directory=str(directory), checkpoint_every_merges=every,
+                             lease_seconds=lease, metadata={}, emit=emit)
+  core.start(time.time())
+  return core
+
+
+def _delta(params, value=0.01):
+  return jax.tree.map(lambda x: np.full(x.shape, value, np.float32), params)
+
+
+def _push(core, params, learner, seq, value=0.01, base=None):
+  payload = bytearray(b"".join(wire.encode(_delta(params, value))))
+  header = _header(learner=learner, seq=seq, base_version=core.syncer.version if base is None else base,
+                   payload_bytes=len(payload))
+  return core.push(header, payload, time.time())
+
+
+def _leaves_equal(a, b):
+  return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_wire_round_trips_trees_and_compressed_payloads(params):
+  tree = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": {"c": np.zeros((0,), np.int8), "d": None}}
+  parts = wire.encode(tree)
+  data = b"".join(wire.chunks(parts, 7))
+  assert len(data) == wire.encoded_size(parts)
+  back = wire.decode(wire.assemble(iter(wire.chunks(parts, 7)), len(data), 1 << 20, 7))
+  assert back["b"]["d"] is None and np.array_equal(back["a"], tree["a"]) and back["b"]["c"].dtype == np.int8
+  codec = compression.Codec("int8")
+  packed = compression.encode(codec, jax.tree.leaves(params))
+  again = wire.decode(b"".join(wire.encode(packed)))
+  assert isinstance(again, compression.Compressed) and again.shapes == packed.shapes
+  assert all(_leaves_equal(x, y) for x, y in zip(compression.decode(codec, again), compression.decode(codec, packed)))
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d[:3], "shorter than its length prefix"),
+    (lambda d: d + b"x", "array bytes"),
+    (lambda d: d[:-1], "needs"),
+    (lambda d: b"\xff\xff\x00\x00" + d[4:], "skeleton length"),
+])
+def test_wire_rejects_malformed_payloads(mutate, message):
+  data = b"".join(wire.encode({"w": np.ones((4, 4), np.float32)}))
+  with pytest.raises(wire.WireError, match=message):
+    wire.decode(mutate(data))
+
+
+def test_wire_rejects_bad_streams_and_headers():
+  with pytest.raises(wire.PayloadTooLarge):
+    wire.assemble(iter([]), 10, 5, 4)
+  with pytest.raises(wire.WireError, match="ended after 4"):
+    wire.assemble(iter([b"abcd"]), 8, 100, 4)
+  with pytest.raises(wire.WireError, match="more than"):
+    wire.assemble(iter([b"abcd", b"ef"]), 5, 100, 4)
+  with pytest.raises(wire.PayloadTooLarge):
+    wire.assemble(iter([b"abcdef"]), 6, 100, 4)
+  with pytest.raises(wire.WireError, match="fields"):
+    wire.parse_header(wire.pack_header({"learner": 0}), {"learner": int, "seq": int})
+  with pytest.raises(wire.WireError, match="expected int"):
+    wire.parse_header(wire.pack_header({"learner": True}), {"learner": int})
+  with pytest.raises(wire.WireError, match="not msgpack"):
+    wire.parse_header(b"\xc1", {"learner": int})
+  with pytest.raises(wire.WireError, match="cannot go on the wire"):
+    wire.encode({"x": np.zeros(2, np.complex64)})
+
+
+def test_log_drops_a_torn_tail(tmp_path):
+  log = wal.Log(str(tmp_path), 0)
+  log.append({"type": "push", "n": 1}, b"payload")
+  log.append({"type": "push", "n": 2}, b"more")
+  log.close()
+  path = wal.segment_path(str(tmp_path), 0)
+  with open(path, "ab") as f:
+    f.write(b"\x05\x00\x00")  # A crash mid-append.
+  assert [r["n"] for r, _ in wal.read_segment(path)] == [1, 2]
+  log = wal.Log(str(tmp_path), 0)
+  log.append({"type": "push", "n": 3})
+  log.close()
+  records = wal.read_segment(path)
+  assert [r["n"] for r, _ in records] == [1, 2, 3] and bytes(records[0][1]) == b"payload"
+
+
+def test_core_applies_each_push_once_and_replays_exactly_after_a_crash(params, tmp_path):
+  records = []
+  core = _core(params, tmp_path, emit=records.append)
+  for seq in range(3):  # 3 merges (quorum 2): checkpoints at versions 0 and 2, the rest in the log.
+    assert _push(core, params, 0, seq)["status"] == "applied"
+    assert _push(core, params, 1, seq, value=0.02)["status"] == "applied"
+  assert _push(core, params, 0, 3)["status"] == "applied"  # Pending at the crash.
+  assert _push(core, params, 0, 3)["status"] == "duplicate"
+  assert core.counts["duplicates"] == 1
+  before, version, acked, steps = jax.device_get(core.syncer.params), core.syncer.version, dict(core.acked), \
+      core.steps_done
+  core.log.close()  # SIGKILL: no checkpoint, only what the log holds.
+  core.checkpointer.close()
+  kept = [r for r in records if r["outer_step"] <= 2]  # What the restarted writer keeps (checkpoint 2).
+  again = _core(params, tmp_path, emit=kept.append)
+  assert (again.syncer.version, again.acked, again.steps_done) == (version, acked, steps) == (3, {0: 3, 1: 2}, 28)
+  assert _leaves_equal(before, again.syncer.params)
+  assert len(again.syncer.pending) == 1
+  assert _push(again, params, 0, 3)["status"] == "duplicate"
+  reply = _push(again, params, 1, 3, value=0.02)  # Completes the pending merge.
+  assert reply["status"] == "applied" and reply["version"] == 4
+  pushes = sorted((r["learner"], r["seq"]) for r in kept if r["kind"] == "push")
+  assert pushes == [(m, s) for m in range(2) for s in range(4)]  # Every applied push recorded once.
+  assert [r["outer_step"] for r in kept if r["kind"] == "outer"] == [1, 2, 3, 4]
+  again.close()
+
+
+def test_core_remembers_across_restarts_who_heard_the_run_is_over(params, tmp_path):
+  core = _core(params, tmp_path)
+  core.budget_steps = 8
+  _push(core, params, 0, 0)
+  _push(core, params, 1, 0)  # Spends the budget: the run is done; learner 1 heard it in this reply.
+  assert core.done and core.told_done == {1} and not core.all_told_done()
+  core.heartbeat(0, time.time())  # A side thread's heartbeat does not count...
+  assert core.told_done == {1}
+  core.pull(0, -1, time.time())  # ...the learner's own call does.
+  core.log.close()
+  core.checkpointer.close()
+  again = _core(params, tmp_path)
+  assert again.done and again.all_told_done()
+  again.close()
+
+
+def test_core_rejects_bad_pushes_without_touching_state(params, tmp_path):
+  core = _core(params, tmp_path)
+  before = jax.device_get(core.syncer.params)
+  with pytest.raises(PushRejected, match="NaN"):
+    _push(core, params, 0, 0, value=np.nan)
+  with pytest.raises(PushRejected, match="future"):
+    _push(core, params, 0, 0, base=5)
+  with pytest.raises(core_lib.UnknownLearner):
+    _push(core, params, 9, 0)
+  bad = bytearray(b"".join(wire.encode({"not": np.zeros(3, np.float32)})))
+  with pytest.raises(PushRejected, match="structure"):
+    core.push(_header(payload_bytes=len(bad)), bad, time.time())
+  assert core.counts["rejected"] == 4 and core.acked == {0: -1, 1: -1} and core.syncer.version == 0
+  assert _leaves_equal(before, core.syncer.params)
+  core.close()
+
+
+def test_core_lease_excludes_a_silent_learner_and_it_rejoins(params, tmp_path):
+  core = _core(params, tmp_path, quorum=2, lease=1.0)
+  _push(core, params, 0, 0)
+  assert core.syncer.version == 0  # Waiting for learner 1.
+  now = time.time()
+  core.last_seen[0], core.last_seen[1] = now, now - 5.0  # Learner 0 just called; learner 1 is silent.
+  core.tick(now)  # The quorum shrinks to learner 0, whose push merges.
+  assert core.syncer.version == 1 and core.syncer.learners == {0} and core.counts["excluded"] == 1
+  core.heartbeat(1, time.time())
+  assert core.syncer.learners == {0, 1} and core.syncer.quorum == 2
+  core.close()
+
+
+def _self_signed(directory):
+  """A certificate for 127.0.0.1 / localhost, made here with `cryptography`."""
+  x509 = pytest.importorskip("cryptography.x509", reason="TLS test needs the cryptography package")
+  from cryptography.hazmat.primitives import hashes, serialization  # pylint: disable=g-import-not-at-top
+  from cryptography.hazmat.primitives.asymmetric import ec  # pylint: disable=g-import-not-at-top
+  from cryptography.x509.oid import NameOID  # pylint: disable=g-import-not-at-top
+  key = ec.generate_private_key(ec.SECP256R1())
+  name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+  now = datetime.datetime.now(datetime.timezone.utc)
+  cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                      x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(key, hashes.SHA256()))
+  cert_file, key_file = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+  with open(cert_file, "wb") as f:
+    f.write(cert.public_bytes(serialization.Encoding.PEM))
+  with open(key_file, "wb") as f:
+    f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()))
+  return cert_file, key_file
+
+
+def test_tls_serves_trusting_clients_and_refuses_plaintext(params, tmp_path):
+  cert_file, key_file = _self_signed(str(tmp_path))
+  core = _core(params, tmp_path / "run")
+  server = server_lib.SyncerServer(core, TOKEN, host="127.0.0.1", port=0, chunk_bytes=1 << 16,
+                                   max_payload_bytes=1 << 24,
+                                   credentials=security.server_credentials(cert_file, key_file))
+  port = server.start()
+  try:
+    trusted = client_lib.SyncerClient(f"127.0.0.1:{port}", TOKEN, 0, chunk_bytes=1 << 16, timeout_seconds=10,
+                                      retry_seconds=5, credentials=security.channel_credentials(cert_file))
+    status, theta = trusted.join()
+    assert status["version"] == 0 and _leaves_equal(theta, params)
+    assert trusted.push(0, _delta(params), base_version=0, tokens=64, local_steps=4,
+                        compute_seconds=0.1)["status"] == "applied"
+    plain = client_lib.SyncerClient(f"127.0.0.1:{port}", TOKEN, 1, chunk_bytes=1 << 16, timeout_seconds=2,
+                                    retry_seconds=0.5)
+    with pytest.raises((client_lib.SyncerUnreachable, grpc.RpcError)):
+      plain.heartbeat()
+    wrong = client_lib.SyncerClient(f"127.0.0.1:{port}", "w" * 32, 1, chunk_bytes=1 << 16, timeout_seconds=10,
+                                    retry_seconds=5, credentials=security.channel_credentials(cert_file))
+    with pytest.raises(grpc.RpcError) as refused:
+      wrong.heartbeat()
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert server.rejections["unauthenticated"] == 1
+  finally:
+    server.stop()
+    core.close()
