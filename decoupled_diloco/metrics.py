@@ -3,8 +3,16 @@
 Record convention: a dict with 'kind' ('train', 'eval', 'outer', ...), 'outer_step' (the
 outer step the record belongs to: the checkpoint saved at outer step k covers every
 record with outer_step <= k), optionally 'inner_step' (the preferred x-axis) and
-'learner' (learner index), plus numeric fields. TensorBoard tags are
-`<kind>/<field>` or `<kind>/<field>/learner_<i>` for records with a 'learner'.
+'learner' (learner index), plus numeric fields.
+
+TensorBoard (`tensorboard --logdir WORKDIR`, or a sweep's root): every numeric field is
+a scalar tagged `<kind>/<field>`. Records of learner i go to the run
+`tensorboard/learner_<i>`, the rest to `tensorboard`: TensorBoard draws one chart per
+tag with one line per run, so `train/loss` overlays the learners' curves (fast and slow
+learners side by side), and a sweep's points show as runs `<point>/tensorboard/...`.
+The histogram `push/staleness_distribution` counts the staleness of every push so far
+(all learners in `tensorboard`, each learner's in its run); its last step equals the
+learner_summary records' staleness_histogram.
 
 Resuming from checkpoint k drops the crashed run's records with outer_step > k from
 metrics.jsonl, so the resumed run's file equals an uninterrupted run's. TensorBoard
@@ -14,6 +22,7 @@ carries 'inner_step' (all tags then share one x-axis).
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import numbers
@@ -54,12 +63,30 @@ def _x_axis(record: dict) -> int:
 
 def _scalar_tags(record: dict) -> dict[str, float]:
   """TensorBoard tag -> value for every numeric, non-index field of `record`."""
-  suffix = f"/learner_{record['learner']}" if "learner" in record else ""
   return {
-      f"{record['kind']}/{name}{suffix}": float(value)
+      f"{record['kind']}/{name}": float(value)
       for name, value in record.items()
       if name not in _INDEX_FIELDS and _is_scalar(value)
   }
+
+
+def _tensorboard_run(record: dict) -> str:
+  """The TensorBoard run (subdirectory of tensorboard/) a record's scalars belong to."""
+  return f"learner_{record['learner']}" if "learner" in record else ""
+
+
+def _integer_histogram(counts: collections.Counter) -> dict:
+  """add_histogram_raw's arguments for integer counts: a unit-wide bucket centred on each value in range.
+
+  min and max are the outer bucket edges (TensorBoard draws the first and last buckets
+  from them), so a single value still shows as a bar one unit wide.
+  """
+  low, high = min(counts), max(counts)
+  return {"min": low - 0.5, "max": high + 0.5, "num": sum(counts.values()),
+          "sum": sum(s * n for s, n in counts.items()),
+          "sum_squares": sum(s * s * n for s, n in counts.items()),
+          "bucket_limits": [s + 0.5 for s in range(low, high + 1)],
+          "bucket_counts": [counts.get(s, 0) for s in range(low, high + 1)]}
 
 
 def read_metrics(path) -> list[dict]:
@@ -120,21 +147,41 @@ class MetricsWriter:
     kept = []
     if os.path.exists(self.path):
       _drop_torn_tail(self.path)
-      if resume_from_step is not None:
-        kept = _truncate(self.path, resume_from_step)
-    purge_step = None
+      kept = read_metrics(self.path) if resume_from_step is None else _truncate(self.path, resume_from_step)
+    self._purge_step = None
     if resume_from_step is not None:
-      purge_step = max((_x_axis(r) for r in kept), default=-1) + 1
+      self._purge_step = max((_x_axis(r) for r in kept), default=-1) + 1
     self._file = open(self.path, "a", encoding="utf-8")
-    # tensorboardX names event files by whole seconds + hostname and opens them with 'wb':
-    # a resume within the same second would overwrite the crashed run's file. A
-    # nanosecond suffix keeps names unique and in write order, as TensorBoard reads them.
-    self._tb = tensorboardX.SummaryWriter(
-        logdir=os.path.join(workdir, TENSORBOARD_DIR),
-        purge_step=purge_step,
-        flush_secs=30,
-        filename_suffix=f".{time.time_ns()}",
-    )
+    self._tb_dir = os.path.join(workdir, TENSORBOARD_DIR)
+    self._tb_runs: dict[str, tensorboardX.SummaryWriter] = {}
+    self._tb_run("")
+    # Staleness of the pushes so far, per TensorBoard run, for the cumulative histograms.
+    self._staleness = collections.defaultdict(collections.Counter)
+    for record in kept:
+      self._count_staleness(record)
+
+  def _tb_run(self, run: str) -> tensorboardX.SummaryWriter:
+    """The event writer of a TensorBoard run, opened on first use (a learner's on its first record)."""
+    if run not in self._tb_runs:
+      # tensorboardX names event files by whole seconds + hostname and opens them with 'wb':
+      # a resume within the same second would overwrite the crashed run's file. A
+      # nanosecond suffix keeps names unique and in write order, as TensorBoard reads them.
+      self._tb_runs[run] = tensorboardX.SummaryWriter(
+          logdir=os.path.join(self._tb_dir, run) if run else self._tb_dir,
+          purge_step=self._purge_step,
+          flush_secs=30,
+          filename_suffix=f".{time.time_ns()}",
+      )
+    return self._tb_runs[run]
+
+  def _count_staleness(self, record: dict) -> list[str]:
+    """Counts a push's staleness in its learner's run and the overall one; returns both runs."""
+    if record["kind"] != "push" or "staleness" not in record:
+      return []
+    runs = ["", _tensorboard_run(record)] if "learner" in record else [""]
+    for run in runs:
+      self._staleness[run][int(record["staleness"])] += 1
+    return runs
 
   def write(self, record: dict) -> None:
     """Appends one record (flushed, so a crash loses at most the record being written)."""
@@ -144,13 +191,18 @@ class MetricsWriter:
     self._file.write(json.dumps(record, sort_keys=True) + "\n")
     self._file.flush()
     step = _x_axis(record)
+    writer = self._tb_run(_tensorboard_run(record))
     for tag, value in _scalar_tags(record).items():
-      self._tb.add_scalar(tag, value, global_step=step)
+      writer.add_scalar(tag, value, global_step=step)
+    for run in self._count_staleness(record):
+      self._tb_run(run).add_histogram_raw("push/staleness_distribution", global_step=step,
+                                          **_integer_histogram(self._staleness[run]))
 
   def close(self) -> None:
     """Flushes and closes both outputs."""
     self._file.close()
-    self._tb.close()
+    for writer in self._tb_runs.values():
+      writer.close()
 
   def __enter__(self) -> MetricsWriter:
     return self

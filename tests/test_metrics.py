@@ -1,4 +1,4 @@
-"""metrics.jsonl round trips, resume truncation, TensorBoard scalars and progress lines."""
+"""metrics.jsonl round trips, resume truncation, TensorBoard scalars and histograms, progress lines."""
 
 import glob
 import json
@@ -26,11 +26,12 @@ def _records(num_outer_steps: int, inner_steps: int = 2):
   return records
 
 
-def _read_events(logdir):
-  """Scalars as (tag, step, value) and session starts as ("START", step, None), in the
-  order TensorBoard reads them (event files sorted by name, records in file order)."""
+def _read_events(logdir, run=""):
+  """One TensorBoard run's scalars as (tag, step, value), histograms as (tag, step,
+  {bucket limit: count}) and session starts as ("START", step, None), in the order
+  TensorBoard reads them (event files sorted by name, records in file order)."""
   events = []
-  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+  for path in sorted(glob.glob(os.path.join(logdir, run, "events.out.tfevents.*"))):
     with open(path, "rb") as f:
       data = f.read()
     offset = 0
@@ -41,19 +42,32 @@ def _read_events(logdir):
       if event.HasField("session_log"):
         events.append(("START", event.step, None))
       for value in event.summary.value:
-        events.append((value.tag, event.step, value.simple_value))
+        if value.HasField("histo"):
+          events.append((value.tag, event.step, dict(zip(value.histo.bucket_limit, value.histo.bucket))))
+        else:
+          events.append((value.tag, event.step, value.simple_value))
   return events
 
 
+def _runs(logdir):
+  """TensorBoard's runs under logdir: every directory holding event files, relative to it ("" = logdir)."""
+  runs = {os.path.relpath(os.path.dirname(p), logdir)
+          for p in glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True)}
+  return sorted("" if run == "." else run for run in runs)
+
+
 def _visible_scalars(logdir):
-  """Scalars TensorBoard shows: a session START at step s hides earlier events at >= s."""
-  visible = []
-  for event in _read_events(logdir):
-    if event[0] == "START":
-      visible = [v for v in visible if v[1] < event[1]]
-    else:
-      visible.append(event)
-  return sorted(visible)
+  """Scalars TensorBoard shows, per run: a session START at step s hides earlier events at >= s."""
+  shown = []
+  for run in _runs(logdir):
+    visible = []
+    for event in _read_events(logdir, run):
+      if event[0] == "START":
+        visible = [v for v in visible if v[1] < event[1]]
+      else:
+        visible.append(event)
+    shown += [(run, *event) for event in visible]
+  return sorted(shown)
 
 
 def test_records_round_trip(tmp_path):
@@ -101,9 +115,12 @@ def test_resume_keeps_exactly_records_up_to_the_checkpoint(tmp_path):
       tmp_path / "uninterrupted" / "metrics.jsonl")
   assert not os.path.exists(tmp_path / "metrics.jsonl.tmp")
 
-  # TensorBoard hides the crashed run's events from the first step after the checkpoint.
-  assert [e[1] for e in _read_events(tmp_path / "tensorboard") if e[0] == "START"] == [7]
-  assert len(glob.glob(str(tmp_path / "tensorboard" / "events.*"))) == 2
+  # TensorBoard hides the crashed run's events from the first step after the checkpoint,
+  # in the main run and in every learner's.
+  assert _runs(tmp_path / "tensorboard") == ["", "learner_0", "learner_1"]
+  for run in _runs(tmp_path / "tensorboard"):
+    assert [e[1] for e in _read_events(tmp_path / "tensorboard", run) if e[0] == "START"] == [7]
+    assert len(glob.glob(str(tmp_path / "tensorboard" / run / "events.*"))) == 2
   assert _visible_scalars(tmp_path / "tensorboard") == _visible_scalars(
       tmp_path / "uninterrupted" / "tensorboard")
 
@@ -125,11 +142,34 @@ def test_append_after_a_torn_write_starts_on_a_fresh_line(tmp_path):
       {"kind": "eval", "outer_step": 1}, {"kind": "eval", "outer_step": 2}]
 
 
-def test_tensorboard_scalars(tmp_path):
+def test_tensorboard_scalars_one_run_per_learner(tmp_path):
   with MetricsWriter(tmp_path) as writer:
     writer.write({"kind": "train", "outer_step": 3, "inner_step": 60, "learner": 0, "loss": 2.5})
+    writer.write({"kind": "train", "outer_step": 3, "inner_step": 30, "learner": 1, "loss": 2.75})
     writer.write({"kind": "eval", "outer_step": 3, "loss": 2.25, "note": "text is not plotted"})
-  assert sorted(_read_events(tmp_path / "tensorboard")) == [("eval/loss", 3, 2.25), ("train/loss/learner_0", 60, 2.5)]
+  assert _visible_scalars(tmp_path / "tensorboard") == [
+      ("", "eval/loss", 3, 2.25), ("learner_0", "train/loss", 60, 2.5), ("learner_1", "train/loss", 30, 2.75)]
+
+
+def test_tensorboard_staleness_histograms_count_every_push_so_far(tmp_path):
+  pushes = [(0, 0), (1, 2), (0, 2), (1, 3)]  # (learner, staleness)
+  with MetricsWriter(tmp_path) as writer:
+    for step, (learner, staleness) in enumerate(pushes, 1):
+      writer.write({"kind": "push", "outer_step": step, "inner_step": step, "learner": learner,
+                    "staleness": staleness, "accepted": 1})
+  histograms = [e for e in _visible_scalars(tmp_path / "tensorboard") if e[1] == "push/staleness_distribution"]
+  assert [(run, step) for run, _, step, _ in histograms] == [
+      ("", 1), ("", 2), ("", 3), ("", 4), ("learner_0", 1), ("learner_0", 3), ("learner_1", 2), ("learner_1", 4)]
+  assert histograms[3][3] == {0.5: 1, 1.5: 0, 2.5: 2, 3.5: 1}  # All pushes, one bucket per staleness.
+  assert histograms[5][3] == {0.5: 1, 1.5: 0, 2.5: 1}
+  assert histograms[7][3] == {2.5: 1, 3.5: 1}
+  assert ("learner_1", "push/staleness", 4, 3.0) in _visible_scalars(tmp_path / "tensorboard")
+
+  # Appending later (e.g. another job) continues the counts from the records on disk.
+  with MetricsWriter(tmp_path) as writer:
+    writer.write({"kind": "push", "outer_step": 5, "inner_step": 5, "learner": 1, "staleness": 0, "accepted": 1})
+  last = [e for e in _read_events(tmp_path / "tensorboard") if e[0] == "push/staleness_distribution"][-1]
+  assert last == ("push/staleness_distribution", 5, {0.5: 2, 1.5: 0, 2.5: 2, 3.5: 1})
 
 
 def test_format_progress():
