@@ -61,6 +61,7 @@ class LocalCluster:
     self.env.pop("XLA_FLAGS", None)  # Each process sizes its own CPU backend (jax_num_cpu_devices).
     self.env.setdefault(TOKEN_ENV, secrets.token_hex(16))
     self.processes: dict[str, subprocess.Popen] = {}
+    self.stopped_after_end: set[str] = set()  # Learner processes still running end_grace_seconds after the run ended.
     self.address: str | None = None
     self.starts: dict[str, int] = {}
     os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
@@ -144,8 +145,13 @@ class LocalCluster:
     """Names of the syncer and learner groups with a process alive now."""
     return sorted({_unit(name) for name, p in self.processes.items() if p.poll() is None})
 
-  def wait(self, timeout: float, chaos: "Chaos | None" = None) -> dict[str, int]:
-    """Waits for the syncer to finish and the learners to exit; returns each one's exit code."""
+  def wait(self, timeout: float, chaos: "Chaos | None" = None, end_grace_seconds: float = 60.0) -> dict[str, int]:
+    """Waits for the syncer to finish and the learners to exit; returns each one's exit code.
+
+    A learner that has not exited `end_grace_seconds` after the syncer did is stopped
+    (SIGTERM) and named in `stopped_after_end`: e.g. one restarted after its previous
+    incarnation heard the run was over, which finds no syncer to tell it again.
+    """
     deadline = time.monotonic() + timeout
     while self.processes["syncer"].poll() is None or (chaos and chaos.down):
       if time.monotonic() > deadline:
@@ -159,13 +165,15 @@ class LocalCluster:
         self.stop()
         raise RuntimeError(f"{', '.join(failed)} failed: see {self.workdir}/logs")
       time.sleep(0.1)
+    grace_end = min(deadline, time.monotonic() + end_grace_seconds)
     for name, process in self.processes.items():
       try:
-        process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        process.wait(timeout=max(1.0, grace_end - time.monotonic()))
       except subprocess.TimeoutExpired:
-        logging.warning("%s still running after the syncer finished: terminating it", name)
+        logging.warning("%s still running %.0fs after the syncer finished: terminating it", name, end_grace_seconds)
         process.terminate()
         process.wait()
+        self.stopped_after_end.add(name)
     return {name: p.returncode for name, p in self.processes.items()}
 
   def stop(self) -> None:
@@ -247,8 +255,9 @@ def main(argv: list[str]) -> None:
   if chaos is not None:
     print(f"chaos events (seconds after the first): "
           f"{[(round(t - chaos.events[0][0], 1), e, n) for t, e, n in chaos.events]}")
-  abandoned = chaos.abandoned if chaos is not None else set()
-  print(f"exit codes: {codes}" + (f" (killed at the end, not restarted: {sorted(abandoned)})" if abandoned else ""))
+  # Under chaos, a learner killed after it heard the run was over may be restarted into a finished run.
+  abandoned = chaos.abandoned | cluster.stopped_after_end if chaos is not None else set()
+  print(f"exit codes: {codes}" + (f" (killed or stopped at the end: {sorted(abandoned)})" if abandoned else ""))
   sys.exit(0 if not any(code for name, code in codes.items() if name not in abandoned) else 1)
 
 
