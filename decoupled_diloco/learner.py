@@ -69,8 +69,9 @@ class Learner:
   def receive(self, fragment: int, fragment_params, version: int) -> None:
     """A merged fragment lands: θ_p ← α·θ_p + (1 − α)·Θ_p, and Θ_p anchors the next push.
 
-    With α = 0 the local leaves are freed and replaced (a pull of that fragment). Work
-    done since the push stays counted: those steps are in the next pseudo-gradient.
+    With α = 0 the local leaves are freed and replaced (a pull of that fragment), so what
+    the τ steps taken since the push did to this fragment is dropped (α > 0 keeps a share
+    of it); their tokens and steps stay counted towards the next push's weight.
     """
     leaves, treedef = jax.tree.flatten(self.state.params)
     shardings = jax.tree.leaves(self.loop.param_shardings)
