@@ -19,6 +19,8 @@ setuptools.setup(
         "tensorflow-datasets>=4.9.7,<5",
         # Writes TensorBoard event files without pulling in TensorFlow.
         "tensorboardX>=2.6",
+        # `tensorboard --logdir WORKDIR` (tensorflow-cpu no longer brings it along).
+        "tensorboard>=2.16,<3",
         # The syncer service (decoupled_diloco/service): gRPC transport, msgpack wire headers.
         "grpcio>=1.60,<2",
         "msgpack>=1.0,<2",

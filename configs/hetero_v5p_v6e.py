@@ -10,6 +10,11 @@ One flag switches the mode (`--config.mode=diloco` for the synchronous baseline)
 
   python -m experiments.train --config=configs/hetero_v5p_v6e.py --workdir=/tmp/dd_hetero
   python -m experiments.train --config=configs/hetero_v5p_v6e.py --config.mode=diloco --workdir=/tmp/dd_hetero_sync
+
+get_sweep() compares the staleness functions of the syncer (4 runs on the virtual clock):
+
+  python -m experiments.sweep --config=configs/hetero_v5p_v6e.py --workdir=/tmp/dd_sweep_staleness
+  python -m experiments.report /tmp/dd_sweep_staleness
 """
 
 from configs import default
@@ -36,3 +41,13 @@ def get_config():
   config.policy.kind = "dylu"
   config.eval_every = 2
   return config
+
+
+def get_sweep():
+  """One run per staleness function, each with the example parameters of merge.staleness_weight."""
+  return [
+      {"syncer.staleness": "constant"},
+      {"syncer.staleness": "polynomial", "syncer.staleness_a": 0.5},
+      {"syncer.staleness": "hinge", "syncer.staleness_a": 1.0, "syncer.staleness_b": 2.0},
+      {"syncer.staleness": "exponential", "syncer.staleness_a": 0.69},
+  ]

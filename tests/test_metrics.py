@@ -151,6 +151,19 @@ def test_tensorboard_scalars_one_run_per_learner(tmp_path):
       ("", "eval/loss", 3, 2.25), ("learner_0", "train/loss", 60, 2.5), ("learner_1", "train/loss", 30, 2.75)]
 
 
+def test_tensorboard_itself_reads_one_run_per_learner(tmp_path):
+  """What `tensorboard --logdir DIR` loads, through TensorBoard's own event reader."""
+  event_multiplexer = pytest.importorskip("tensorboard.backend.event_processing.event_multiplexer")
+  with MetricsWriter(tmp_path) as writer:
+    for record in _records(2):
+      writer.write(record)
+  runs = event_multiplexer.EventMultiplexer().AddRunsFromDirectory(str(tmp_path)).Reload()
+  assert sorted(runs.Runs()) == ["tensorboard", "tensorboard/learner_0", "tensorboard/learner_1"]
+  losses = [(e.step, round(e.value, 4)) for e in runs.Scalars("tensorboard/learner_1", "train/loss")]
+  assert losses == [(1, 2.89), (2, 2.79), (3, 2.69), (4, 2.59)]
+  assert [e.step for e in runs.Scalars("tensorboard", "eval/loss")] == [2, 4]
+
+
 def test_tensorboard_staleness_histograms_count_every_push_so_far(tmp_path):
   pushes = [(0, 0), (1, 2), (0, 2), (1, 3)]  # (learner, staleness)
   with MetricsWriter(tmp_path) as writer:

@@ -1,0 +1,260 @@
+"""Reports on runs: a markdown summary table and PNG plots built from metrics.jsonl records.
+
+Pure functions over records (lists of dicts, as metrics.read_metrics returns them), so a
+notebook shows inline the same figures `python -m experiments.report` saves. Figures use
+matplotlib's object API (a Figure rendered by the Agg canvas, no pyplot): no display or
+global pyplot state is involved. A plot needs records some runs lack (lockstep runs write
+no learner_summary or push records); runs without them are left out of it, and a plot no
+run can feed is not drawn at all.
+"""
+
+import collections
+import csv
+import os
+import statistics
+import textwrap
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from decoupled_diloco import metrics
+from decoupled_diloco.errors import ConfigError
+
+# Summary figures of one run, in table (and results.csv) order.
+SUMMARY_FIELDS = ("eval_loss", "optimal_loss", "tokens", "outer_updates", "wall_seconds", "virtual_seconds",
+                  "goodput", "idle_fraction", "pushes", "dropped", "mean_staleness")
+_COLUMNS = {  # Table header of each summary field (optimal_loss shows as the gap to it).
+    "eval_loss": "eval loss", "optimal_loss": "gap to optimum", "tokens": "tokens", "outer_updates": "outer updates",
+    "wall_seconds": "wall s", "virtual_seconds": "virtual s", "goodput": "goodput", "idle_fraction": "idle",
+    "pushes": "pushes", "dropped": "dropped", "mean_staleness": "mean staleness"}
+
+
+def _of(records: list[dict], kind: str) -> list[dict]:
+  return [r for r in records if r["kind"] == kind]
+
+
+def find_runs(paths: list[str]) -> dict[str, str]:
+  """Run name -> workdir for each path: a run's workdir, or a sweep's root (its point subdirectories).
+
+  A sweep's points keep the order of its results.csv (the order they were defined in).
+  """
+  runs = {}
+  for path in paths:
+    if not os.path.exists(path):
+      raise ConfigError(f"{path} does not exist: pass a run's --workdir or a sweep's")
+    if os.path.exists(os.path.join(path, metrics.METRICS_FILE)):
+      found = [path]
+    else:
+      entries = sorted(os.listdir(path)) if os.path.isdir(path) else []
+      subdirs = [d for d in entries if os.path.exists(os.path.join(path, d, metrics.METRICS_FILE))]
+      order = _sweep_order(path)
+      found = [os.path.join(path, d) for d in sorted(subdirs, key=lambda d: order.get(d, len(order)))]
+    if not found:
+      raise ConfigError(f"{path} holds no {metrics.METRICS_FILE}: pass a run's --workdir or a sweep's")
+    for workdir in found:
+      name = os.path.basename(os.path.normpath(workdir))
+      runs[workdir if name in runs else name] = workdir
+  return runs
+
+
+def _sweep_order(root: str) -> dict[str, int]:
+  path = os.path.join(root, "results.csv")
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding="utf-8", newline="") as f:
+    return {row["name"]: index for index, row in enumerate(csv.DictReader(f))}
+
+
+def load_runs(paths: list[str]) -> dict[str, list[dict]]:
+  """Run name -> its records, for every run under `paths` (see find_runs)."""
+  return {name: metrics.read_metrics(os.path.join(workdir, metrics.METRICS_FILE))
+          for name, workdir in find_runs(paths).items()}
+
+
+def staleness_counts(records: list[dict]) -> dict[int, collections.Counter]:
+  """Learner -> Counter(staleness -> pushes), from push records, else the learner summaries."""
+  counts = collections.defaultdict(collections.Counter)
+  for record in _of(records, "push"):
+    counts[record["learner"]][int(record["staleness"])] += 1
+  if not counts:
+    for record in _of(records, "learner_summary"):
+      counts[record["learner"]].update({int(s): n for s, n in record.get("staleness_histogram", {}).items()})
+  return {learner: c for learner, c in sorted(counts.items()) if c}
+
+
+def summarize_run(records: list[dict]) -> dict:
+  """The figures a table row or results.csv holds for one run (None where the run has no record)."""
+  evals, learners = _of(records, "eval"), _of(records, "learner_summary")
+  last = evals[-1] if evals else {}
+  summary = (_of(records, "summary") or [{}])[-1]
+  staleness = [(s, n) for counter in staleness_counts(records).values() for s, n in counter.items()]
+  pushes = sum(n for _, n in staleness)
+  idle = [r["idle_seconds"] / r["time"] for r in learners if r["time"] > 0]
+  return {
+      "eval_loss": last.get("eval_loss"), "optimal_loss": last.get("optimal_loss"), "tokens": last.get("tokens"),
+      "outer_updates": last.get("outer_step"),
+      "wall_seconds": max((r["wall_time"] for r in records if "wall_time" in r), default=None),
+      "virtual_seconds": summary.get("virtual_seconds", last.get("time")), "goodput": summary.get("goodput"),
+      "idle_fraction": statistics.mean(idle) if idle else None,
+      "pushes": pushes or None, "dropped": summary.get("dropped_pushes"),
+      "mean_staleness": sum(s * n for s, n in staleness) / pushes if pushes else None,
+  }
+
+
+def _cell(field: str, row: dict) -> str:
+  value = row[field]
+  if field == "optimal_loss" and value is not None and row["eval_loss"] is not None:
+    value = row["eval_loss"] - value
+  if value is None:
+    return "–"
+  if field in ("tokens", "outer_updates", "pushes", "dropped"):
+    return f"{int(value):,}"
+  if field in ("wall_seconds", "virtual_seconds"):
+    return f"{value:.1f}"
+  if field in ("goodput", "idle_fraction", "mean_staleness"):
+    return f"{value:.3f}"
+  return f"{value:.4f}"
+
+
+def markdown_table(summaries: dict[str, dict]) -> str:
+  """One row per run; columns no run has a value for (e.g. goodput of lockstep runs) are left out."""
+  fields = [f for f in SUMMARY_FIELDS if any(row[f] is not None for row in summaries.values())]
+  lines = ["| run | " + " | ".join(_COLUMNS[f] for f in fields) + " |",
+           "|---|" + "---:|" * len(fields)]
+  for name, row in summaries.items():
+    lines.append(f"| {name.replace('|', '/')} | " + " | ".join(_cell(f, row) for f in fields) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def _wrap(name: str, width: int) -> str:
+  """A run name broken into lines of about `width` characters, after its commas if it has any."""
+  return textwrap.fill(name.replace(",", ", "), width, break_on_hyphens=False).replace(", ", ",")
+
+
+def _figure(width: float = 7.0, height: float = 4.5) -> Figure:
+  figure = Figure(figsize=(width, height), layout="constrained")
+  FigureCanvasAgg(figure)
+  return figure
+
+
+def _loss_curves(runs: dict[str, list[dict]], x_field: str, x_label: str, title: str) -> Figure | None:
+  """Eval loss against one x field, a line per run that has it; the optimum dashed when known."""
+  curves = {name: [(r[x_field], r["eval_loss"]) for r in _of(records, "eval") if x_field in r]
+            for name, records in runs.items()}
+  curves = {name: points for name, points in curves.items() if points}
+  if not curves:
+    return None
+  figure = _figure()
+  axes = figure.add_subplot()
+  for name, points in curves.items():
+    axes.plot(*zip(*points), marker="o", markersize=3, label=name)
+  optima = {r["optimal_loss"] for records in runs.values() for r in _of(records, "eval") if "optimal_loss" in r}
+  if len(optima) == 1:
+    axes.axhline(optima.pop(), color="gray", linestyle="--", linewidth=1, label="optimum")
+  axes.set(xlabel=x_label, ylabel="eval loss", title=title)
+  axes.grid(alpha=0.3)
+  axes.legend(fontsize="small")
+  return figure
+
+
+def loss_vs_tokens(runs: dict[str, list[dict]]) -> Figure | None:
+  """Eval loss per token seen: how runs compare at equal data, whatever their speed."""
+  return _loss_curves(runs, "tokens", "tokens", "Eval loss vs tokens")
+
+
+def loss_vs_time(runs: dict[str, list[dict]], clock: str = "wall") -> Figure | None:
+  """Eval loss against wall-clock seconds, or virtual seconds of the simulated hardware ('virtual').
+
+  Virtual time is what heterogeneous and decoupled runs are about (sim runtime only); wall
+  time is what this machine spent.
+  """
+  if clock == "virtual":
+    return _loss_curves(runs, "time", "virtual seconds (simulated hardware)", "Eval loss vs virtual time")
+  return _loss_curves(runs, "wall_time", "wall-clock seconds", "Eval loss vs wall-clock time")
+
+
+def _grid(count: int, columns: int, width: float, height: float):
+  figure = _figure(width * min(count, columns), height * -(-count // columns))
+  return figure, [figure.add_subplot(-(-count // columns), min(count, columns), i + 1) for i in range(count)]
+
+
+def utilization(runs: dict[str, list[dict]]) -> Figure | None:
+  """Per learner: busy / idle / finished-early seconds, and local steps taken (sim runs).
+
+  Shows who waited for whom: in sync DiLoCo fast learners idle; decoupled, they take more steps.
+  """
+  summaries = {name: _of(records, "learner_summary") for name, records in runs.items()}
+  summaries = {name: rows for name, rows in summaries.items() if rows}
+  if not summaries:
+    return None
+  figure = _figure(10.0, 0.6 + 2.6 * len(summaries))
+  for row, (name, learners) in zip(figure.subfigures(len(summaries), 1, squeeze=False)[:, 0], summaries.items()):
+    row.suptitle(_wrap(name, 100))
+    labels = [f"learner {r['learner']}" for r in learners]
+    times, steps = row.subplots(1, 2)
+    left = [0.0] * len(learners)
+    for field, color in (("busy_seconds", "tab:green"), ("idle_seconds", "tab:orange"),
+                         ("finished_early_seconds", "tab:gray")):
+      values = [r.get(field, 0.0) for r in learners]
+      times.barh(labels, values, left=left, color=color, label=field[:-len("_seconds")].replace("_", " "))
+      left = [a + b for a, b in zip(left, values)]
+    times.invert_yaxis()
+    times.set(xlabel="virtual seconds")
+    steps.barh(labels, [r["steps"] for r in learners], color="tab:blue")
+    steps.invert_yaxis()
+    steps.set(xlabel="local steps")
+  handles = row.axes[0].get_legend_handles_labels()
+  figure.legend(*handles, loc="outside lower center", ncol=3, fontsize="small")
+  return figure
+
+
+def staleness_histogram(runs: dict[str, list[dict]]) -> Figure | None:
+  """Pushes per staleness (merges between a push's base version and its arrival), stacked by learner."""
+  counts = {name: staleness_counts(records) for name, records in runs.items()}
+  counts = {name: per_learner for name, per_learner in counts.items() if per_learner}
+  if not counts:
+    return None
+  figure, axes_list = _grid(len(counts), 3, 4.5, 3.4)
+  for axes, (name, per_learner) in zip(axes_list, counts.items()):
+    values = range(max(max(c) for c in per_learner.values()) + 1)
+    bottom = [0] * len(values)
+    for learner, counter in per_learner.items():
+      heights = [counter.get(s, 0) for s in values]
+      axes.bar(list(values), heights, bottom=bottom, label=f"learner {learner}")
+      bottom = [a + b for a, b in zip(bottom, heights)]
+    axes.set(xlabel="staleness (merges)", ylabel="pushes", title=_wrap(name, 40))
+    axes.set_xticks(list(values))
+    axes.legend(fontsize="x-small")
+  figure.suptitle("Staleness of pushes")
+  return figure
+
+
+# File stem -> (section title in report.md, plot function).
+PLOTS = {
+    "loss_vs_tokens": ("Eval loss vs tokens", loss_vs_tokens),
+    "loss_vs_wall_time": ("Eval loss vs wall-clock time", lambda runs: loss_vs_time(runs, "wall")),
+    "loss_vs_virtual_time": ("Eval loss vs virtual time", lambda runs: loss_vs_time(runs, "virtual")),
+    "utilization": ("Per-learner utilization and local steps", utilization),
+    "staleness": ("Staleness of pushes", staleness_histogram),
+}
+
+
+def figures(runs: dict[str, list[dict]]) -> dict[str, Figure]:
+  """File stem -> figure, for every plot the runs can feed."""
+  made = {stem: plot(runs) for stem, (_, plot) in PLOTS.items()}
+  return {stem: figure for stem, figure in made.items() if figure is not None}
+
+
+def write_report(runs: dict[str, list[dict]], out_dir: str) -> list[str]:
+  """Saves every plot as PNG and report.md (the table, then the plots); returns the paths written."""
+  os.makedirs(out_dir, exist_ok=True)
+  paths, sections = [], []
+  for stem, figure in figures(runs).items():
+    paths.append(os.path.join(out_dir, f"{stem}.png"))
+    figure.savefig(paths[-1], dpi=110)
+    sections.append(f"## {PLOTS[stem][0]}\n\n![{stem}]({stem}.png)\n")
+  table = markdown_table({name: summarize_run(records) for name, records in runs.items()})
+  paths.append(os.path.join(out_dir, "report.md"))
+  with open(paths[-1], "w", encoding="utf-8") as f:
+    f.write(f"# Report: {len(runs)} run(s)\n\n{table}\n" + "\n".join(sections))
+  return paths
