@@ -1,9 +1,12 @@
 """The README's commands, shortened through config overrides, run end to end as real processes."""
 
 import json
+import math
+import os
 import pathlib
 import re
 import shlex
+import socket
 import subprocess
 import sys
 
@@ -69,13 +72,57 @@ def test_demo_command_trains_writes_outputs_and_resumes(tmp_path):
 
 
 @pytest.mark.parametrize("command", [c for c in readme_train_commands() if "configs/demo.py --workdir" not in c
-                                     and "resume=True" not in c])
+                                     and "resume=True" not in c and "--role=" not in c])
 def test_other_readme_commands_run(command, tmp_path):
   if "tinyshakespeare" in command and not (REPO.parent / "shared" / "data" / "tinyshakespeare.txt").exists():
     pytest.skip("../shared/data is not beside the repository")
   result = run_train(command, tmp_path)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "final eval loss" in result.stdout
+
+
+def _readme_block(marker: str) -> str:
+  """The fenced block after `<!-- marker -->` in the README."""
+  block = README.split(f"<!-- {marker} -->", 1)[1].split("```", 2)[1]
+  return block.split("\n", 1)[1]
+
+
+def _free_port() -> int:
+  with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    return probe.getsockname()[1]
+
+
+def _assert_service_run_finished(workdir: pathlib.Path, learners: int) -> None:
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  summary, = [r for r in records if r["kind"] == "summary"]
+  assert summary["done"] and math.isfinite(summary["eval_loss"]) and summary["rejected_pushes"] == 0
+  assert {r["learner"] for r in records if r["kind"] == "push"} == set(range(learners))
+
+
+def test_readme_service_commands_run_as_written(tmp_path):
+  """The README's syncer + learners shell block, run by bash with a free port, a tmp workdir, a short run."""
+  block = _readme_block("service-commands")
+  assert block.count("python -m experiments.train") == 2 and "--role=syncer" in block
+  shortened = (block.replace("/tmp/dd_svc", str(tmp_path / "svc")).replace("50051", str(_free_port()))
+               .replace("--config.mode=decoupled", "--config.mode=decoupled " + " ".join(SHORTEN)))
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DD_SYNCER_TOKEN")}
+  env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"  # `python` in the block is this interpreter.
+  result = subprocess.run(["bash", "-c", shortened], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.count("learner ") == 4 and "syncer: " in result.stdout, result.stdout
+  _assert_service_run_finished(tmp_path / "svc", 4)
+
+
+def test_readme_launch_local_command_runs(tmp_path):
+  command = next(line for line in README.splitlines() if line.startswith("python -m experiments.launch_local"))
+  args = [f"--workdir={tmp_path / 'local'}" if a.startswith("--workdir=") else a for a in shlex.split(command)[1:]]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  result = subprocess.run([sys.executable, *args, *SHORTEN], cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env=env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "exit codes: {'syncer': 0, 'learner_0': 0, 'learner_1': 0, 'learner_2': 0, 'learner_3': 0}" in result.stdout
+  _assert_service_run_finished(tmp_path / "local", 4)
 
 
 @pytest.mark.parametrize("flag, message", [
