@@ -7,7 +7,6 @@ results, so a runtime that interleaves several groups' steps keeps all their mes
 
 import dataclasses
 import time
-from typing import Any
 
 import jax
 import numpy as np

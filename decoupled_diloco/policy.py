@@ -39,6 +39,22 @@ def target_steps(policy_cfg, inner_steps: int, speed: float, max_speed: float) -
   return None
 
 
+def measured_round_steps(policy_cfg, inner_steps: int, own_speed: float, others_max_speed: float,
+                         declared_speed: float, declared_max_speed: float) -> int:
+  """A round's length decided up front from wall-clock speeds (steps per second; 0 = not measured yet).
+
+  Why up front: a learner process (or a multi-host group, which must agree) fixes its round
+  before computing it. Until it has measured itself, a round is H. A time budget becomes
+  the steps that fit `round_seconds` at the measured speed; measured DyLU compares this
+  learner with the fastest other one it has heard of; everything else is `target_steps`.
+  """
+  if policy_cfg.kind == "time_budget":
+    return max(1, int(policy_cfg.round_seconds * own_speed)) if own_speed else inner_steps
+  if policy_cfg.kind == "dylu" and policy_cfg.speed_source == "measured":
+    return dylu_steps(own_speed, max(own_speed, others_max_speed), inner_steps) if own_speed else inner_steps
+  return target_steps(policy_cfg, inner_steps, declared_speed, declared_max_speed)
+
+
 def keep_training(policy_cfg, target: int | None, steps_done: int, elapsed: float, next_step: float) -> bool:
   """Whether to take one more local step before pushing."""
   if target is not None:

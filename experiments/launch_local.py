@@ -13,7 +13,8 @@ serves; a restarted syncer gets the same port and --config.resume=True. Logs: <w
 exits 0 once the syncer and every learner exited 0.
 
 Chaos: every --kill_every_seconds a seeded choice among the running learners (and the syncer,
-with --chaos_syncer) is SIGKILLed and restarted --restart_delay_seconds later.
+with --chaos_syncer) that have been up --min_uptime_seconds (so that every incarnation gets
+past start-up and trains) is SIGKILLed and restarted --restart_delay_seconds later.
 
 --processes_per_group=N runs each learner group as N JAX processes (gloo collectives, a
 fresh coordinator port per start) named learner_<i>.p<k>; a group is killed and restarted
@@ -41,6 +42,7 @@ _CHAOS_SEED = flags.DEFINE_integer("chaos_seed", None, "Seed of the kill/restart
 _KILL_EVERY = flags.DEFINE_float("kill_every_seconds", 0.0, "Seconds between SIGKILLs of a chaos run.")
 _RESTART_DELAY = flags.DEFINE_float("restart_delay_seconds", 2.0, "Seconds a killed process stays down.")
 _CHAOS_SYNCER = flags.DEFINE_bool("chaos_syncer", False, "Chaos may also kill (and restart) the syncer.")
+_MIN_UPTIME = flags.DEFINE_float("min_uptime_seconds", 15.0, "Chaos kills only processes up at least this long.")
 _TIMEOUT = flags.DEFINE_float("timeout_seconds", 3600.0, "Kill everything and fail after this long.")
 _PROCESSES_PER_GROUP = flags.DEFINE_integer("processes_per_group", 1, "JAX processes per learner group (each "
                                             "gets an equal share of the group's devices).")
@@ -64,6 +66,7 @@ class LocalCluster:
     self.stopped_after_end: set[str] = set()  # Learner processes still running end_grace_seconds after the run ended.
     self.address: str | None = None
     self.starts: dict[str, int] = {}
+    self.started_at: dict[str, float] = {}  # Syncer or learner group -> time.monotonic() of its last start.
     os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
 
   def _command(self, *args: str) -> list[str]:
@@ -72,6 +75,7 @@ class LocalCluster:
 
   def _spawn(self, name: str, command: list[str]) -> subprocess.Popen:
     self.starts[name] = self.starts.get(name, 0) + 1
+    self.started_at[_unit(name)] = time.monotonic()
     log = open(os.path.join(self.workdir, "logs", f"{name}.log"), "ab")  # pylint: disable=consider-using-with
     log.write(f"=== start {self.starts[name]}: {' '.join(command)}\n".encode())
     log.flush()
@@ -160,7 +164,7 @@ class LocalCluster:
       if chaos is not None:
         chaos.step(self, time.monotonic())
       failed = [n for n, p in self.processes.items() if p.poll() not in (None, 0) and n != "syncer"
-                and not (chaos and _unit(n) in chaos.down)]
+                and not (chaos and _unit(n) in chaos.down | chaos.abandoned)]
       if failed:
         self.stop()
         raise RuntimeError(f"{', '.join(failed)} failed: see {self.workdir}/logs")
@@ -195,10 +199,12 @@ def _free_port(host: str) -> int:
 
 
 class Chaos:
-  """A seeded schedule: every `every` seconds SIGKILL one running process, restart it `delay` s later."""
+  """A seeded schedule: every `every` seconds SIGKILL one process that has been up `min_uptime`
+  seconds, restart it `delay` s later."""
 
-  def __init__(self, seed: int, every: float, delay: float, include_syncer: bool):
+  def __init__(self, seed: int, every: float, delay: float, include_syncer: bool, min_uptime: float = 0.0):
     self.rng, self.every, self.delay, self.include_syncer = random.Random(seed), every, delay, include_syncer
+    self.min_uptime = min_uptime
     self.next_kill: float | None = None
     self.down: dict[str, float] = {}  # name -> when to restart it
     self.abandoned: set[str] = set()  # Killed, and not restarted because the run ended meanwhile.
@@ -221,7 +227,7 @@ class Chaos:
       return  # Too early, or the run is over (the learners exited after hearing so).
     self.next_kill = now + self.every
     candidates = [n for n in sorted(cluster.running()) if n != "syncer" or self.include_syncer]
-    candidates = [n for n in candidates if n not in self.down]
+    candidates = [n for n in candidates if n not in self.down and now - cluster.started_at[n] >= self.min_uptime]
     if candidates:
       victim = self.rng.choice(candidates)
       cluster.kill(victim)
@@ -242,7 +248,7 @@ def main(argv: list[str]) -> None:
                          group_processes=(_PROCESSES_PER_GROUP.value,) * len(config.learners.devices))
   chaos = None
   if _CHAOS_SEED.value is not None and _KILL_EVERY.value > 0:
-    chaos = Chaos(_CHAOS_SEED.value, _KILL_EVERY.value, _RESTART_DELAY.value, _CHAOS_SYNCER.value)
+    chaos = Chaos(_CHAOS_SEED.value, _KILL_EVERY.value, _RESTART_DELAY.value, _CHAOS_SYNCER.value, _MIN_UPTIME.value)
   signal.signal(signal.SIGTERM, lambda *_: (cluster.stop(), sys.exit(143)))
   try:
     cluster.start()

@@ -2,9 +2,11 @@
 
 Why execute them: the notebooks are what researchers open first, and nothing else calls
 their cells, so an API change they missed would only surface in front of a reader. Each
-runs in a temp directory (its workdirs and JAX's compilation cache go there too) with
-DD_NOTEBOOK_SIZE=ci, which shrinks every run to about a minute. One test per notebook, so
-pytest-xdist spreads them over its workers.
+runs with DD_NOTEBOOK_SIZE=ci, which shrinks every run to about a minute, and TMPDIR set to
+one directory per test session: the notebooks make their workdirs there with mkdtemp and
+share JAX's compilation cache (tempdir/dd_jax_cache), so shapes compiled by one are not
+compiled again by the next. One test per notebook, so pytest-xdist spreads them over its
+workers.
 """
 
 import json
@@ -49,10 +51,15 @@ def test_notebook_is_committed_without_outputs(path):
   assert all(cell.get("execution_count") is None for cell in notebook.cells if cell.cell_type == "code")
 
 
+@pytest.fixture(scope="session")
+def notebook_tempdir(tmp_path_factory):
+  return tmp_path_factory.mktemp("notebooks")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_and_plots(path, tmp_path, monkeypatch):
+def test_notebook_runs_and_plots(path, tmp_path, monkeypatch, notebook_tempdir):
   monkeypatch.setenv("DD_NOTEBOOK_SIZE", "ci")
-  monkeypatch.setenv("TMPDIR", str(tmp_path))
+  monkeypatch.setenv("TMPDIR", str(notebook_tempdir))
   # The checkout's package, whether or not it is pip-installed in this environment.
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
   notebook = nbformat.read(path, as_version=4)

@@ -79,29 +79,6 @@ def _assert_exactly_once(workdir):
   assert versions == sorted(set(versions)) and versions[-1] == _syncer_records(workdir, "summary")[0]["outer_step"]
 
 
-def test_syncer_and_two_learner_processes_train_to_completion(cluster):
-  # Learner 1 emulates a slice three times slower; DyLU sizes rounds from measured speeds.
-  run = cluster("--config.learners.slowdown=(0.0,2.0)", "--config.policy.kind=dylu",
-                "--config.policy.speed_source=measured")
-  run.start()
-  codes = run.wait(RUN_TIMEOUT)
-  summary = _assert_completed(run.workdir, codes)
-  evals = [r["eval_loss"] for r in _syncer_records(run.workdir, "eval")]
-  first_losses = [_learner_records(run.workdir, m, "train")[0]["loss"] for m in range(2)]
-  assert evals[-1] < min(first_losses) - 1.0, (evals, first_losses)  # ln 256 ≈ 5.5 at the start.
-  assert summary["rejected_pushes"] == 0 and summary["duplicates_pushes"] == 0
-  for m in range(2):
-    learner_summary, = _learner_records(run.workdir, m, "learner_summary")
-    assert learner_summary["blocked_fraction"] < 0.5 and learner_summary["steps"] > 0
-  _assert_exactly_once(run.workdir)
-  # Rounds of H = 4 until a learner has measured itself (its first round compiles); then the
-  # slow learner takes about a third of the fast one's local steps, and pushes as often.
-  local_steps = {m: [r["local_steps"] for r in _syncer_records(run.workdir, "push") if r["learner"] == m]
-                 for m in range(2)}
-  assert local_steps[0][:-2] == [4] * (len(local_steps[0]) - 2), local_steps  # The budget may cut the last ones.
-  assert local_steps[1][:2] == [4, 4] and len(local_steps[1]) >= 4 and max(local_steps[1][2:]) <= 2, local_steps
-
-
 def test_a_learner_group_of_two_jax_processes_trains_as_one_group(cluster):
   run = cluster(group_processes=(2, 1))  # Learner 0's two devices: one in each of two gloo-connected processes.
   run.start()
@@ -219,22 +196,31 @@ def test_bad_inputs_from_a_raw_client_are_refused_and_the_run_continues(cluster)
   assert refused == {"unauthenticated": 2, "malformed": 3, "unknown_learner": 1, "rejected": 4, "oversized": 2}
 
 
-def test_a_chaos_run_of_learner_kills_ends_within_3_percent_of_the_undisturbed_run(cluster):
-  longer = ("--config.outer_steps=40", "--config.eval_every=1000")
+def test_two_learner_processes_train_to_completion_and_a_chaos_run_ends_within_3_percent(cluster):
+  """The undisturbed run: the loss falls, every acknowledged push is applied once. Then the same
+  run under a seeded schedule of learner SIGKILLs and restarts ends within 3% of its eval loss."""
+  longer = ("--config.outer_steps=30", "--config.eval_every=1000")
   undisturbed = cluster(*longer, name="undisturbed")
   undisturbed.start()
-  _assert_completed(undisturbed.workdir, undisturbed.wait(RUN_TIMEOUT))
+  reference = _assert_completed(undisturbed.workdir, undisturbed.wait(RUN_TIMEOUT))
+  first_losses = [_learner_records(undisturbed.workdir, m, "train")[0]["loss"] for m in range(2)]
+  assert reference["eval_loss"] < min(first_losses) - 1.0, (reference, first_losses)  # ln 256 ≈ 5.5 at the start.
+  assert reference["rejected_pushes"] == 0 and reference["duplicates_pushes"] == 0
+  for m in range(2):
+    learner_summary, = _learner_records(undisturbed.workdir, m, "learner_summary")
+    assert learner_summary["blocked_fraction"] < 0.5 and learner_summary["steps"] > 0
+  _assert_exactly_once(undisturbed.workdir)
+
   chaotic = cluster(*longer, name="chaos")
-  chaos = Chaos(seed=0, every=6.0, delay=2.0, include_syncer=False)
+  chaos = Chaos(seed=0, every=8.0, delay=2.0, include_syncer=False, min_uptime=20.0)
   chaotic.start()
   codes = chaotic.wait(RUN_TIMEOUT, chaos)
   kills = [name for _, event, name in chaos.events if event == "kill"]
-  assert len(kills) >= 3 and set(kills) == {"learner_0", "learner_1"}, chaos.events
+  assert len(kills) >= 3, chaos.events
   ended_by_chaos = chaos.abandoned | chaotic.stopped_after_end  # Killed near the end, or restarted into a finished run.
   assert ended_by_chaos <= set(kills) and all(code == 0 for name, code in codes.items() if name not in ended_by_chaos), (
       codes, ended_by_chaos)
   _assert_exactly_once(chaotic.workdir)
-  reference, = _syncer_records(undisturbed.workdir, "summary")
   disturbed, = _syncer_records(chaotic.workdir, "summary")
   assert disturbed["steps_done"] >= reference["steps_done"] - 2 * 4  # The same budget, give or take the last round.
   assert abs(disturbed["eval_loss"] / reference["eval_loss"] - 1) < 0.03, (disturbed["eval_loss"],

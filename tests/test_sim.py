@@ -106,6 +106,23 @@ def test_dylu_steps_scale_with_speed():
   tracker = policy.SpeedTracker([1.0, 1.0], ema=0.5)
   tracker.observe(1, 0.25)  # measured 4 steps/s: estimate moves halfway
   assert tracker.speeds == [1.0, 2.5] and tracker.max_speed == 2.5
+  fresh = policy.SpeedTracker([0.0])
+  fresh.observe(0, 0.5)  # No estimate yet: the first measurement is taken as it is.
+  assert fresh.speeds == [2.0]
+
+
+@pytest.mark.parametrize("kind, source, own, others, expected", [
+    ("dylu", "measured", 0.0, 9.0, 20),   # Not measured yet: a round of H.
+    ("dylu", "measured", 2.0, 8.0, 5),    # A quarter of the fastest other learner's speed.
+    ("dylu", "measured", 8.0, 2.0, 20),   # The fastest itself.
+    ("dylu", "declared", 8.0, 2.0, 10),   # Declared speeds 1 of 2: half of H, whatever was measured.
+    ("fixed", "measured", 2.0, 8.0, 20),
+    ("time_budget", "declared", 0.0, 0.0, 20),
+    ("time_budget", "declared", 4.0, 0.0, 12),  # 3 s of budget at 4 steps/s.
+])
+def test_measured_round_steps(kind, source, own, others, expected):
+  config = tiny_config(**{"policy.kind": kind, "policy.speed_source": source, "policy.round_seconds": 3.0})
+  assert policy.measured_round_steps(config.policy, 20, own, others, 1.0, 2.0) == expected
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -1,6 +1,21 @@
 """Metric records every runtime writes the same way (train-loss windows, evals, progress)."""
 
+import os
+
+from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.experiment import Experiment
+
+
+def fresh_workdir(workdir: str, resume: bool, no_resume: str) -> str:
+  """For runtimes that cannot resume: refuses `resume` (saying `no_resume`) and a workdir that
+  already holds a run, before anything is written; returns the checkpoints directory."""
+  if resume:
+    raise ConfigError(no_resume)
+  checkpoints = os.path.join(workdir, "checkpoints")
+  if os.path.isdir(checkpoints) and os.listdir(checkpoints):
+    raise ConfigError(f"workdir {workdir} already holds a run: pick a new --workdir")
+  os.makedirs(workdir, exist_ok=True)
+  return checkpoints
 
 
 def train_records(learner, outer_step: int, log_every: int, extra: dict) -> list[dict]:

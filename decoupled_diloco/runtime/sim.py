@@ -20,7 +20,6 @@ import collections
 import dataclasses
 import heapq
 import itertools
-import os
 import time
 
 from absl import logging
@@ -31,7 +30,6 @@ from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import compression, fragments
 from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco import policy as policy_lib
-from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.experiment import Experiment
 from decoupled_diloco.runtime import records
 from decoupled_diloco.syncer import MergeReport, PushRejected
@@ -360,12 +358,8 @@ class Simulation:
 
 def run(exp: Experiment, workdir: str) -> dict:
   """Simulates `exp` in `workdir` and checkpoints the final state; returns the summary."""
-  if exp.config.resume:
-    raise ConfigError("the virtual-clock runtime does not resume: rerun it (a seeded run is deterministic)")
-  checkpoints = os.path.join(workdir, "checkpoints")
-  if os.path.isdir(checkpoints) and os.listdir(checkpoints):
-    raise ConfigError(f"workdir {workdir} already holds a run: pick a new --workdir")
-  os.makedirs(workdir, exist_ok=True)
+  checkpoints = records.fresh_workdir(
+      workdir, exp.config.resume, "the virtual-clock runtime does not resume: rerun it (a seeded run is deterministic)")
   # -1: a rerun after a crash (no checkpoint yet) drops every record of the crashed attempt.
   with metrics_lib.MetricsWriter(workdir, resume_from_step=-1) as writer:
     summary = Simulation(exp, writer).run()

@@ -34,7 +34,6 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import os
 import queue
 import threading
 import time
@@ -376,12 +375,8 @@ class ThreadedRun:
 
 def run(exp: Experiment, workdir: str) -> dict:
   """Trains `exp` in real time in `workdir` and checkpoints the final state; returns the summary."""
-  if exp.config.resume:
-    raise ConfigError("the threads runtime does not resume: start a new run with a new --workdir")
-  checkpoints = os.path.join(workdir, "checkpoints")
-  if os.path.isdir(checkpoints) and os.listdir(checkpoints):
-    raise ConfigError(f"workdir {workdir} already holds a run: pick a new --workdir")
-  os.makedirs(workdir, exist_ok=True)
+  checkpoints = records.fresh_workdir(workdir, exp.config.resume,
+                                      "the threads runtime does not resume: start a new run with a new --workdir")
   with metrics_lib.MetricsWriter(workdir, resume_from_step=-1) as writer:
     summary = ThreadedRun(exp, writer).run()
   logging.info("wall-clock %.1fs, goodput %.3f, %d outer updates, steps per learner %s, blocked fraction %s",

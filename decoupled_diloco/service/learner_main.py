@@ -246,15 +246,9 @@ class LearnerProcess:
 
   def _planned_steps(self, status: dict) -> int:
     """The next round's length, decided by the leader for the whole group (see the module doc)."""
-    policy, inner_steps = self.config.policy, self.config.inner_steps
-    own = self.speed.speeds[0]
-    if policy.kind == "time_budget":
-      planned = max(1, int(policy.round_seconds * own)) if own else inner_steps
-    elif policy.kind == "dylu" and policy.speed_source == "measured":
-      planned = policy_lib.dylu_steps(own, max(own, status["max_speed"]), inner_steps) if own else inner_steps
-    else:
-      planned = policy_lib.target_steps(policy, inner_steps, self.declared_speeds[self.index],
-                                        max(self.declared_speeds))
+    planned = policy_lib.measured_round_steps(self.config.policy, self.config.inner_steps, self.speed.speeds[0],
+                                              status["max_speed"], self.declared_speeds[self.index],
+                                              max(self.declared_speeds))
     return self.group.share(planned)
 
   def _round(self, steps: int):

@@ -35,3 +35,13 @@ def interleaved_medians(runners: dict[str, Callable[[], None]], blocks: int) -> 
 def emit(figures: dict) -> None:
   """The benchmark's result: one JSON line, always the last line printed."""
   print(json.dumps(figures, sort_keys=True))
+
+
+def emit_throughput_ratio(figures: dict, nbytes: int, medians: dict[str, float], framework: str,
+                          baseline: str) -> None:
+  """`figures` plus seconds and GB/s of both sides of a same-bytes comparison, and `ratio`
+  = baseline seconds / framework seconds (the framework's share of the baseline's throughput)."""
+  for side in (framework, baseline):
+    figures[f"{side}_seconds"] = round(medians[side], 4)
+    figures[f"{side}_gbytes_per_s"] = round(nbytes / medians[side] / 1e9, 3)
+  emit({**figures, "bytes": nbytes, "ratio": round(medians[baseline] / medians[framework], 3)})

@@ -54,11 +54,8 @@ def main(argv) -> None:
   merge(), copy()  # Compile and warm up.
   medians = common.interleaved_medians({"syncer": merge, "numpy": copy}, _BLOCKS.value)
   size = sum(leaf.nbytes for leaf in sources)
-  common.emit({"benchmark": "merge_throughput", "pushes": m, "params": _PARAMS.value, "bytes": size,
-               "syncer_seconds": round(medians["syncer"], 4), "numpy_copy_seconds": round(medians["numpy"], 4),
-               "syncer_gbytes_per_s": round(size / medians["syncer"] / 1e9, 3),
-               "numpy_gbytes_per_s": round(size / medians["numpy"] / 1e9, 3),
-               "ratio": round(medians["numpy"] / medians["syncer"], 3)})
+  common.emit_throughput_ratio({"benchmark": "merge_throughput", "pushes": m, "params": _PARAMS.value}, size,
+                               medians, "syncer", "numpy")
 
 
 if __name__ == "__main__":

@@ -114,11 +114,7 @@ def main(argv) -> None:
   client.close()
   parent.send("stop")
   receivers.join()
-  common.emit({"benchmark": "transport", "bytes": size, "chunk_bytes": _CHUNK.value,
-               "grpc_seconds": round(medians["grpc"], 4), "tcp_seconds": round(medians["tcp"], 4),
-               "grpc_gbytes_per_s": round(size / medians["grpc"] / 1e9, 3),
-               "tcp_gbytes_per_s": round(size / medians["tcp"] / 1e9, 3),
-               "ratio": round(medians["tcp"] / medians["grpc"], 3)})
+  common.emit_throughput_ratio({"benchmark": "transport", "chunk_bytes": _CHUNK.value}, size, medians, "grpc", "tcp")
 
 
 if __name__ == "__main__":
