@@ -164,7 +164,7 @@ class LocalCluster:
       if chaos is not None:
         chaos.step(self, time.monotonic())
       failed = [n for n, p in self.processes.items() if p.poll() not in (None, 0) and n != "syncer"
-                and not (chaos and _unit(n) in chaos.down | chaos.abandoned)]
+                and not (chaos and _unit(n) in set(chaos.down) | chaos.abandoned)]
       if failed:
         self.stop()
         raise RuntimeError(f"{', '.join(failed)} failed: see {self.workdir}/logs")
