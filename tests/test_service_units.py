@@ -2,7 +2,11 @@
 
 import datetime
 import ipaddress
+import json
 import os
+import pathlib
+import subprocess
+import sys
 import time
 
 import grpc
@@ -251,3 +255,14 @@ def test_tls_serves_trusting_clients_and_refuses_plaintext(params, tmp_path):
   finally:
     server.stop()
     core.close()
+
+
+@pytest.mark.parametrize("benchmark", ["transport", "merge_throughput"])
+def test_service_benchmarks_run_end_to_end(benchmark):
+  """Tiny sizes: the benchmark's own client, server and syncer calls still fit together."""
+  size = ["--megabytes=2", "--chunk_bytes=262144"] if benchmark == "transport" else ["--params=80000"]
+  result = subprocess.run([sys.executable, "-m", f"experiments.benchmarks.{benchmark}", *size, "--blocks=1"],
+                          cwd=pathlib.Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  figures = json.loads(result.stdout.splitlines()[-1])
+  assert figures["benchmark"] == benchmark and figures["ratio"] >= 0 and figures["bytes"] > 0

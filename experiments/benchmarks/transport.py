@@ -42,7 +42,7 @@ def _grpc_sink(chunk_bytes: int, max_payload: int):
     header = wire.parse_header(next(messages), core.PUSH_SCHEMA)
     wire.decode(wire.assemble(messages, header["payload_bytes"], max_payload, chunk_bytes))
     return wire.pack_header({"status": "applied", "version": 0, "versions": [0], "acked_seq": header["seq"],
-                             "steps_left": 1, "done": False})
+                             "steps_left": 1, "done": False, "max_speed": 0.0})
 
   sink = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=server.message_options(chunk_bytes))
   sink.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
@@ -92,7 +92,8 @@ def main(argv) -> None:
   parts = wire.encode(delta)
   size = wire.encoded_size(parts)
   parent, child = multiprocessing.get_context("spawn").Pipe()
-  receivers = multiprocessing.get_context("spawn").Process(target=_receivers, args=(size, _CHUNK.value, child))
+  receivers = multiprocessing.get_context("spawn").Process(target=_receivers, args=(size, _CHUNK.value, child),
+                                                           daemon=True)  # Never outlives a failed run.
   receivers.start()
   port, tcp_port = parent.recv()
   client = client_lib.SyncerClient(f"127.0.0.1:{port}", TOKEN, 0, chunk_bytes=_CHUNK.value, timeout_seconds=300,
