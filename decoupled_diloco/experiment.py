@@ -132,6 +132,20 @@ def _validate_streaming(config) -> None:
            "sim link bandwidths and latencies must be >= 0 (bandwidth 0 = unlimited)")
 
 
+def flops_per_step(config) -> list[float]:
+  """Training FLOPs of one inner step of each group: its batch on this model, or the simulated
+  model and batch (sim.simulated_params / simulated_tokens_per_step) when they are set."""
+  flops_per_token = (6.0 * config.sim.simulated_params if config.sim.simulated_params
+                     else model_lib.flops_per_token(config.model))
+  return [flops_per_token * (config.sim.simulated_tokens_per_step or batch * config.model.seq_len)
+          for batch in config.learners.batch_size]
+
+
+def declared_speeds(profiles, flops) -> list[float]:
+  """Steps per second each group's hardware profile promises: DyLU's declared speeds."""
+  return [1.0 / p.mean_step_seconds(f) for p, f in zip(profiles, flops)]
+
+
 def expected_steps(config, profiles, flops_per_step) -> list[int]:
   """Inner steps each learner will take, which sizes its warmup + cosine schedule.
 
@@ -143,7 +157,7 @@ def expected_steps(config, profiles, flops_per_step) -> list[int]:
   per_learner = config.outer_steps * config.inner_steps
   if config.mode != "decoupled":
     return [per_learner] * len(profiles)
-  speeds = [1.0 / p.mean_step_seconds(f) for p, f in zip(profiles, flops_per_step)]
+  speeds = declared_speeds(profiles, flops_per_step)
   return [max(1, round(per_learner * len(speeds) * v / sum(speeds))) for v in speeds]
 
 
@@ -156,10 +170,7 @@ def build(config, devices=None) -> Experiment:
   model, params, param_axes = model_lib.build_model(config.model, config.seed)
   params_shape = jax.eval_shape(lambda p: p, params)
   num_params = config.sim.simulated_params or model_lib.count_params(params)
-  flops_per_token = (6.0 * config.sim.simulated_params if config.sim.simulated_params
-                     else model_lib.flops_per_token(config.model))
-  flops = [flops_per_token * (config.sim.simulated_tokens_per_step or batch * config.model.seq_len)
-           for batch in config.learners.batch_size]
+  flops = flops_per_step(config)
   profiles = hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
 
   learners = []

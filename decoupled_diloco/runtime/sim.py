@@ -30,7 +30,7 @@ from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import compression, fragments
 from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco import policy as policy_lib
-from decoupled_diloco.experiment import Experiment
+from decoupled_diloco.experiment import Experiment, declared_speeds
 from decoupled_diloco.runtime import records
 from decoupled_diloco.syncer import MergeReport, PushRejected
 
@@ -102,8 +102,7 @@ class Simulation:
     self.clocks = [LearnerClock(Link(g, l), Link(g, l), compute_since_push=[0.0] * self.num_fragments)
                    for g, l in zip(gbps, latency)]
     self.rngs = [np.random.default_rng([exp.config.sim.seed, m]) for m in range(len(exp.learners))]
-    self.speeds = policy_lib.SpeedTracker(
-        [1.0 / p.mean_step_seconds(f) for p, f in zip(exp.profiles, exp.flops_per_step)])
+    self.speeds = policy_lib.SpeedTracker(declared_speeds(exp.profiles, exp.flops_per_step))
     self.steps_left = exp.config.outer_steps * exp.config.inner_steps * len(exp.learners)
     self.tokens_per_eval = (exp.config.eval_every * exp.config.inner_steps
                             * sum(l.batches.tokens_per_batch for l in exp.learners))

@@ -45,7 +45,7 @@ from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco import policy as policy_lib
 from decoupled_diloco.errors import ConfigError
-from decoupled_diloco.experiment import Experiment
+from decoupled_diloco.experiment import Experiment, declared_speeds
 from decoupled_diloco.runtime import records
 from decoupled_diloco.syncer import MergeReport, Push, PushRejected
 
@@ -79,7 +79,7 @@ class ThreadedRun:
     num = len(exp.learners)
     self.slowdown = tuple(config.learners.slowdown) or (0.0,) * num
     self.accounts = [Account() for _ in range(num)]
-    self.declared = [1.0 / p.mean_step_seconds(f) for p, f in zip(exp.profiles, exp.flops_per_step)]
+    self.declared = declared_speeds(exp.profiles, exp.flops_per_step)
     # Under the budget lock: the budget, tokens done, measured speeds (0 = none yet).
     self.budget = threading.Lock()
     self.steps_left = config.outer_steps * config.inner_steps * num

@@ -4,13 +4,14 @@ It builds only its own group, on the devices of this process, and loops: a round
 steps, push the pseudo-gradient, carry on. A round is H steps, or under DyLU ⌊v/max v · H⌋
 with v this learner's speed (declared, or measured from its own rounds against the fastest
 learner the syncer has seen), or under a time budget the steps that fit
-policy.round_seconds at the measured speed; learners.slowdown emulates a slower slice. Communication overlaps compute by one round (τ = H):
-at a round's end the push of the round, and the pull of the newest Θ after it, go to a
-background thread while the next round already runs from the local params; at the end of
-that round the learner collects the exchange (time spent waiting for it is `blocked`) and
-starts the following round from α·θ + (1 − α)·Θ_new (α = streaming.alpha). Every round's
-progress is pushed exactly once: the round that ran during the exchange is pushed as the
-change from the local params it started at, with the base version they derive from.
+policy.round_seconds at the measured speed; learners.slowdown emulates a slower slice.
+Communication overlaps compute by one round (τ = H): at a round's end the push of the
+round, and the pull of the newest Θ after it, go to a background thread while the next
+round already runs from the local params; at the end of that round the learner collects
+the exchange (time spent waiting for it is `blocked`) and starts the following round from
+α·θ + (1 − α)·Θ_new (α = streaming.alpha). Every round's progress is pushed exactly once:
+the round that ran during the exchange is pushed as the change from the local params it
+started at, with the base version they derive from.
 
 Restarted after a crash it joins again: Θ and its last acknowledged sequence number come
 from the syncer, its AdamW state and step (hence its data position) from its own
@@ -57,7 +58,7 @@ def build_learner(config, index: int) -> tuple[Learner, list[float]]:
   corpus = sources.load_corpus(config.data, config.model.seq_len)
   model, params, param_axes = model_lib.build_model(config.model, config.seed)
   batch_sizes = config.learners.batch_size
-  flops = [model_lib.flops_per_token(config.model) * b * config.model.seq_len for b in batch_sizes]
+  flops = experiment.flops_per_step(config)
   profiles = hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
   schedule_steps = experiment.expected_steps(config, profiles, flops)[index]
   loop = inner.build_inner_loop(model, inner.inner_optimizer(config.inner, schedule_steps),
@@ -68,7 +69,7 @@ def build_learner(config, index: int) -> tuple[Learner, list[float]]:
                                      seed=config.seed)
   learner = Learner(index, loop, shard, loop.init(params), (), compression.Codec.from_config(config.compression),
                     config.streaming.alpha)
-  return learner, [1.0 / p.mean_step_seconds(f) for p, f in zip(profiles, flops)]
+  return learner, experiment.declared_speeds(profiles, flops)
 
 
 class HostPseudoGradient:
