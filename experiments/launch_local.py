@@ -14,7 +14,10 @@ exits 0 once the syncer and every learner exited 0.
 
 Chaos: every --kill_every_seconds a seeded choice among the running learners (and the syncer,
 with --chaos_syncer) that have been up --min_uptime_seconds (so that every incarnation gets
-past start-up and trains) is SIGKILLed and restarted --restart_delay_seconds later.
+past start-up and trains) is SIGKILLed and restarted --restart_delay_seconds later, until
+--max_kills kills have happened (0 = no limit). A budget keeps a chaos run finite on a slow
+machine: when a restart takes longer than the time between kills, unbounded chaos can keep
+every learner down and the run never ends.
 
 --processes_per_group=N runs each learner group as N JAX processes (gloo collectives, a
 fresh coordinator port per start) named learner_<i>.p<k>; a group is killed and restarted
@@ -43,6 +46,7 @@ _KILL_EVERY = flags.DEFINE_float("kill_every_seconds", 0.0, "Seconds between SIG
 _RESTART_DELAY = flags.DEFINE_float("restart_delay_seconds", 2.0, "Seconds a killed process stays down.")
 _CHAOS_SYNCER = flags.DEFINE_bool("chaos_syncer", False, "Chaos may also kill (and restart) the syncer.")
 _MIN_UPTIME = flags.DEFINE_float("min_uptime_seconds", 15.0, "Chaos kills only processes up at least this long.")
+_MAX_KILLS = flags.DEFINE_integer("max_kills", 0, "Chaos stops after this many kills (0 = no limit).")
 _TIMEOUT = flags.DEFINE_float("timeout_seconds", 3600.0, "Kill everything and fail after this long.")
 _PROCESSES_PER_GROUP = flags.DEFINE_integer("processes_per_group", 1, "JAX processes per learner group (each "
                                             "gets an equal share of the group's devices).")
@@ -200,11 +204,12 @@ def _free_port(host: str) -> int:
 
 class Chaos:
   """A seeded schedule: every `every` seconds SIGKILL one process that has been up `min_uptime`
-  seconds, restart it `delay` s later."""
+  seconds, restart it `delay` s later; at most `max_kills` kills (0 = no limit)."""
 
-  def __init__(self, seed: int, every: float, delay: float, include_syncer: bool, min_uptime: float = 0.0):
+  def __init__(self, seed: int, every: float, delay: float, include_syncer: bool, min_uptime: float = 0.0,
+               max_kills: int = 0):
     self.rng, self.every, self.delay, self.include_syncer = random.Random(seed), every, delay, include_syncer
-    self.min_uptime = min_uptime
+    self.min_uptime, self.max_kills = min_uptime, max_kills
     self.next_kill: float | None = None
     self.down: dict[str, float] = {}  # name -> when to restart it
     self.abandoned: set[str] = set()  # Killed, and not restarted because the run ended meanwhile.
@@ -223,6 +228,9 @@ class Chaos:
         cluster.restart(name)
         self.events.append((now, "restart", name))
     learners_running = any(n != "syncer" for n in cluster.running()) or any(n != "syncer" for n in self.down)
+    kills = sum(event == "kill" for _, event, _ in self.events)
+    if self.max_kills and kills >= self.max_kills:
+      return  # The kill budget is spent.
     if now < self.next_kill or cluster.processes["syncer"].poll() is not None or not learners_running:
       return  # Too early, or the run is over (the learners exited after hearing so).
     self.next_kill = now + self.every
@@ -248,7 +256,8 @@ def main(argv: list[str]) -> None:
                          group_processes=(_PROCESSES_PER_GROUP.value,) * len(config.learners.devices))
   chaos = None
   if _CHAOS_SEED.value is not None and _KILL_EVERY.value > 0:
-    chaos = Chaos(_CHAOS_SEED.value, _KILL_EVERY.value, _RESTART_DELAY.value, _CHAOS_SYNCER.value, _MIN_UPTIME.value)
+    chaos = Chaos(_CHAOS_SEED.value, _KILL_EVERY.value, _RESTART_DELAY.value, _CHAOS_SYNCER.value, _MIN_UPTIME.value,
+                  _MAX_KILLS.value)
   signal.signal(signal.SIGTERM, lambda *_: (cluster.stop(), sys.exit(143)))
   try:
     cluster.start()

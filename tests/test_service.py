@@ -199,7 +199,11 @@ def test_bad_inputs_from_a_raw_client_are_refused_and_the_run_continues(cluster)
 def test_two_learner_processes_train_to_completion_and_a_chaos_run_ends_within_3_percent(cluster):
   """The undisturbed run: the loss falls, every acknowledged push is applied once. Then the same
   run under a seeded schedule of learner SIGKILLs and restarts ends within 3% of its eval loss."""
-  longer = ("--config.outer_steps=30", "--config.eval_every=1000")
+  # Parameter averaging (outer SGD, lr 1, no momentum) on a first-order language, run to near its
+  # optimum: undisturbed runs then agree within ~0.5% whatever order the pushes arrive in (Delayed
+  # Nesterov's momentum turns that order into 5-10% here), so the 3% bound measures the chaos.
+  longer = ("--config.outer_steps=100", "--config.eval_every=1000", "--config.data.synthetic.order=1",
+            "--config.outer.optimizer=sgd", "--config.outer.momentum=0.0", "--config.outer.lr=1.0")
   undisturbed = cluster(*longer, name="undisturbed")
   undisturbed.start()
   reference = _assert_completed(undisturbed.workdir, undisturbed.wait(RUN_TIMEOUT))
@@ -212,11 +216,11 @@ def test_two_learner_processes_train_to_completion_and_a_chaos_run_ends_within_3
   _assert_exactly_once(undisturbed.workdir)
 
   chaotic = cluster(*longer, name="chaos")
-  chaos = Chaos(seed=0, every=8.0, delay=2.0, include_syncer=False, min_uptime=20.0)
+  chaos = Chaos(seed=0, every=6.0, delay=2.0, include_syncer=False, min_uptime=14.0, max_kills=4)
   chaotic.start()
   codes = chaotic.wait(RUN_TIMEOUT, chaos)
   kills = [name for _, event, name in chaos.events if event == "kill"]
-  assert len(kills) >= 3, chaos.events
+  assert 3 <= len(kills) <= 4, chaos.events  # Seeded kills, within the budget.
   ended_by_chaos = chaos.abandoned | chaotic.stopped_after_end  # Killed near the end, or restarted into a finished run.
   assert ended_by_chaos <= set(kills) and all(code == 0 for name, code in codes.items() if name not in ended_by_chaos), (
       codes, ended_by_chaos)
