@@ -291,6 +291,20 @@ class Syncer:
     """Merges every fragment that holds pushes (the end of a run: no update is left behind)."""
     return [self.merge(now, p) for p, f in enumerate(self.fragments) if f.pending]
 
+  def warm_up(self) -> None:
+    """Compiles the push check and the merge of 1..M pushes of every fragment, changing nothing.
+
+    Why: a networked syncer would otherwise compile them while answering the first
+    pushes, and every learner's first exchange would wait for XLA.
+    """
+    for state in self.fragments:
+      zeros = self.to_host(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state.params))
+      _jit_all_finite(zeros)
+      for count in range(1, len(self.learners) + 1):
+        weights = np.full(count, 1 / count, np.float32)
+        jax.block_until_ready(_jit_merge_and_step(self.optimizer, self.settings.merge_rule, state.averaged,
+                                                  state.params, state.opt_state, [zeros] * count, weights))
+
   def observe_sync_seconds(self, seconds: float) -> None:
     """Runtimes report how long a merge + broadcast took (ξ_sync of the grace window)."""
     self._xi_update("sync", seconds)

@@ -127,6 +127,8 @@ def test_core_applies_each_push_once_and_replays_exactly_after_a_crash(params, t
   for seq in range(3):  # 3 merges (quorum 2): checkpoints at versions 0 and 2, the rest in the log.
     assert _push(core, params, 0, seq)["status"] == "applied"
     assert _push(core, params, 1, seq, value=0.02)["status"] == "applied"
+    assert core.checkpointer.latest_step() == 2 * (seq // 2)  # Due after 2 merges, but not taken by a push...
+    core.tick(time.time())  # ...the service's next tick takes it.
   assert _push(core, params, 0, 3)["status"] == "applied"  # Pending at the crash.
   assert _push(core, params, 0, 3)["status"] == "duplicate"
   assert core.counts["duplicates"] == 1

@@ -7,7 +7,9 @@ networked syncer needs, behind one lock (gRPC handlers run on a thread pool):
   * durability: an applied push is in the write-ahead log (fsync'ed) before it is acked,
     and every `checkpoint_every_merges` merges an orbax checkpoint (Θ, outer state,
     versions, acked seqs, budget) starts a new log segment; a restart restores the latest
-    checkpoint and replays the log, so nothing acked is lost and versions never go back;
+    checkpoint and replays the log, so nothing acked is lost and versions never go back.
+    The log already makes an ack durable, so checkpoints (periodic and the final one) are
+    taken by `tick`, never on the way to a learner's reply;
   * leases: a learner silent for `lease_seconds` leaves the quorum (so the others are not
     held up by the dead) and rejoins with its next call;
   * the run's budget: outer_steps × inner_steps × M inner steps, counted from pushes;
@@ -80,6 +82,7 @@ class SyncerCore:
     # dropped): what a checkpoint carries over into the next log segment.
     self._unabsorbed: list[tuple[int, dict, bytes]] = []
     self._merges_since_checkpoint = 0
+    self._checkpoint_due = False  # A checkpoint for the next tick (periodic, or the run's end).
     self._theta_cache = (None, None)
     self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(directory, "checkpoints"), max_to_keep=2)
     self.wal_dir = os.path.join(directory, "wal")
@@ -131,7 +134,7 @@ class SyncerCore:
             "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens}
     self.checkpointer.save(version, self._state_trees(), meta)
     self.log.drop_before(version)
-    self._merges_since_checkpoint = 0
+    self._merges_since_checkpoint, self._checkpoint_due = 0, False
     logging.info("syncer checkpoint at version %d (%d pushes carried in the log)", version, len(carried))
 
   def checkpoint(self, now: float) -> None:
@@ -291,32 +294,37 @@ class SyncerCore:
       if not replay:
         self.on_merge(report.version, self.syncer.params, now)
     if not replay and self._merges_since_checkpoint >= self.checkpoint_every:
-      self._checkpoint(now)
+      self._checkpoint_due = True
 
   def _finish(self, now: float) -> None:
-    """Budget spent: merge what is pending, mark the run done and checkpoint it."""
+    """Budget spent: merge what is pending, mark the run done (in the log) and checkpoint it at the next tick."""
     self._after_merges(self.syncer.flush(now), now, replay=False, log=True)
     self.done = True
-    # Logged first: if a checkpoint of this version exists already, the log carries the flag.
+    # Logged: the flag survives a crash before the next tick's checkpoint (or if this version has one already).
     self.log.append({"type": "done", "now": now})
-    self._checkpoint(now)
+    self._checkpoint_due = True
     logging.info("token budget spent at version %d: the run is done", self.syncer.version)
 
   # Time-driven work.
   def tick(self, now: float) -> None:
-    """Closes due grace windows and excludes learners whose lease ran out."""
+    """Closes due grace windows, excludes learners whose lease ran out, takes a due checkpoint."""
     with self.lock:
-      if self.done:
-        return
-      self._after_merges(self.syncer.on_deadline(now), now, replay=False, log=True)
-      live = sorted(m for m in self.syncer.learners if now - self.last_seen.get(m, now) <= self.lease_seconds)
-      if live and len(live) < len(self.syncer.learners):
-        for m in sorted(set(self.syncer.learners) - set(live)):
-          logging.warning("learner %d silent for over %.1fs: excluded from the quorum until it calls again", m,
-                          self.lease_seconds)
-          self.counts["excluded"] += 1
-        self._log_live(live)
-        self._after_merges(self._merge_if_quorum(now), now, replay=False, log=True)
+      if not self.done:
+        self._expire(now)
+      if self._checkpoint_due:
+        self._checkpoint(now)
+
+  def _expire(self, now: float) -> None:
+    """Time-driven merges: grace windows that closed, and quorums lowered by expired leases."""
+    self._after_merges(self.syncer.on_deadline(now), now, replay=False, log=True)
+    live = sorted(m for m in self.syncer.learners if now - self.last_seen.get(m, now) <= self.lease_seconds)
+    if live and len(live) < len(self.syncer.learners):
+      for m in sorted(set(self.syncer.learners) - set(live)):
+        logging.warning("learner %d silent for over %.1fs: excluded from the quorum until it calls again", m,
+                        self.lease_seconds)
+        self.counts["excluded"] += 1
+      self._log_live(live)
+      self._after_merges(self._merge_if_quorum(now), now, replay=False, log=True)
 
   def _log_live(self, learners: list[int]) -> None:
     self.log.append({"type": "live", "learners": learners})

@@ -93,6 +93,7 @@ class Accounting:
   begin: float = dataclasses.field(default_factory=time.perf_counter)
   compute: float = 0.0
   blocked: float = 0.0   # Waiting for the syncer (the exchange of the previous round, or the final ack).
+  final_ack: float = 0.0  # The part of `blocked` spent on the last push, which no round can hide.
   exchange: float = 0.0  # Background push + pull time: what a learner without overlap would have waited.
   statuses: dict = dataclasses.field(default_factory=dict)
 
@@ -100,7 +101,7 @@ class Accounting:
     """Seconds and fractions for the 'learner_summary' record."""
     wall = time.perf_counter() - self.begin
     return {"wall_seconds": wall, "busy_seconds": self.compute, "blocked_seconds": self.blocked,
-            "exchange_seconds": self.exchange,
+            "final_ack_seconds": self.final_ack, "exchange_seconds": self.exchange,
             "blocked_fraction": self.blocked / wall if wall else 0.0, **{f"{k}_pushes": v for k, v in
                                                                          self.statuses.items()}}
 
@@ -209,7 +210,7 @@ class LearnerProcess:
         if steps > 0:
           push = self._round(steps)
         if inflight is not None:
-          status, fresh = self._collect(inflight)
+          status, fresh = self._collect(inflight, final=steps <= 0)
           inflight, inflight_steps = None, 0
         elif steps <= 0:  # Nothing to do and nothing in flight: the budget's end is being recorded.
           time.sleep(0.2)
@@ -225,8 +226,6 @@ class LearnerProcess:
         inflight_steps, seq, rounds = push.local_steps, seq + 1, rounds + 1
         if self.service.learner_checkpoint_every and rounds % self.service.learner_checkpoint_every == 0:
           self.checkpointer.save(self.learner.steps, {"state": self.learner.state}, {"steps": self.learner.steps})
-      if inflight is not None:
-        status, _ = self._collect(inflight)
     finally:
       self._stop.set()
       self.exchanges.shutdown(wait=True)
@@ -237,11 +236,14 @@ class LearnerProcess:
     self.close()
     return summary
 
-  def _collect(self, inflight: concurrent.futures.Future) -> tuple[dict, object]:
-    """Waits for the previous round's exchange (counted as blocked); returns (status, new Θ or None)."""
+  def _collect(self, inflight: concurrent.futures.Future, final: bool) -> tuple[dict, object]:
+    """Waits for the previous round's exchange (counted as blocked; `final`: no round ran meanwhile,
+    the budget's last push); returns (status, new Θ or None)."""
     waited = time.perf_counter()
     seq, reply, status, theta = self.group.share(inflight.result())
     self.accounting.blocked += time.perf_counter() - waited
+    if final:
+      self.accounting.final_ack += time.perf_counter() - waited
     self._record_ack(seq, reply)
     return status, theta
 

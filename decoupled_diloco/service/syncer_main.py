@@ -126,6 +126,7 @@ def run(config, workdir: str) -> dict:
     core = build_core(config, params, workdir, recorder, evaluator)
     try:
       core.start(time.time())
+      core.syncer.warm_up()
       server = server_lib.SyncerServer(
           core, token, host=config.service.host, port=config.service.port, chunk_bytes=config.service.chunk_bytes,
           max_payload_bytes=runconfig.max_payload_bytes(params), credentials=credentials,

@@ -10,7 +10,9 @@ computes; it is blocked only when that exchange has not finished by the end of r
 wall-clock (from its first step to its exit) into compute and blocked seconds. Key
 `blocked_fraction`: the largest learner's blocked / wall (target <= 0.02), next to what the
 same exchanges would cost a learner that waited for each one (`exchange_fraction`: its
-background push + pull seconds / wall), the figure overlap hides.
+background push + pull seconds / wall), the figure overlap hides, and the share of the
+wall-clock spent on the last push's acknowledgement (`final_ack_fraction`), which no
+round can hide.
 """
 
 import argparse
@@ -49,13 +51,15 @@ def main():
   for summary in summaries:
     print(f"learner {summary['learner']}: {summary['steps']} steps in {summary['rounds']} rounds, wall "
           f"{summary['wall_seconds']:.1f}s, compute {summary['busy_seconds']:.1f}s, blocked "
-          f"{summary['blocked_seconds']:.3f}s ({100 * summary['blocked_fraction']:.2f}%), exchanges "
+          f"{summary['blocked_seconds']:.3f}s ({100 * summary['blocked_fraction']:.2f}%; final ack "
+          f"{summary['final_ack_seconds']:.3f}s), exchanges "
           f"{summary['exchange_seconds']:.2f}s")
   print(f"run wall-clock {time.perf_counter() - begin:.0f}s (with start-up and compilation)")
   common.emit({
       "blocked_fraction": round(max(s["blocked_fraction"] for s in summaries), 4),
       "blocked_fraction_per_learner": [round(s["blocked_fraction"], 4) for s in summaries],
       "exchange_fraction": round(max(s["exchange_seconds"] / s["wall_seconds"] for s in summaries), 4),
+      "final_ack_fraction": round(max(s["final_ack_seconds"] / s["wall_seconds"] for s in summaries), 4),
       "rounds": [s["rounds"] for s in summaries],
   })
 
