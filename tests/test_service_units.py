@@ -79,6 +79,7 @@ def test_wire_round_trips_trees_and_compressed_payloads(params):
     (lambda d: d + b"x", "array bytes"),
     (lambda d: d[:-1], "needs"),
     (lambda d: b"\xff\xff\x00\x00" + d[4:], "skeleton length"),
+    (lambda d: d[:63] + b"\x01" + d[64:], "zero padding"),  # Bytes hidden between skeleton and arrays.
 ])
 def test_wire_rejects_malformed_payloads(mutate, message):
   data = b"".join(wire.encode({"w": np.ones((4, 4), np.float32)}))

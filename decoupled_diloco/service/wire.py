@@ -6,12 +6,17 @@ Header: one msgpack map per call (request and reply), at most MAX_HEADER_BYTES, 
 against a schema (exact keys, exact types) by `parse_header` before anything reads it.
 
 Payload (a pytree of arrays, or a `compression.Compressed`), as one byte string:
-  u32 little-endian skeleton length | skeleton (msgpack) | array bytes, back to back
+  u32 little-endian skeleton length | skeleton (msgpack) | zeros to a multiple of 64 |
+  array bytes, each array starting at a multiple of 64 (zeros in between)
 The skeleton is {"kind": "tree" | "compressed", "value": ...}: nested maps (str keys),
 lists, None and scalars, with every array replaced by msgpack ext type 1 holding
-[dtype name, shape, offset into the array bytes]. Arrays must tile the array section
-exactly, in order, so a payload cannot alias or hide bytes. A "compressed" value is
-[format, shapes, leaves] and decodes back into a `compression.Compressed`.
+[dtype name, shape, offset into the array section]. Arrays must follow each other in
+order at the next 64-byte boundary, with zero padding and nothing after the last, so a
+payload cannot alias or hide bytes. A "compressed" value is [format, shapes, leaves] and
+decodes back into a `compression.Compressed`.
+
+Why 64: `assemble` receives into a 64-byte-aligned buffer, so every decoded array is
+aligned as XLA's CPU client needs to take it without a copy (`Syncer.to_host`).
 
 Streams: a push is its header message followed by the payload cut into chunks of at most
 `chunk_bytes`; the header's `payload_bytes` says how many bytes follow, so a receiver
@@ -31,6 +36,7 @@ from decoupled_diloco import compression
 MAX_HEADER_BYTES = 64 << 10
 MAX_SKELETON_BYTES = 16 << 20
 MAX_DEPTH = 32
+ALIGNMENT = 64
 _ARRAY_EXT = 1
 _PREFIX = struct.Struct("<I")
 # Every dtype a params tree or a compression payload uses; nothing else is decoded.
@@ -94,9 +100,15 @@ def _to_skeleton(node, arrays: list, offset: list, depth: int = 0):
   if array.dtype.name not in DTYPES:
     raise WireError(f"dtype {array.dtype} cannot go on the wire; allowed: {sorted(DTYPES)}")
   arrays.append(array)
+  offset[0] = _aligned(offset[0]) if array.nbytes else offset[0]
   ref = msgpack.ExtType(_ARRAY_EXT, msgpack.packb([array.dtype.name, list(array.shape), offset[0]]))
   offset[0] += array.nbytes
   return ref
+
+
+def _aligned(offset: int) -> int:
+  """The first multiple of ALIGNMENT at or after `offset`."""
+  return -(-offset // ALIGNMENT) * ALIGNMENT
 
 
 def encode(payload) -> list[memoryview]:
@@ -111,8 +123,15 @@ def encode(payload) -> list[memoryview]:
     skeleton = {"kind": "compressed", "value": _to_skeleton(value, arrays, offset)}
   else:
     skeleton = {"kind": "tree", "value": _to_skeleton(payload, arrays, offset)}
-  head = msgpack.packb(skeleton, use_bin_type=True)
-  return [memoryview(_PREFIX.pack(len(head)) + head)] + [memoryview(a).cast("B") for a in arrays if a.nbytes]
+  head = _PREFIX.pack(len(skeleton_bytes := msgpack.packb(skeleton, use_bin_type=True))) + skeleton_bytes
+  parts, end = [memoryview(head + bytes(_aligned(len(head)) - len(head)))], 0
+  for array in arrays:
+    if array.nbytes:
+      if _aligned(end) > end:
+        parts.append(memoryview(bytes(_aligned(end) - end)))
+      parts.append(memoryview(array).cast("B"))
+      end = _aligned(end) + array.nbytes
+  return parts
 
 
 def encoded_size(parts: list[memoryview]) -> int:
@@ -140,25 +159,29 @@ def chunks(parts: Iterable[memoryview], chunk_bytes: int) -> Iterator[bytes]:
     yield b"".join(pending)
 
 
-def assemble(messages: Iterator[bytes], payload_bytes: int, max_payload_bytes: int, chunk_bytes: int) -> bytes:
-  """Reads exactly `payload_bytes` from the chunk messages; WireError on any mismatch.
-
-  Sizes are checked as messages arrive (nothing over the announced size is kept); the
-  bytes are joined once at the end.
-  """
+def assemble(messages: Iterator[bytes], payload_bytes: int, max_payload_bytes: int, chunk_bytes: int) -> np.ndarray:
+  """Reads exactly `payload_bytes` from the chunk messages into one 64-byte-aligned uint8
+  buffer (one copy); WireError on any mismatch, checked as messages arrive."""
   if not 0 <= payload_bytes <= max_payload_bytes:
     raise PayloadTooLarge(f"payload of {payload_bytes} bytes is outside the limit [0, {max_payload_bytes}] bytes")
-  received, filled = [], 0
+  buffer, filled = aligned_buffer(payload_bytes), 0
   for message in messages:
     if len(message) > chunk_bytes:
       raise PayloadTooLarge(f"chunk of {len(message)} bytes exceeds chunk_bytes={chunk_bytes}")
     if filled + len(message) > payload_bytes:
       raise WireError(f"stream carries more than the announced {payload_bytes} payload bytes")
-    received.append(message)
+    buffer[filled:filled + len(message)] = np.frombuffer(message, np.uint8)
     filled += len(message)
   if filled != payload_bytes:
     raise WireError(f"stream ended after {filled} of the announced {payload_bytes} payload bytes")
-  return b"".join(received)
+  return buffer
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+  """An uninitialised uint8 buffer whose first byte sits at a multiple of ALIGNMENT."""
+  raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+  start = -raw.ctypes.data % ALIGNMENT
+  return raw[start:start + nbytes]
 
 
 def decode(data) -> object:
@@ -169,7 +192,10 @@ def decode(data) -> object:
   (length,) = _PREFIX.unpack_from(view)
   if length > min(MAX_SKELETON_BYTES, view.nbytes - _PREFIX.size):
     raise WireError(f"payload skeleton length {length} exceeds the payload or {MAX_SKELETON_BYTES} bytes")
-  body = view[_PREFIX.size + length:]
+  body_start = _aligned(_PREFIX.size + length)
+  if body_start > view.nbytes or any(view[_PREFIX.size + length:body_start]):
+    raise WireError("payload skeleton must be followed by zero padding to a multiple of 64 bytes")
+  body = view[body_start:]
   refs = []
 
   def ext_hook(code, ext_data):
@@ -188,7 +214,7 @@ def decode(data) -> object:
   arrays, end = [], 0
   for ref in refs:
     arrays.append(_array(ref, body, end))
-    end += arrays[-1].nbytes
+    end = ref[2] + arrays[-1].nbytes
   if end != body.nbytes:
     raise WireError(f"payload carries {body.nbytes} array bytes but its arrays describe {end}")
   if not isinstance(skeleton, dict) or set(skeleton) != {"kind", "value"}:
@@ -205,8 +231,9 @@ class _ArrayRef(int):
   """Placeholder for the i-th array while the skeleton is unpacked."""
 
 
-def _array(ref, body: memoryview, expected_offset: int) -> np.ndarray:
-  """One array reference checked against the bytes it claims (dtype, shape, position)."""
+def _array(ref, body: memoryview, previous_end: int) -> np.ndarray:
+  """One array reference checked against the bytes it claims (dtype, shape, position: the
+  next multiple of 64 after the previous array, zeros in between; empty arrays take no room)."""
   if not (isinstance(ref, list) and len(ref) == 3 and isinstance(ref[0], str) and isinstance(ref[1], list)
           and isinstance(ref[2], int)):
     raise WireError("array reference must be [dtype, shape, offset]")
@@ -215,11 +242,14 @@ def _array(ref, body: memoryview, expected_offset: int) -> np.ndarray:
     raise WireError(f"array dtype {name!r} is not allowed; allowed: {sorted(DTYPES)}")
   if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
     raise WireError(f"array shape {shape} must be non-negative ints")
-  if offset != expected_offset:
-    raise WireError(f"array at offset {offset} does not follow the previous one (expected {expected_offset})")
   dtype = DTYPES[name]
   count = int(np.prod(shape, dtype=np.int64)) if shape else 1
   nbytes = count * dtype.itemsize
+  expected_offset = _aligned(previous_end) if nbytes else previous_end
+  if offset != expected_offset:
+    raise WireError(f"array at offset {offset} does not follow the previous one (expected {expected_offset})")
+  if any(body[previous_end:offset]):
+    raise WireError(f"payload has non-zero bytes between its arrays at offset {previous_end}")
   if offset + nbytes > body.nbytes:
     raise WireError(f"array {name}{shape} needs {nbytes} bytes at offset {offset}; the payload has {body.nbytes}")
   array = np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)
