@@ -10,7 +10,9 @@ machine is left out: `merge_throughput` measures it. TCP side: the same encoded 
 live in one child process (a learner and the syncer are separate processes; in one process
 sender and receiver would take turns on the GIL), and the two transports alternate
 (common.interleaved_medians). Key `ratio` = TCP seconds / gRPC seconds
-(gRPC throughput as a fraction of the raw socket's; target >= 0.5).
+(gRPC throughput as a fraction of the raw socket's; target >= 0.5). `bare_grpc_ratio` is
+grpcio's own ceiling on this machine, timed in the same interleaving: the same chunks
+streamed to a handler that only counts them (no token, header, reassembly or decoding).
 """
 
 import multiprocessing
@@ -44,9 +46,14 @@ def _grpc_sink(chunk_bytes: int, max_payload: int):
     return wire.pack_header({"status": "applied", "version": 0, "versions": [0], "acked_seq": header["seq"],
                              "steps_left": 1, "done": False, "max_speed": 0.0})
 
+  def drain(messages, context):
+    del context
+    return str(sum(len(m) for m in messages)).encode()
+
   sink = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=server.message_options(chunk_bytes))
   sink.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-      server.SERVICE, {"Push": grpc.stream_unary_rpc_method_handler(push)}),))
+      server.SERVICE, {"Push": grpc.stream_unary_rpc_method_handler(push),
+                       "Drain": grpc.stream_unary_rpc_method_handler(drain)}),))
   port = sink.add_insecure_port("127.0.0.1:0")
   sink.start()
   return sink, port
@@ -84,7 +91,7 @@ def _receivers(size: int, chunk_bytes: int, connection) -> None:
 def main(argv) -> None:
   """Times both transports on the same bytes and emits the ratio."""
   del argv
-  from decoupled_diloco.service import client as client_lib, wire  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.service import client as client_lib, server, wire  # pylint: disable=g-import-not-at-top
   leaves = 8
   per_leaf = _MEGABYTES.value * (1 << 20) // 4 // leaves
   rng = np.random.default_rng(0)
@@ -99,10 +106,15 @@ def main(argv) -> None:
   client = client_lib.SyncerClient(f"127.0.0.1:{port}", TOKEN, 0, chunk_bytes=_CHUNK.value, timeout_seconds=300,
                                    retry_seconds=10)
   seq = iter(range(1 << 30))
+  bare_channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=server.message_options(_CHUNK.value))
+  bare_call = bare_channel.stream_unary(f"/{server.SERVICE}/Drain")
 
   def over_grpc():
     reply = client.push(next(seq), delta, base_version=0, tokens=1, local_steps=1, compute_seconds=0.0)
     assert reply["status"] == "applied"
+
+  def over_bare_grpc():
+    assert bare_call(wire.chunks(parts, _CHUNK.value), timeout=300) == str(size).encode()
 
   def over_tcp():
     with socket.create_connection(("127.0.0.1", tcp_port)) as connection:
@@ -110,12 +122,16 @@ def main(argv) -> None:
         connection.sendall(part)
       assert connection.recv(1) == b"k"
 
-  over_grpc(), over_tcp()  # Warm up both paths (connections, allocator).
-  medians = common.interleaved_medians({"grpc": over_grpc, "tcp": over_tcp}, _BLOCKS.value)
+  over_grpc(), over_bare_grpc(), over_tcp()  # Warm up every path (connections, allocator).
+  medians = common.interleaved_medians({"grpc": over_grpc, "bare_grpc": over_bare_grpc, "tcp": over_tcp},
+                                       _BLOCKS.value)
   client.close()
+  bare_channel.close()
   parent.send("stop")
   receivers.join()
-  common.emit_throughput_ratio({"benchmark": "transport", "chunk_bytes": _CHUNK.value}, size, medians, "grpc", "tcp")
+  common.emit_throughput_ratio({"benchmark": "transport", "chunk_bytes": _CHUNK.value,
+                                "bare_grpc_ratio": round(medians["tcp"] / medians["bare_grpc"], 3)},
+                               size, medians, "grpc", "tcp")
 
 
 if __name__ == "__main__":
