@@ -97,7 +97,13 @@ def _assert_service_run_finished(workdir: pathlib.Path, learners: int) -> None:
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   summary, = [r for r in records if r["kind"] == "summary"]
   assert summary["done"] and math.isfinite(summary["eval_loss"]) and summary["rejected_pushes"] == 0
-  assert {r["learner"] for r in records if r["kind"] == "push"} == set(range(learners))
+  # A learner that compiles last may find this 24-step budget spent by the others (decoupled
+  # mode waits for nobody): every learner must have run to the end, not necessarily pushed.
+  assert {r["learner"] for r in records if r["kind"] == "push"} <= set(range(learners))
+  assert any(r["kind"] == "push" for r in records)
+  for m in range(learners):
+    learner_records = (workdir / f"learner_{m}" / "metrics.jsonl").read_text().splitlines()
+    assert any(json.loads(line)["kind"] == "learner_summary" for line in learner_records), m
 
 
 def test_readme_service_commands_run_as_written(tmp_path):
