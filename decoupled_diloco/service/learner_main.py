@@ -239,11 +239,12 @@ class LearnerProcess:
   def _collect(self, inflight: concurrent.futures.Future, final: bool) -> tuple[dict, object]:
     """Waits for the previous round's exchange (counted as blocked; `final`: no round ran meanwhile,
     the budget's last push); returns (status, new Θ or None)."""
-    waited = time.perf_counter()
+    begin = time.perf_counter()
     seq, reply, status, theta = self.group.share(inflight.result())
-    self.accounting.blocked += time.perf_counter() - waited
+    waited = time.perf_counter() - begin
+    self.accounting.blocked += waited
     if final:
-      self.accounting.final_ack += time.perf_counter() - waited
+      self.accounting.final_ack += waited
     self._record_ack(seq, reply)
     return status, theta
 

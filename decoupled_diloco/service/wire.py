@@ -85,7 +85,8 @@ def parse_header(data: bytes, schema: dict[str, type]) -> dict:
 
 
 def _to_skeleton(node, arrays: list, offset: list, depth: int = 0):
-  """`node` with arrays swapped for ext references; collects the arrays in order."""
+  """`node` with arrays swapped for ext references; collects (offset, array) in order, each
+  non-empty array at the next multiple of ALIGNMENT (`offset[0]`: where the last one ended)."""
   if depth > MAX_DEPTH:
     raise WireError(f"payload nests deeper than {MAX_DEPTH} levels")
   if isinstance(node, dict):
@@ -99,11 +100,10 @@ def _to_skeleton(node, arrays: list, offset: list, depth: int = 0):
   array = np.ascontiguousarray(node)  # jax.Array on the host and numpy alike; no copy if contiguous.
   if array.dtype.name not in DTYPES:
     raise WireError(f"dtype {array.dtype} cannot go on the wire; allowed: {sorted(DTYPES)}")
-  arrays.append(array)
-  offset[0] = _aligned(offset[0]) if array.nbytes else offset[0]
-  ref = msgpack.ExtType(_ARRAY_EXT, msgpack.packb([array.dtype.name, list(array.shape), offset[0]]))
-  offset[0] += array.nbytes
-  return ref
+  start = _aligned(offset[0]) if array.nbytes else offset[0]
+  arrays.append((start, array))
+  offset[0] = start + array.nbytes
+  return msgpack.ExtType(_ARRAY_EXT, msgpack.packb([array.dtype.name, list(array.shape), start]))
 
 
 def _aligned(offset: int) -> int:
@@ -123,14 +123,15 @@ def encode(payload) -> list[memoryview]:
     skeleton = {"kind": "compressed", "value": _to_skeleton(value, arrays, offset)}
   else:
     skeleton = {"kind": "tree", "value": _to_skeleton(payload, arrays, offset)}
-  head = _PREFIX.pack(len(skeleton_bytes := msgpack.packb(skeleton, use_bin_type=True))) + skeleton_bytes
-  parts, end = [memoryview(head + bytes(_aligned(len(head)) - len(head)))], 0
-  for array in arrays:
+  skeleton_bytes = msgpack.packb(skeleton, use_bin_type=True)
+  head = _PREFIX.pack(len(skeleton_bytes)) + skeleton_bytes
+  parts, end = [memoryview(head.ljust(_aligned(len(head)), b"\0"))], 0
+  for start, array in arrays:
+    if start > end:  # Zero padding up to the offset the skeleton gave this array.
+      parts.append(memoryview(bytes(start - end)))
     if array.nbytes:
-      if _aligned(end) > end:
-        parts.append(memoryview(bytes(_aligned(end) - end)))
       parts.append(memoryview(array).cast("B"))
-      end = _aligned(end) + array.nbytes
+    end = start + array.nbytes
   return parts
 
 
