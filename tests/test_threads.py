@@ -83,7 +83,9 @@ def test_the_fast_learner_takes_more_local_steps_and_never_waits_for_the_slow_on
   # Its only waits were for the syncer's own work (the lock it holds to receive and merge),
   # never for the slow learner's compute.
   assert fast["blocked_seconds"] <= summary["syncer_seconds"] + 0.05
-  assert max(int(s) for s in slow["staleness_histogram"]) >= 2  # merges went on while it worked
+  # Merges went on while it worked: its pushes were based on versions already superseded.
+  # (DyLU evens out round times, so by how many depends on scheduling: 1 or 2 here.)
+  assert max(int(s) for s in slow["staleness_histogram"]) >= 1
 
 
 def test_synchronous_diloco_on_threads_matches_the_lockstep_runtime_bit_for_bit(tmp_path):
