@@ -112,6 +112,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.service = ml_collections.ConfigDict()  # Syncer as a gRPC service, learners as processes (--role=syncer|learner).
   config.service.host = "127.0.0.1"  # Address the syncer binds: this machine only unless set (e.g. 0.0.0.0, then use TLS).
   config.service.port = 0  # Syncer port; 0 = a free one, written to <workdir>/syncer_address.
+  config.service.data_port = 0  # Push payloads' TCP data channel (gRPC issues tickets); 0 = a free one, -1 = off.
   config.service.token_file = ""  # File holding the shared secret ('' = $DD_SYNCER_TOKEN); never put it on a command line.
   config.service.tls_cert = ""  # Syncer's PEM certificate; with tls_key it serves TLS ('' = plaintext).
   config.service.tls_key = ""  # Syncer's PEM private key.

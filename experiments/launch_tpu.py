@@ -10,7 +10,8 @@ on a small CPU VM (--syncer_vm=NAME@ZONE):
 Steps: create the slices (unless --reuse), upload this checkout and install it in a venv on
 every host, deliver the shared token as a file (scp of a local 0600 file, or a Secret
 Manager fetch on the host with --token_secret), start the syncer bound to 0.0.0.0, look up
-its internal IP, start learner i on every worker of slice i with --syncer=IP:PORT. The token
+its internal IP, start learner i on every worker of slice i with --syncer=IP:PORT (pushes'
+payloads go to its data channel on PORT + 1). The token
 never appears on a command line; `--config.*` overrides reach every process. --dry_run
 prints each command (one per line, after a `#` line saying what it does) and runs nothing;
 the syncer's IP, unknown then, shows as SYNCER_IP. Slices in other regions reach the syncer
@@ -151,8 +152,8 @@ def check(options: Options, learner_groups: tuple[int, ...]) -> None:
     if tpu.chips != devices:
       raise ConfigError(f"slice {i} ({tpu.accelerator}) has {tpu.chips} chips but learners.devices[{i}]={devices}: "
                         f"pass --config.learners.devices with {tpu.chips} for it")
-  if not 1 <= options.port <= 65535:
-    raise ConfigError(f"--port={options.port} must be in [1, 65535]")
+  if not 1 <= options.port <= 65534:
+    raise ConfigError(f"--port={options.port} must be in [1, 65534] (the data channel takes port + 1)")
   if options.syncer_vm and not re.fullmatch(rf"{_NAME.pattern}@{_ZONE.pattern}", options.syncer_vm):
     raise ConfigError(f"--syncer_vm={options.syncer_vm!r}: expected NAME@ZONE, e.g. dd-syncer@us-central1-a")
   if bool(options.tls_cert) != bool(options.tls_key):
@@ -245,7 +246,8 @@ def _syncer_command(o: Options, remote: str) -> str:
   """The syncer binds every interface (learners come from other slices); on a slice it keeps off the TPU."""
   tls = ["--config.service.tls_cert=\"$D/tls.crt\"", "--config.service.tls_key=\"$D/tls.key\""] if o.tls_cert else []
   return _train(o, remote, "syncer", "" if o.syncer_vm else "JAX_PLATFORMS=cpu ", "--role=syncer",
-                "--config.service.host=0.0.0.0", f"--config.service.port={o.port}", *tls)
+                "--config.service.host=0.0.0.0", f"--config.service.port={o.port}",
+                f"--config.service.data_port={o.port + 1}", *tls)
 
 
 def _learner_command(o: Options, remote: str, index: int, address: str) -> str:
@@ -279,7 +281,7 @@ def define_flags() -> dict:
                                        "slice 0)."),
       "syncer_machine_type": flags.DEFINE_string("syncer_machine_type", "e2-standard-8",
                                                  "Machine type of --syncer_vm."),
-      "port": flags.DEFINE_integer("port", 50051, "Port the syncer serves on."),
+      "port": flags.DEFINE_integer("port", 50051, "Port the syncer serves gRPC on; its data channel takes port + 1."),
       "syncer_address": flags.DEFINE_string("syncer_address", "", "Syncer host learners dial ('' = its internal IP)."),
       "workdir": flags.DEFINE_string("workdir", "", "Workdir of every process, e.g. gs://BUCKET/run ('' = "
                                      "~/dd/<run_name>/work on each host)."),

@@ -1,9 +1,25 @@
-"""Every test sees 8 virtual CPU devices, so learner groups get real, disjoint meshes."""
+"""Every test sees 8 virtual CPU devices, so learner groups get real, disjoint meshes.
+
+Tests build the same tiny programs many times (every `experiment.build` jits new
+closures), so each pytest process keeps a persistent compilation cache of its own: a
+program is compiled once per process, and what runs is the same executable either way.
+"""
 
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compile_once_per_process(tmp_path_factory):
+  """A cache directory per pytest process (xdist workers never share one)."""
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  compilation_cache.reset_cache()

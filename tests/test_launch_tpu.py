@@ -56,6 +56,7 @@ def test_dry_run_creates_each_slice_and_starts_the_syncer_and_one_learner_per_sl
   syncer = _remote(syncers[0])
   assert "JAX_PLATFORMS=cpu " in syncer  # shares worker 0 with learner 0: keeps off its TPU
   assert "--config.service.host=0.0.0.0" in syncer and "--config.service.port=50051" in syncer
+  assert "--config.service.data_port=50052" in syncer
   lookup = commands.index(next(c for c in commands if c[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "describe"]))
   learners = [c for c in commands if any("--role=learner" in a for a in c)]
   assert len(learners) == 2

@@ -1,7 +1,6 @@
 """The real-time runtime: a thread per learner group, wall-clock time, the real syncer."""
 
 import jax
-from jax.experimental.compilation_cache import compilation_cache
 import numpy as np
 import pytest
 
@@ -12,23 +11,8 @@ from tests.helpers import tiny_config
 
 H = 8
 # Both runs share the model, meshes and LR schedules (a decoupled learner's schedule is its
-# share of the budget, equal here), so the module compiles each inner step once.
+# share of the budget, equal here), so the persistent cache (conftest) compiles each inner step once.
 SHAPE = {"outer_steps": 6, "inner_steps": H, "checkpoint_every": 6, "eval_every": 2}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _compile_once(tmp_path_factory):
-  """Runs here rebuild the same tiny programs: a persistent cache compiles each one once."""
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  saved = {name: getattr(jax.config, name) for name in names}
-  for name, value in zip(names, (str(tmp_path_factory.mktemp("jax_cache")), 0, 0)):
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
-  yield
-  for name, value in saved.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="module")

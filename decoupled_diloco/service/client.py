@@ -5,14 +5,18 @@ unreachable — restarting, or briefly overloaded — for up to `retry_seconds`;
 `SyncerUnreachable` is raised. A retried push is the same (learner, seq), so the syncer
 applies it once even if the first attempt's ack was lost. Refusals (bad token, malformed
 push, unknown learner) are not retried: they raise `grpc.RpcError` at once.
+
+With `data_channel`, a push asks for a ticket over gRPC and sends its payload on the
+syncer's data channel (datachannel.py); the whole exchange is one attempt, retried alike.
 """
 
 import random
+import ssl
 import time
 
 import grpc
 
-from decoupled_diloco.service import security, server, wire
+from decoupled_diloco.service import datachannel, security, server, wire
 
 # CANCELLED: what calls in flight get from a syncer that is shutting down (it restarts).
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
@@ -21,6 +25,7 @@ STATUS_SCHEMA = {"version": int, "versions": list, "acked_seq": int, "steps_left
                  "max_speed": float, "payload_bytes": int}
 PUSH_REPLY_SCHEMA = {**{k: v for k, v in STATUS_SCHEMA.items() if k != "payload_bytes"}, "status": str}
 HEARTBEAT_REPLY_SCHEMA = {k: v for k, v in STATUS_SCHEMA.items() if k != "payload_bytes"}
+TICKET_SCHEMA = {"ticket": str, "port": int}
 
 
 class SyncerUnreachable(ConnectionError):
@@ -41,18 +46,23 @@ class SyncerClient:
 
   def __init__(self, target: str, token: str, learner: int, *, chunk_bytes: int, timeout_seconds: float,
                retry_seconds: float, credentials: grpc.ChannelCredentials | None = None,
-               max_payload_bytes: int = 1 << 40):
+               max_payload_bytes: int = 1 << 40, data_channel: bool = False, data_tls: ssl.SSLContext | None = None):
+    if data_channel and (credentials is None) != (data_tls is None):
+      raise ValueError("the data channel needs TLS exactly when gRPC has it: pass data_tls with credentials")
     options = server.message_options(chunk_bytes)
     self._channel = (grpc.secure_channel(target, credentials, options=options) if credentials is not None
                      else grpc.insecure_channel(target, options=options))
     self.learner, self.chunk_bytes, self.max_payload_bytes = learner, chunk_bytes, max_payload_bytes
     self.timeout, self.retry_seconds = timeout_seconds, retry_seconds
+    self.data_channel, self.data_tls = data_channel, data_tls
+    self.host = target.rsplit(":", 1)[0].strip("[]")  # The data channel is on the syncer's host.
     self._metadata = ((security.TOKEN_METADATA_KEY, token),)
     method = f"/{server.SERVICE}/"
     self._join = self._channel.unary_stream(method + "Join")
     self._pull = self._channel.unary_stream(method + "Pull")
     self._push = self._channel.stream_unary(method + "Push")
     self._heartbeat = self._channel.unary_unary(method + "Heartbeat")
+    self._push_ticket = self._channel.unary_unary(method + "PushTicket")
     self.retries = 0  # Attempts that failed and were retried (a metric of the learner).
 
   def _retrying(self, call):
@@ -108,7 +118,14 @@ class SyncerClient:
       yield header
       yield from wire.chunks(parts, self.chunk_bytes)
 
-    reply = self._retrying(lambda: self._push(messages(), timeout=self.timeout, metadata=self._metadata))
+    def over_data_channel():
+      ticket = wire.parse_header(self._push_ticket(header, timeout=self.timeout, metadata=self._metadata),
+                                 TICKET_SCHEMA)
+      return datachannel.send_push((self.host, ticket["port"]), ticket["ticket"], parts, timeout=self.timeout,
+                                   tls=self.data_tls, server_hostname=self.host)
+
+    reply = self._retrying(over_data_channel if self.data_channel else
+                           lambda: self._push(messages(), timeout=self.timeout, metadata=self._metadata))
     return wire.parse_header(reply, PUSH_REPLY_SCHEMA)
 
   def close(self) -> None:

@@ -171,10 +171,14 @@ class SyncerCore:
           self.told_done.add(record["learner"])
 
   # Calls.
-  def _check_learner(self, learner: int, now: float) -> None:
-    """Unknown ids are refused; a known one renews its lease (and rejoins if it was excluded)."""
+  def require_known(self, learner: int) -> None:
+    """Raises UnknownLearner for an id outside the run (no state read beyond the run's size)."""
     if not 0 <= learner < self.num_learners:
       raise UnknownLearner(f"unknown learner {learner}: this run has learners 0..{self.num_learners - 1}")
+
+  def _check_learner(self, learner: int, now: float) -> None:
+    """Unknown ids are refused; a known one renews its lease (and rejoins if it was excluded)."""
+    self.require_known(learner)
     self.last_seen[learner] = now
     if learner not in self.syncer.learners:
       logging.info("learner %d rejoins the quorum", learner)

@@ -23,6 +23,8 @@ def validate(config) -> None:
   _require(config.streaming.num_fragments == 1,
            "the service runtime syncs whole models (one fragment): set --config.streaming.num_fragments=1")
   _require(0 <= s.port <= 65535, f"service.port={s.port} must be in [0, 65535] (0 = a free port)")
+  _require(-1 <= s.data_port <= 65535,
+           f"service.data_port={s.data_port} must be in [-1, 65535] (0 = a free port, -1 = pushes over gRPC)")
   _require(64 << 10 <= s.chunk_bytes <= 64 << 20,
            f"service.chunk_bytes={s.chunk_bytes} must be in [64 KiB, 64 MiB]: set --config.service.chunk_bytes")
   _require(s.checkpoint_every_merges >= 1,

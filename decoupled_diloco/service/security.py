@@ -8,6 +8,7 @@ compares in constant time.
 
 import hmac
 import os
+import ssl
 
 import grpc
 
@@ -61,3 +62,19 @@ def channel_credentials(ca_file: str) -> grpc.ChannelCredentials | None:
   if not ca_file:
     return None
   return grpc.ssl_channel_credentials(root_certificates=_read(ca_file, "tls_ca"))
+
+
+def server_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext | None:
+  """The data channel's TLS (same PEM files as the gRPC server); None = plaintext."""
+  if not cert_file:
+    return None
+  context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+  context.load_cert_chain(cert_file, key_file)
+  return context
+
+
+def client_tls_context(ca_file: str) -> ssl.SSLContext | None:
+  """A data-channel TLS context trusting `ca_file`, as `channel_credentials` does; None = plaintext."""
+  if not ca_file:
+    return None
+  return ssl.create_default_context(cadata=_read(ca_file, "tls_ca").decode())

@@ -4,6 +4,8 @@ Methods of service `decoupled_diloco.Syncer` (bytes in, bytes out; see wire.py):
   Join      unary -> stream   {learner}                    -> status header, Θ chunks
   Pull      unary -> stream   {learner, have_version}      -> status header, Θ chunks (none if current)
   Push      stream -> unary   push header, payload chunks  -> {status, ...status header}
+  PushTicket unary -> unary   push header                  -> {ticket, port}: send the payload on the
+                                                              data channel instead (datachannel.py)
   Heartbeat unary -> unary    {learner}                    -> status header
 A status header is {version, versions, acked_seq, steps_left, done, max_speed, payload_bytes}; a push
 reply's `status` is 'applied', 'dropped' (over-stale), 'duplicate' (already acked) or
@@ -16,9 +18,12 @@ and is counted in `SyncerServer.rejections`:
 Messages larger than chunk_bytes + 64 KiB are refused by gRPC itself (RESOURCE_EXHAUSTED
 from gRPC), so no single message can exhaust memory. Those are counted (as 'empty') only
 when gRPC had already started the push handler, whose stream then ends before its header.
+Data-channel pushes are refused the same way, with the same codes and counters, plus
+'truncated' (the connection ended before its payload did).
 """
 
 import collections
+import ssl
 import time
 from concurrent import futures
 
@@ -26,7 +31,7 @@ from absl import logging
 import grpc
 
 from decoupled_diloco.service import core as core_lib
-from decoupled_diloco.service import security, wire
+from decoupled_diloco.service import datachannel, security, wire
 from decoupled_diloco.syncer import PushRejected
 
 SERVICE = "decoupled_diloco.Syncer"
@@ -34,6 +39,7 @@ HEADER_SLACK = wire.MAX_HEADER_BYTES
 JOIN_SCHEMA = {"learner": int}
 PULL_SCHEMA = {"learner": int, "have_version": int}
 HEARTBEAT_SCHEMA = {"learner": int}
+_REFUSABLE = (wire.WireError, PushRejected, core_lib.UnknownLearner)
 
 
 class _Refused(Exception):
@@ -44,6 +50,19 @@ class _Refused(Exception):
     self.code, self.reason = code, reason
 
 
+def _refusal(error: Exception) -> _Refused:
+  """The status a refused call gets: the wire's and the syncer's own errors mapped to codes."""
+  if isinstance(error, _Refused):
+    return error
+  if isinstance(error, wire.PayloadTooLarge):
+    return _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "oversized", str(error))
+  if isinstance(error, wire.WireError):
+    return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", str(error))
+  if isinstance(error, PushRejected):
+    return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "rejected", str(error))
+  return _Refused(grpc.StatusCode.NOT_FOUND, "unknown_learner", str(error))
+
+
 def message_options(chunk_bytes: int) -> list[tuple[str, int]]:
   """gRPC channel/server options: no message larger than one chunk plus a header."""
   limit = chunk_bytes + HEADER_SLACK
@@ -51,12 +70,22 @@ def message_options(chunk_bytes: int) -> list[tuple[str, int]]:
 
 
 class SyncerServer:
-  """Serves a `SyncerCore`; `start()` binds and returns the port."""
+  """Serves a `SyncerCore`; `start()` binds and returns the port.
+
+  `data_port` >= 0 also opens the push data channel there (0 = a free port); -1 = pushes
+  stream over gRPC only. `data_tls` must be given with `credentials`: no plaintext side door.
+  """
 
   def __init__(self, core: core_lib.SyncerCore, token: str, *, host: str, port: int, chunk_bytes: int,
-               max_payload_bytes: int, credentials: grpc.ServerCredentials | None = None, workers: int = 8):
+               max_payload_bytes: int, credentials: grpc.ServerCredentials | None = None, workers: int = 8,
+               data_port: int = -1, data_tls: ssl.SSLContext | None = None, data_timeout_seconds: float = 120.0):
+    if data_port >= 0 and (credentials is None) != (data_tls is None):
+      raise ValueError("the data channel needs TLS exactly when gRPC has it: pass data_tls with credentials")
     self.core, self.token, self.chunk_bytes, self.max_payload_bytes = core, token, chunk_bytes, max_payload_bytes
     self.rejections = collections.Counter()
+    self.data = (datachannel.DataListener(host, data_port, self._receive_data, ttl_seconds=data_timeout_seconds,
+                                          max_connections=workers, tls=data_tls, on_refusal=self._count)
+                 if data_port >= 0 else None)
     self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                                options=message_options(chunk_bytes) + [("grpc.so_reuseport", 0)])
     handlers = {
@@ -64,6 +93,7 @@ class SyncerServer:
         "Pull": grpc.unary_stream_rpc_method_handler(self._guard(self._pull)),
         "Push": grpc.stream_unary_rpc_method_handler(self._guard(self._push)),
         "Heartbeat": grpc.unary_unary_rpc_method_handler(self._guard(self._heartbeat)),
+        "PushTicket": grpc.unary_unary_rpc_method_handler(self._guard(self._push_ticket)),
     }
     self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     address = f"{host}:{port}"
@@ -73,13 +103,21 @@ class SyncerServer:
       raise OSError(f"cannot bind the syncer to {address}: is the port in use?")
 
   def start(self) -> int:
-    """Starts serving; returns the bound port."""
+    """Starts serving (and the data channel, if any); returns the gRPC port."""
+    if self.data is not None:
+      self.data.start()
     self._server.start()
     return self.port
 
   def stop(self, grace: float = 1.0) -> None:
     """Stops accepting calls and lets running ones finish for `grace` seconds."""
+    if self.data is not None:
+      self.data.stop()
     self._server.stop(grace).wait()
+
+  def _count(self, reason: str, message: str) -> None:
+    self.rejections[reason] += 1
+    logging.warning("refused %s", message)
 
   def _guard(self, method):
     """Authenticates the call, then maps the method's refusals onto gRPC statuses (counted)."""
@@ -91,19 +129,10 @@ class SyncerServer:
                          "missing or wrong token: give the learner the syncer's token via "
                          f"${security.TOKEN_ENV} or service.token_file")
         return method(request, context)
-      except _Refused as refusal:
-        error = refusal
-      except wire.PayloadTooLarge as too_large:
-        error = _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "oversized", str(too_large))
-      except wire.WireError as malformed:
-        error = _Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", str(malformed))
-      except PushRejected as rejected:
-        error = _Refused(grpc.StatusCode.INVALID_ARGUMENT, "rejected", str(rejected))
-      except core_lib.UnknownLearner as unknown:
-        error = _Refused(grpc.StatusCode.NOT_FOUND, "unknown_learner", str(unknown))
-      self.rejections[error.reason] += 1
-      logging.warning("refused %s call: %s", method.__name__.strip("_"), error)
-      context.abort(error.code, str(error))
+      except (_Refused, *_REFUSABLE) as error:
+        refusal = _refusal(error)
+      self._count(refusal.reason, f"{method.__name__.strip('_')} call: {refusal}")
+      context.abort(refusal.code, str(refusal))
 
     return handler
 
@@ -138,3 +167,25 @@ class SyncerServer:
     header = wire.parse_header(first, core_lib.PUSH_SCHEMA)
     payload = wire.assemble(messages, header["payload_bytes"], self.max_payload_bytes, self.chunk_bytes)
     return wire.pack_header(self.core.push(header, payload, time.time()))
+
+  def _push_ticket(self, request: bytes, context) -> bytes:
+    """Checks a push header as Push would before its payload, then issues a data-channel ticket."""
+    del context
+    header = wire.parse_header(request, core_lib.PUSH_SCHEMA)
+    self.core.require_known(header["learner"])
+    if not 0 <= header["payload_bytes"] <= self.max_payload_bytes:
+      raise wire.PayloadTooLarge(f"payload of {header['payload_bytes']} bytes is outside the limit "
+                                 f"[0, {self.max_payload_bytes}] bytes")
+    if self.data is None:
+      raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, "no_data_channel",
+                     "this syncer has no data channel (service.data_port=-1): stream the payload with Push")
+    return wire.pack_header({"ticket": self.data.ticket(header), "port": self.data.port})
+
+  def _receive_data(self, header: dict, payload) -> tuple[bool, bytes]:
+    """A data-channel payload into the core: (True, push reply) or (False, the counted refusal)."""
+    try:
+      return True, wire.pack_header(self.core.push(header, payload, time.time()))
+    except _REFUSABLE as error:
+      refusal = _refusal(error)
+    self._count(refusal.reason, f"data-channel push: {refusal}")
+    return False, wire.pack_header({"code": refusal.code.name, "details": str(refusal)})

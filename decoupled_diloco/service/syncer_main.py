@@ -130,7 +130,9 @@ def run(config, workdir: str) -> dict:
       server = server_lib.SyncerServer(
           core, token, host=config.service.host, port=config.service.port, chunk_bytes=config.service.chunk_bytes,
           max_payload_bytes=runconfig.max_payload_bytes(params), credentials=credentials,
-          workers=2 * core.num_learners + 4)
+          workers=2 * core.num_learners + 4, data_port=config.service.data_port,
+          data_tls=security.server_tls_context(config.service.tls_cert, config.service.tls_key),
+          data_timeout_seconds=config.service.rpc_timeout_seconds)
       port = server.start()
       runconfig.write_address(workdir, f"{config.service.host}:{port}")
       logging.info("syncer serving %d learners on %s:%d (%s), version %d", core.num_learners, config.service.host,

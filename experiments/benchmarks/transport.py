@@ -1,18 +1,22 @@
-r"""A ~100 MB pseudo-gradient over loopback gRPC vs a raw TCP socket sending the same bytes.
+r"""A ~100 MB pseudo-gradient pushed to the syncer service vs a raw TCP socket sending the same bytes.
 
   python -m experiments.benchmarks.transport
 
-gRPC side: `SyncerClient.push` (wire encoding, chunked client stream with the token) to a
-server with the syncer service's message limits that reassembles and decodes the payload
-with the same `wire` functions as `SyncerServer`, then acknowledges. The syncer's state
-machine is left out: `merge_throughput` measures it. TCP side: the same encoded bytes with
-`sendall`, received with `recv_into` into one buffer, then a one-byte ack. Both receivers
-live in one child process (a learner and the syncer are separate processes; in one process
-sender and receiver would take turns on the GIL), and the two transports alternate
-(common.interleaved_medians). Key `ratio` = TCP seconds / gRPC seconds
-(gRPC throughput as a fraction of the raw socket's; target >= 0.5). `bare_grpc_ratio` is
-grpcio's own ceiling on this machine, timed in the same interleaving: the same chunks
-streamed to a handler that only counts them (no token, header, reassembly or decoding).
+Service side: the real `SyncerServer` (token check, header checks, limits) in a child
+process, fed by `SyncerClient.push` as a learner calls it, over loopback. The syncer's
+state machine is replaced by a core that only decodes the payload and acknowledges
+(`merge_throughput` measures the merge). Pushes travel as learners send them by default:
+a PushTicket call over gRPC, then the payload on the data channel (datachannel.py).
+TCP side: the same encoded bytes with `sendall`, received with `recv_into` into one
+buffer, then a one-byte ack. All receivers live in one child process (a learner and the
+syncer are separate processes; in one process sender and receiver would take turns on the
+GIL), and the transports alternate (common.interleaved_medians).
+
+Keys: `ratio` = TCP seconds / service push seconds (the push's share of the raw socket's
+throughput; target >= 0.5). `grpc_stream_ratio`: the same push streamed in chunks over gRPC
+(service.data_port=-1). `bare_grpc_ratio`: grpcio's own ceiling on this machine, the same
+chunks streamed to a handler that only counts them (no token, header, reassembly or
+decoding): why payloads do not travel over gRPC by default.
 """
 
 import multiprocessing
@@ -28,35 +32,50 @@ import numpy as np
 from experiments.benchmarks import common
 
 _MEGABYTES = flags.DEFINE_integer("megabytes", 100, "Size of the pseudo-gradient.")
-_BLOCKS = flags.DEFINE_integer("blocks", 5, "Interleaved repetitions (median taken).")
+_BLOCKS = flags.DEFINE_integer("blocks", 15, "Interleaved repetitions (median taken).")
 _CHUNK = flags.DEFINE_integer("chunk_bytes", 4 << 20, "Bytes per streamed message (config.service.chunk_bytes).")
 
 TOKEN = "benchmark-token-0123456789"
 
 
-def _grpc_sink(chunk_bytes: int, max_payload: int):
-  """A gRPC server doing the transport half of SyncerServer's Push: assemble + decode + reply."""
-  from decoupled_diloco.service import core, security, server, wire  # pylint: disable=g-import-not-at-top
+class _DecodeOnlyCore:
+  """Stands in for SyncerCore: does the transport's half of a push (decode) and acknowledges."""
 
-  def push(messages, context):
-    if not security.token_matches(context.invocation_metadata(), TOKEN):
-      context.abort(grpc.StatusCode.UNAUTHENTICATED, "token")
-    header = wire.parse_header(next(messages), core.PUSH_SCHEMA)
-    wire.decode(wire.assemble(messages, header["payload_bytes"], max_payload, chunk_bytes))
-    return wire.pack_header({"status": "applied", "version": 0, "versions": [0], "acked_seq": header["seq"],
-                             "steps_left": 1, "done": False, "max_speed": 0.0})
+  num_learners = 1
+
+  def require_known(self, learner: int) -> None:
+    del learner
+
+  def push(self, header: dict, payload, now: float) -> dict:
+    del now
+    from decoupled_diloco.service import wire  # pylint: disable=g-import-not-at-top
+    wire.decode(payload)
+    return {"status": "applied", "version": 0, "versions": [0], "acked_seq": header["seq"], "steps_left": 1,
+            "done": False, "max_speed": 0.0}
+
+
+def _service(chunk_bytes: int, max_payload: int) -> tuple[object, int]:
+  """The syncer's real server (gRPC + data channel) around the decode-only core."""
+  from decoupled_diloco.service import server  # pylint: disable=g-import-not-at-top
+  service = server.SyncerServer(_DecodeOnlyCore(), TOKEN, host="127.0.0.1", port=0, chunk_bytes=chunk_bytes,
+                                max_payload_bytes=max_payload, workers=2, data_port=0, data_timeout_seconds=300)
+  return service, service.start()
+
+
+def _bare_grpc(chunk_bytes: int) -> tuple[grpc.Server, int]:
+  """grpcio alone: a Drain method that counts the streamed chunks' bytes."""
+  from decoupled_diloco.service import server  # pylint: disable=g-import-not-at-top
 
   def drain(messages, context):
     del context
     return str(sum(len(m) for m in messages)).encode()
 
-  sink = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=server.message_options(chunk_bytes))
-  sink.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-      server.SERVICE, {"Push": grpc.stream_unary_rpc_method_handler(push),
-                       "Drain": grpc.stream_unary_rpc_method_handler(drain)}),))
-  port = sink.add_insecure_port("127.0.0.1:0")
-  sink.start()
-  return sink, port
+  bare = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=server.message_options(chunk_bytes))
+  bare.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+      "benchmark.Bare", {"Drain": grpc.stream_unary_rpc_method_handler(drain)}),))
+  port = bare.add_insecure_port("127.0.0.1:0")
+  bare.start()
+  return bare, port
 
 
 class _TcpSink:
@@ -80,16 +99,18 @@ class _TcpSink:
 
 
 def _receivers(size: int, chunk_bytes: int, connection) -> None:
-  """Child process: both receivers; sends their ports, then serves until told to stop."""
-  sink, grpc_port = _grpc_sink(chunk_bytes, 2 * size)
+  """Child process: every receiver; sends their ports, then serves until told to stop."""
+  service, port = _service(chunk_bytes, 2 * size)
+  bare, bare_port = _bare_grpc(chunk_bytes)
   tcp = _TcpSink(size)
-  connection.send((grpc_port, tcp.port))
+  connection.send((port, bare_port, tcp.port))
   connection.recv()
-  sink.stop(0)
+  service.stop(0)
+  bare.stop(0)
 
 
 def main(argv) -> None:
-  """Times both transports on the same bytes and emits the ratio."""
+  """Times the push paths and the raw socket on the same bytes and emits the ratios."""
   del argv
   from decoupled_diloco.service import client as client_lib, server, wire  # pylint: disable=g-import-not-at-top
   leaves = 8
@@ -102,16 +123,19 @@ def main(argv) -> None:
   receivers = multiprocessing.get_context("spawn").Process(target=_receivers, args=(size, _CHUNK.value, child),
                                                            daemon=True)  # Never outlives a failed run.
   receivers.start()
-  port, tcp_port = parent.recv()
-  client = client_lib.SyncerClient(f"127.0.0.1:{port}", TOKEN, 0, chunk_bytes=_CHUNK.value, timeout_seconds=300,
-                                   retry_seconds=10)
+  port, bare_port, tcp_port = parent.recv()
+  clients = {via: client_lib.SyncerClient(f"127.0.0.1:{port}", TOKEN, 0, chunk_bytes=_CHUNK.value,
+                                          timeout_seconds=300, retry_seconds=10, data_channel=via == "push")
+             for via in ("push", "grpc_stream")}
   seq = iter(range(1 << 30))
-  bare_channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=server.message_options(_CHUNK.value))
-  bare_call = bare_channel.stream_unary(f"/{server.SERVICE}/Drain")
+  bare_channel = grpc.insecure_channel(f"127.0.0.1:{bare_port}", options=server.message_options(_CHUNK.value))
+  bare_call = bare_channel.stream_unary("/benchmark.Bare/Drain")
 
-  def over_grpc():
-    reply = client.push(next(seq), delta, base_version=0, tokens=1, local_steps=1, compute_seconds=0.0)
-    assert reply["status"] == "applied"
+  def pushing(via):
+    def push():
+      reply = clients[via].push(next(seq), delta, base_version=0, tokens=1, local_steps=1, compute_seconds=0.0)
+      assert reply["status"] == "applied"
+    return push
 
   def over_bare_grpc():
     assert bare_call(wire.chunks(parts, _CHUNK.value), timeout=300) == str(size).encode()
@@ -122,16 +146,20 @@ def main(argv) -> None:
         connection.sendall(part)
       assert connection.recv(1) == b"k"
 
-  over_grpc(), over_bare_grpc(), over_tcp()  # Warm up every path (connections, allocator).
-  medians = common.interleaved_medians({"grpc": over_grpc, "bare_grpc": over_bare_grpc, "tcp": over_tcp},
-                                       _BLOCKS.value)
-  client.close()
+  runners = {"push": pushing("push"), "grpc_stream": pushing("grpc_stream"), "bare_grpc": over_bare_grpc,
+             "tcp": over_tcp}
+  for run in runners.values():  # Warm up every path (connections, allocator).
+    run()
+  medians = common.interleaved_medians(runners, _BLOCKS.value)
+  for client in clients.values():
+    client.close()
   bare_channel.close()
   parent.send("stop")
   receivers.join()
   common.emit_throughput_ratio({"benchmark": "transport", "chunk_bytes": _CHUNK.value,
-                                "bare_grpc_ratio": round(medians["tcp"] / medians["bare_grpc"], 3)},
-                               size, medians, "grpc", "tcp")
+                                **{f"{via}_ratio": round(medians["tcp"] / medians[via], 3)
+                                   for via in ("grpc_stream", "bare_grpc")}},
+                               size, medians, "push", "tcp")
 
 
 if __name__ == "__main__":

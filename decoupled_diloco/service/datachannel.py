@@ -1,0 +1,170 @@
+"""A plain TCP data channel for push payloads, opened by a ticket the gRPC service issues.
+
+Why: over loopback, grpcio moves a streamed payload at about half of what a raw socket
+does on this 2-core machine (benchmarks/transport: its own ceiling, a handler that only
+counts chunks, is 0.49 of the socket), because every chunk crosses its Python and C-core
+layers. gRPC keeps the control: authentication (token, TLS), the push header's checks
+and the reply; the bytes move on a socket, received straight into the aligned buffer the
+syncer decodes without a copy.
+
+  learner                               syncer
+  PushTicket(push header)     -- gRPC -> checks token, header, size; a one-time ticket
+  connect data port, send: ticket (16 bytes) | payload (exactly header.payload_bytes)
+                              <- TCP --  u8 ok | u32 length | reply header, or {code, details}
+
+A ticket is 128 random bits, bound to its push header, usable once, for `ttl_seconds`,
+one outstanding per learner. A connection with an unknown ticket, or one that ends early,
+applies nothing. With TLS configured the socket is wrapped with the same certificate.
+A refusal is raised on the learner as `DataRefused`, a `grpc.RpcError` with a status code,
+so the client retries and reports it exactly as it would a gRPC push.
+"""
+
+import secrets
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+
+from decoupled_diloco.service import wire
+
+TICKET_BYTES = 16
+_REPLY = struct.Struct("<BI")
+REFUSAL_SCHEMA = {"code": str, "details": str}
+
+
+class DataRefused(grpc.RpcError):
+  """A data-channel push that failed: refused by the syncer, or the connection broke."""
+
+  def __init__(self, code: grpc.StatusCode, details: str):
+    super().__init__(f"{code.name}: {details}")
+    self._code, self._details = code, details
+
+  def code(self) -> grpc.StatusCode:
+    """The status, as a gRPC call would report it (UNAVAILABLE when the connection broke)."""
+    return self._code
+
+  def details(self) -> str:
+    """Why, in one line."""
+    return self._details
+
+
+def _receive_into(connection: socket.socket, view: memoryview) -> None:
+  """Fills `view` from the connection; ConnectionError if the peer stops early."""
+  filled = 0
+  while filled < view.nbytes:
+    received = connection.recv_into(view[filled:])
+    if not received:
+      raise ConnectionError(f"connection closed after {filled} of {view.nbytes} bytes")
+    filled += received
+
+
+def _receive(connection: socket.socket, nbytes: int) -> memoryview:
+  view = memoryview(bytearray(nbytes))
+  _receive_into(connection, view)
+  return view
+
+
+class DataListener:
+  """The syncer's side: accepts ticketed connections and hands each payload to `receive`.
+
+  `receive(header, payload)` returns (ok, reply bytes): the push reply header, or a refusal
+  {code, details}; it must not raise. Connections are served on their own threads, at most
+  `max_connections` at once (others are closed at once).
+  """
+
+  def __init__(self, host: str, port: int, receive: Callable[[dict, np.ndarray], tuple[bool, bytes]], *,
+               ttl_seconds: float, max_connections: int, tls: ssl.SSLContext | None = None,
+               on_refusal: Callable[[str, str], None] = lambda reason, message: None):
+    self.receive, self.ttl, self.tls, self.on_refusal = receive, ttl_seconds, tls, on_refusal
+    self._tickets: dict[bytes, tuple[dict, float]] = {}
+    self._lock = threading.Lock()
+    self._slots = threading.BoundedSemaphore(max_connections)
+    self._socket = socket.create_server((host, port))
+    self.port = self._socket.getsockname()[1]
+    self._closed = False
+
+  def start(self) -> int:
+    """Starts accepting; returns the bound port."""
+    threading.Thread(target=self._accept, name="data-accept", daemon=True).start()
+    return self.port
+
+  def stop(self) -> None:
+    """Stops accepting; connections being served finish on their own threads."""
+    self._closed = True
+    self._socket.close()
+
+  def ticket(self, header: dict) -> str:
+    """A one-time ticket (hex) for `header`'s payload; replaces the learner's previous one."""
+    ticket = secrets.token_bytes(TICKET_BYTES)
+    now = time.monotonic()
+    with self._lock:
+      self._tickets = {t: (h, expiry) for t, (h, expiry) in self._tickets.items()
+                       if expiry > now and h["learner"] != header["learner"]}
+      self._tickets[ticket] = (header, now + self.ttl)
+    return ticket.hex()
+
+  def _take(self, ticket: bytes) -> dict | None:
+    with self._lock:
+      header, expiry = self._tickets.pop(ticket, (None, 0.0))
+    return header if expiry > time.monotonic() else None
+
+  def _accept(self) -> None:
+    while not self._closed:
+      try:
+        connection, _ = self._socket.accept()
+      except OSError:
+        return  # Closed by stop().
+      if not self._slots.acquire(blocking=False):
+        connection.close()
+        continue
+      threading.Thread(target=self._serve, args=(connection,), name="data-push", daemon=True).start()
+
+  def _serve(self, connection: socket.socket) -> None:
+    replied = False
+    try:
+      connection.settimeout(self.ttl)
+      if self.tls is not None:
+        connection = self.tls.wrap_socket(connection, server_side=True)
+      header = self._take(bytes(_receive(connection, TICKET_BYTES)))
+      if header is None:
+        message = "unknown, used or expired data ticket: ask the syncer's PushTicket call for a new one"
+        self.on_refusal("unauthenticated", message)
+        ok, body = False, wire.pack_header({"code": grpc.StatusCode.UNAUTHENTICATED.name, "details": message})
+      else:
+        payload = wire.aligned_buffer(header["payload_bytes"])
+        _receive_into(connection, memoryview(payload))
+        ok, body = self.receive(header, payload)
+      replied = True  # What follows only tells the learner; a lost reply makes it resend (same seq).
+      connection.sendall(_REPLY.pack(ok, len(body)) + body)
+    except OSError as error:  # Broken, too slow or not TLS (ssl.SSLError is an OSError).
+      if not replied:
+        self.on_refusal("truncated", f"data connection failed before its payload arrived: {error}")
+    finally:
+      connection.close()
+      self._slots.release()
+
+
+def send_push(address: tuple[str, int], ticket: str, parts: list[memoryview], *, timeout: float,
+              tls: ssl.SSLContext | None = None, server_hostname: str | None = None) -> bytes:
+  """Sends a ticketed payload; returns the push reply header, or raises DataRefused."""
+  try:
+    with socket.create_connection(address, timeout=timeout) as raw:
+      connection = tls.wrap_socket(raw, server_hostname=server_hostname) if tls is not None else raw
+      connection.sendall(bytes.fromhex(ticket))
+      for part in parts:
+        connection.sendall(part)
+      ok, length = _REPLY.unpack(_receive(connection, _REPLY.size))
+      if length > wire.MAX_HEADER_BYTES:
+        raise ConnectionError(f"data channel reply of {length} bytes is over {wire.MAX_HEADER_BYTES}")
+      body = bytes(_receive(connection, length))
+  except OSError as error:  # Includes ssl.SSLError and timeouts.
+    raise DataRefused(grpc.StatusCode.UNAVAILABLE, f"data channel to {address[0]}:{address[1]}: {error}") from error
+  if ok:
+    return body
+  refusal = wire.parse_header(body, REFUSAL_SCHEMA)
+  raise DataRefused(getattr(grpc.StatusCode, refusal["code"], grpc.StatusCode.UNKNOWN), refusal["details"])
