@@ -146,3 +146,23 @@ def test_data_channel_speaks_tls_when_grpc_does(params, tmp_path):
     server_lib.SyncerServer(core, TOKEN, host="127.0.0.1", port=0, chunk_bytes=1 << 16, max_payload_bytes=1,
                             credentials=tls["credentials"], data_port=0)
   core.close()
+
+
+def test_a_payload_still_arriving_when_the_syncer_stops_is_refused_not_applied(params, tmp_path):
+  core = _core(params, tmp_path)
+  with _serving(core) as (server, address):
+    parts = wire.encode(_delta(params))
+    data = b"".join(parts)
+    ticket = _ticket(address, _header(payload_bytes=len(data)))["ticket"]
+    with socket.create_connection(("127.0.0.1", server.data.port), timeout=10) as connection:
+      connection.sendall(bytes.fromhex(ticket) + data[:1000])
+      server.data.stop()  # As SyncerServer.stop does before the syncer's last checkpoint.
+      connection.sendall(data[1000:])
+      connection.shutdown(socket.SHUT_WR)
+      reply = b"".join(iter(lambda: connection.recv(1 << 16), b""))
+    header_bytes = datachannel._REPLY.size  # pylint: disable=protected-access
+    ok, length = datachannel._REPLY.unpack_from(reply)  # pylint: disable=protected-access
+    refusal = wire.parse_header(reply[header_bytes:header_bytes + length], datachannel.REFUSAL_SCHEMA)
+    assert not ok and refusal["code"] == "UNAVAILABLE" and "shutting down" in refusal["details"]
+    assert core.acked == {0: -1, 1: -1} and not core.syncer.pending and core.syncer.version == 0
+  core.close()

@@ -63,6 +63,11 @@ def _receive_into(connection: socket.socket, view: memoryview) -> None:
     filled += received
 
 
+def refusal_reply(code: grpc.StatusCode, details: str) -> tuple[bool, bytes]:
+  """What `receive` returns to refuse a payload: the status and why, as the learner will raise them."""
+  return False, wire.pack_header({"code": code.name, "details": details})
+
+
 def _receive(connection: socket.socket, nbytes: int) -> memoryview:
   view = memoryview(bytearray(nbytes))
   _receive_into(connection, view)
@@ -87,6 +92,7 @@ class DataListener:
     self._socket = socket.create_server((host, port))
     self.port = self._socket.getsockname()[1]
     self._closed = False
+    self._gate = threading.Lock()  # Held while a payload goes into the syncer; stop() closes it.
 
   def start(self) -> int:
     """Starts accepting; returns the bound port."""
@@ -94,8 +100,14 @@ class DataListener:
     return self.port
 
   def stop(self) -> None:
-    """Stops accepting; connections being served finish on their own threads."""
-    self._closed = True
+    """Stops accepting; once it returns, no payload reaches `receive` (late ones are refused
+    UNAVAILABLE, so their learners resend them to the restarted syncer)."""
+    with self._gate:
+      self._closed = True
+    try:
+      self._socket.shutdown(socket.SHUT_RDWR)  # Wakes the blocked accept() (close alone does not).
+    except OSError:
+      pass
     self._socket.close()
 
   def ticket(self, header: dict) -> str:
@@ -134,11 +146,13 @@ class DataListener:
       if header is None:
         message = "unknown, used or expired data ticket: ask the syncer's PushTicket call for a new one"
         self.on_refusal("unauthenticated", message)
-        ok, body = False, wire.pack_header({"code": grpc.StatusCode.UNAUTHENTICATED.name, "details": message})
+        ok, body = refusal_reply(grpc.StatusCode.UNAUTHENTICATED, message)
       else:
         payload = wire.aligned_buffer(header["payload_bytes"])
         _receive_into(connection, memoryview(payload))
-        ok, body = self.receive(header, payload)
+        with self._gate:
+          ok, body = (refusal_reply(grpc.StatusCode.UNAVAILABLE, "the syncer is shutting down: resend to its restart")
+                      if self._closed else self.receive(header, payload))
       replied = True  # What follows only tells the learner; a lost reply makes it resend (same seq).
       connection.sendall(_REPLY.pack(ok, len(body)) + body)
     except OSError as error:  # Broken, too slow or not TLS (ssl.SSLError is an OSError).

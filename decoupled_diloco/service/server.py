@@ -188,4 +188,4 @@ class SyncerServer:
     except _REFUSABLE as error:
       refusal = _refusal(error)
     self._count(refusal.reason, f"data-channel push: {refusal}")
-    return False, wire.pack_header({"code": refusal.code.name, "details": str(refusal)})
+    return datachannel.refusal_reply(refusal.code, str(refusal))
