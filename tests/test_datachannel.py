@@ -156,6 +156,8 @@ def test_a_payload_still_arriving_when_the_syncer_stops_is_refused_not_applied(p
     ticket = _ticket(address, _header(payload_bytes=len(data)))["ticket"]
     with socket.create_connection(("127.0.0.1", server.data.port), timeout=10) as connection:
       connection.sendall(bytes.fromhex(ticket) + data[:1000])
+      # Served (its ticket taken), not just queued: stopping resets connections not yet accepted.
+      assert _wait_for(lambda: not server.data._tickets)  # pylint: disable=protected-access
       server.data.stop()  # As SyncerServer.stop does before the syncer's last checkpoint.
       connection.sendall(data[1000:])
       connection.shutdown(socket.SHUT_WR)

@@ -68,6 +68,17 @@ def refusal_reply(code: grpc.StatusCode, details: str) -> tuple[bool, bytes]:
   return False, wire.pack_header({"code": code.name, "details": details})
 
 
+def _frame(ok: bool, body: bytes) -> bytes:
+  return _REPLY.pack(ok, len(body)) + body
+
+
+def _discard(connection: socket.socket) -> None:
+  """Reads and drops what the peer still sends, until it closes (or the timeout)."""
+  scratch = memoryview(bytearray(1 << 20))
+  while connection.recv_into(scratch):
+    pass
+
+
 def _receive(connection: socket.socket, nbytes: int) -> memoryview:
   view = memoryview(bytearray(nbytes))
   _receive_into(connection, view)
@@ -137,7 +148,7 @@ class DataListener:
       threading.Thread(target=self._serve, args=(connection,), name="data-push", daemon=True).start()
 
   def _serve(self, connection: socket.socket) -> None:
-    replied = False
+    replied = False  # After the reply, errors only concern the learner, which resends (same seq).
     try:
       connection.settimeout(self.ttl)
       if self.tls is not None:
@@ -146,15 +157,17 @@ class DataListener:
       if header is None:
         message = "unknown, used or expired data ticket: ask the syncer's PushTicket call for a new one"
         self.on_refusal("unauthenticated", message)
-        ok, body = refusal_reply(grpc.StatusCode.UNAUTHENTICATED, message)
-      else:
-        payload = wire.aligned_buffer(header["payload_bytes"])
-        _receive_into(connection, memoryview(payload))
-        with self._gate:
-          ok, body = (refusal_reply(grpc.StatusCode.UNAVAILABLE, "the syncer is shutting down: resend to its restart")
-                      if self._closed else self.receive(header, payload))
-      replied = True  # What follows only tells the learner; a lost reply makes it resend (same seq).
-      connection.sendall(_REPLY.pack(ok, len(body)) + body)
+        replied = True
+        connection.sendall(_frame(*refusal_reply(grpc.StatusCode.UNAUTHENTICATED, message)))
+        _discard(connection)  # Closing on unread bytes would reset the connection before the reply is read.
+        return
+      payload = wire.aligned_buffer(header["payload_bytes"])
+      _receive_into(connection, memoryview(payload))
+      with self._gate:
+        ok, body = (refusal_reply(grpc.StatusCode.UNAVAILABLE, "the syncer is shutting down: resend to its restart")
+                    if self._closed else self.receive(header, payload))
+      replied = True
+      connection.sendall(_frame(ok, body))
     except OSError as error:  # Broken, too slow or not TLS (ssl.SSLError is an OSError).
       if not replied:
         self.on_refusal("truncated", f"data connection failed before its payload arrived: {error}")
