@@ -119,8 +119,9 @@ def _validate_streaming(config) -> None:
            f"streaming.overlap_steps (tau) = {streaming.overlap_steps} must be in [0, inner_steps={config.inner_steps}): "
            "a merged fragment must land before the same fragment syncs again")
   _require(0.0 <= streaming.alpha <= 1.0, f"streaming.alpha = {streaming.alpha} must be in [0, 1]")
-  _require(config.runtime == "sim" or (streaming.num_fragments == 1 and streaming.overlap_steps == 0),
-           "streaming (num_fragments > 1 or overlap_steps > 0) needs a clock: add --config.runtime=sim")
+  _require(config.runtime in ("sim", "service") or (streaming.num_fragments == 1 and streaming.overlap_steps == 0),
+           "streaming (num_fragments > 1 or overlap_steps > 0) needs a clock: add --config.runtime=sim, or run "
+           "the syncer and learners as processes (--role)")
   _require(streaming.num_fragments == 1 or config.policy.kind != "time_budget",
            "streaming schedules fragments over H steps: use policy.kind 'fixed' or 'dylu' with num_fragments > 1")
   sim = config.sim

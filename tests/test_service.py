@@ -80,7 +80,10 @@ def _assert_exactly_once(workdir):
 
 
 def test_a_learner_group_of_two_jax_processes_trains_as_one_group(cluster):
-  run = cluster(group_processes=(2, 1))  # Learner 0's two devices: one in each of two gloo-connected processes.
+  # Learner 0's two devices: one in each of two gloo-connected processes. Their first round
+  # (compilation, gloo set-up) took 14 s under CI load, in which learner 1 alone had spent the
+  # 80-step budget: it runs 5x slower here, so that the group's pushes are in the run.
+  run = cluster("--config.learners.slowdown=(0.0, 4.0)", group_processes=(2, 1))
   run.start()
   codes = run.wait(RUN_TIMEOUT)
   _assert_completed(run.workdir, codes, learner_0=("learner_0.p0", "learner_0.p1"))
@@ -112,8 +115,11 @@ def test_a_killed_learner_rejoins_while_the_other_keeps_training(cluster):
   _assert_exactly_once(run.workdir)
 
 
-def test_a_killed_syncer_resumes_from_its_checkpoint_and_log(cluster):
-  run = cluster("--config.outer_steps=20")
+def test_a_killed_syncer_resumes_from_its_checkpoint_and_log_with_streamed_fragments(cluster):
+  # Two fragments, each pushed every 8 steps, one every 4: the syncer keeps versions, outer
+  # state and pending pushes per fragment, and must restore and replay all of them.
+  run = cluster("--config.outer_steps=10", "--config.inner_steps=8", "--config.streaming.num_fragments=2",
+                "--config.streaming.strategy=balanced")
   run.start()
   _wait_until(lambda: len(_syncer_records(run.workdir, "outer")) >= 10, what="10 merges")
   run.kill("syncer")
@@ -126,6 +132,14 @@ def test_a_killed_syncer_resumes_from_its_checkpoint_and_log(cluster):
   outer = _syncer_records(run.workdir, "outer")
   assert max(r["outer_step"] for r in outer) > killed_at
   assert any(r["replayed"] for r in _syncer_records(run.workdir, "push")) or killed_at % 8 == 0
+  pushes = _syncer_records(run.workdir, "push")
+  assert {r["fragment"] for r in outer} == {0, 1}
+  for m in range(2):  # Rounds of 4 steps push fragments 0, 1, 0, ...: each push covers its fragment's 8.
+    steps = [(r["fragment"], r["local_steps"]) for r in pushes if r["learner"] == m]
+    assert steps[:2] == [(0, 4), (1, 8)][:len(steps)] and {n for _, n in steps[2:-2]} <= {8}, steps
+  assert sum(r["local_steps"] == 8 for r in pushes) >= 10
+  summary, = _syncer_records(run.workdir, "summary")
+  assert summary["steps_done"] >= 10 * 8 * 2  # Fragment 0's pushes count every step once.
 
 
 def _raw_push(stub, header, payload_parts, metadata, chunk=64 << 10):

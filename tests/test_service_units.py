@@ -168,7 +168,7 @@ def test_core_remembers_across_restarts_who_heard_the_run_is_over(params, tmp_pa
   assert core.done and core.told_done == {1} and not core.all_told_done()
   core.heartbeat(0, time.time())  # A side thread's heartbeat does not count...
   assert core.told_done == {1}
-  core.pull(0, -1, time.time())  # ...the learner's own call does.
+  core.pull(0, 0, -1, time.time())  # ...the learner's own call does.
   core.log.close()
   core.checkpointer.close()
   again = _core(params, tmp_path)

@@ -93,9 +93,9 @@ class SyncerClient:
     return self._retrying(lambda: self._read_stream(
         self._join(request, timeout=self.timeout, metadata=self._metadata)))
 
-  def pull(self, have_version: int) -> tuple[dict, object]:
-    """(status, Θ), or (status, None) when `have_version` is still current."""
-    request = wire.pack_header({"learner": self.learner, "have_version": have_version})
+  def pull(self, have_version: int, fragment: int = 0) -> tuple[dict, object]:
+    """(status, Θ_fragment), or (status, None) when `have_version` of it is still current."""
+    request = wire.pack_header({"learner": self.learner, "fragment": fragment, "have_version": have_version})
     return self._retrying(lambda: self._read_stream(
         self._pull(request, timeout=self.timeout, metadata=self._metadata)))
 

@@ -12,7 +12,10 @@ networked syncer needs, behind one lock (gRPC handlers run on a thread pool):
     taken by `tick`, never on the way to a learner's reply;
   * leases: a learner silent for `lease_seconds` leaves the quorum (so the others are not
     held up by the dead) and rejoins with its next call;
-  * the run's budget: outer_steps × inner_steps × M inner steps, counted from pushes;
+  * the run's budget: outer_steps × inner_steps × M inner steps, counted from pushes (with
+    P fragments, from fragment 0's: see `budget_share`);
+  * streaming: pushes and pulls name their fragment; Θ_p is sent alone, encoded once per
+    version of that fragment;
   * measured speeds: an EMA of each learner's steps per compute-second, from its pushes;
     every reply carries the fastest other learner's (`max_speed`), DyLU's reference for
     sizing rounds (a learner knows its own speed better than its pushes tell).
@@ -37,6 +40,16 @@ from decoupled_diloco.syncer import MergeReport, Push, PushRejected, Syncer, Syn
 
 PUSH_SCHEMA = {"learner": int, "seq": int, "base_version": int, "fragment": int, "tokens": int, "local_steps": int,
                "compute_seconds": float, "payload_bytes": int}
+
+
+def budget_share(header: dict) -> tuple[int, int]:
+  """(steps, tokens) a push adds to the run's count.
+
+  A push of fragment p carries the steps since the learner's last push of p, so with P
+  fragments each step is in P pushes: only fragment 0's count, and they hold each step once
+  (a learner's last pushes send fragment 0 last, after the others).
+  """
+  return (header["local_steps"], header["tokens"]) if header["fragment"] == 0 else (0, 0)
 
 
 class UnknownLearner(LookupError):
@@ -83,7 +96,7 @@ class SyncerCore:
     self._unabsorbed: list[tuple[int, dict, bytes]] = []
     self._merges_since_checkpoint = 0
     self._checkpoint_due = False  # A checkpoint for the next tick (periodic, or the run's end).
-    self._theta_cache = (None, None)
+    self._fragment_cache: dict[int, tuple[int, list]] = {}  # fragment -> (its version, encoded Θ_p)
     self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(directory, "checkpoints"), max_to_keep=2)
     self.wal_dir = os.path.join(directory, "wal")
     self.log: wal.Log | None = None
@@ -127,8 +140,8 @@ class SyncerCore:
       return  # The log already holds everything since that checkpoint.
     carried = [(dict(record, carried=True), payload) for _, record, payload in self._unabsorbed]
     self.log.rotate(version, carried)
-    pending_steps = sum(r["header"]["local_steps"] for r, _ in carried)
-    pending_tokens = sum(r["header"]["tokens"] for r, _ in carried)
+    pending_steps = sum(budget_share(r["header"])[0] for r, _ in carried)
+    pending_tokens = sum(budget_share(r["header"])[1] for r, _ in carried)
     meta = {**self.metadata, "versions": list(self.syncer.versions), "segment": version, "done": self.done,
             "acked": {str(m): s for m, s in self.acked.items()}, "start_time": self.start_time,
             "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens}
@@ -202,13 +215,17 @@ class SyncerCore:
     """(status, encoded Θ): what a (re)starting learner needs, its last acked seq included."""
     with self.lock:
       self._check_learner(learner, now)
-      return self.status(learner), self._theta_parts()
+      return self.status(learner), wire.encode(self.syncer.params)
 
-  def pull(self, learner: int, have_version: int, now: float) -> tuple[dict, list | None]:
-    """(status, encoded Θ or None when the learner already has this version)."""
+  def pull(self, learner: int, fragment: int, have_version: int, now: float) -> tuple[dict, list | None]:
+    """(status, encoded Θ_fragment, or None when the learner already has its version)."""
     with self.lock:
       self._check_learner(learner, now)
-      parts = None if have_version == self.syncer.version else self._theta_parts()
+      versions = self.syncer.versions
+      if not 0 <= fragment < len(versions):
+        raise wire.WireError(f"fragment {fragment} is not in [0, {len(versions)}): this run syncs "
+                             f"{len(versions)} fragments")
+      parts = None if have_version == versions[fragment] else self._fragment_parts(fragment)
       return self.status(learner), parts
 
   def heartbeat(self, learner: int, now: float) -> dict:
@@ -217,12 +234,13 @@ class SyncerCore:
       self._check_learner(learner, now)
       return self.status(learner, tells_done=False)
 
-  def _theta_parts(self) -> list:
-    """Θ encoded once per version, however many learners pull it."""
-    version, parts = self._theta_cache
-    if version != self.syncer.version:
-      parts = wire.encode(self.syncer.params)
-      self._theta_cache = (self.syncer.version, parts)
+  def _fragment_parts(self, fragment: int) -> list:
+    """Θ_p encoded once per version of p, however many learners pull it."""
+    version = self.syncer.versions[fragment]
+    cached_version, parts = self._fragment_cache.get(fragment, (None, None))
+    if cached_version != version:
+      parts = wire.encode(self.syncer.fragment_params(fragment))
+      self._fragment_cache[fragment] = (version, parts)
     return parts
 
   def push(self, header: dict, payload: bytes, now: float) -> dict:
@@ -266,10 +284,10 @@ class SyncerCore:
     if not replay:
       self.log.append(record, payload)
     self.acked[header["learner"]] = max(self.acked[header["learner"]], header["seq"])
-    self.steps_done += header["local_steps"]
+    steps, tokens = budget_share(header)
+    self.steps_done, self.tokens_done = self.steps_done + steps, self.tokens_done + tokens
     if header["local_steps"] > 0 and header["compute_seconds"] > 0:
       self.speeds.observe(header["learner"], header["compute_seconds"] / header["local_steps"])
-    self.tokens_done += header["tokens"]
     self.counts["applied" if accepted else "dropped"] += 1
     self._unabsorbed.append((header["fragment"], record, payload))  # Dropped ones too: their records.
     if record_it:

@@ -13,6 +13,12 @@ the exchange (time spent waiting for it is `blocked`) and starts the following r
 the round that ran during the exchange is pushed as the change from the local params it
 started at, with the base version they derive from.
 
+Streaming (streaming.num_fragments = P > 1): a round is 1/P of the period and pushes one
+fragment, 0, 1, ..., P − 1 in turn, so each fragment goes once per period with the steps
+since its own last push; its exchange pulls Θ_p alone, which lands a round later. The
+syncer counts the budget from fragment 0's pushes; at the budget's end a learner pushes
+every fragment's remaining steps, fragment 0 last.
+
 Restarted after a crash it joins again: Θ and its last acknowledged sequence number come
 from the syncer, its AdamW state and step (hence its data position) from its own
 checkpoint in <workdir>/learner_<i>/.
@@ -34,7 +40,7 @@ import jax
 import numpy as np
 
 from decoupled_diloco import checkpoint as checkpoint_lib
-from decoupled_diloco import compression, experiment, hardware, inner, mesh, metrics as metrics_lib
+from decoupled_diloco import compression, experiment, fragments, hardware, inner, mesh, metrics as metrics_lib
 from decoupled_diloco import model as model_lib
 from decoupled_diloco import policy as policy_lib
 from decoupled_diloco.data import batches as batches_lib
@@ -67,8 +73,9 @@ def build_learner(config, index: int) -> tuple[Learner, list[float]]:
   shard = batches_lib.LearnerBatches(corpus.train, config.model.seq_len, batch_size=batch_sizes[index],
                                      learner_index=index, num_learners=len(batch_sizes), split=config.data.split,
                                      seed=config.seed)
-  learner = Learner(index, loop, shard, loop.init(params), (), compression.Codec.from_config(config.compression),
-                    config.streaming.alpha)
+  assignment = fragments.partition(params, config.streaming.num_fragments, config.streaming.strategy)
+  learner = Learner(index, loop, shard, loop.init(params), assignment,
+                    compression.Codec.from_config(config.compression), config.streaming.alpha)
   return learner, experiment.declared_speeds(profiles, flops)
 
 
@@ -126,6 +133,8 @@ class LearnerProcess:
     self.compiled = False  # Whether a round ran yet in this process (the first one compiles the step).
     self.slowdown = (tuple(config.learners.slowdown) or (0.0,) * len(config.learners.devices))[index]
     self.host = HostPseudoGradient(self.group)
+    self.locals = {}  # fragment -> its host params when last pushed (the anchor if no new Θ_p comes back)
+    self.compute_since_push = [0.0] * self.learner.num_fragments  # A push's compute_seconds, per fragment.
     self.directory = os.path.join(workdir, f"learner_{index}")
     self.writer = metrics_lib.MetricsWriter(self.directory) if self.group.leader else None
     self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(self.directory, "checkpoints"), max_to_keep=1)
@@ -175,7 +184,7 @@ class LearnerProcess:
       reply = {"status": "refused", "done": False}
     if reply["done"]:  # The syncer is winding down: no Θ to fetch, nothing more to push.
       return seq, reply, {**reply, "payload_bytes": 0}, None
-    status, theta = self.client.pull(push.base_version)
+    status, theta = self.client.pull(push.base_version, push.fragment)
     return seq, reply, status, theta
 
   def _restore(self) -> None:
@@ -198,33 +207,33 @@ class LearnerProcess:
     status, theta = self._ask(lambda: self.client.join())
     self._restore()
     self.learner.pull(theta, status["versions"])
-    seq, inflight, inflight_steps, rounds = status["acked_seq"] + 1, None, 0, 0
+    seq, inflight, rounds = status["acked_seq"] + 1, None, 0
     if self.group.leader:
       threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
     self.accounting = Accounting()  # The clock starts with training, not with compilation.
     logging.info("learner %d joined at version %d (next seq %d, %d steps left)", self.index, status["version"], seq,
                  status["steps_left"])
-    fresh = None  # Θ from the last exchange, not applied yet.
+    fresh = None  # (fragment, Θ_p or None) from the last exchange, not applied yet.
     try:
       while not status["done"]:  # Also when the run ended before this (re)join.
-        steps = min(self._planned_steps(status), status["steps_left"] - inflight_steps)
+        steps = min(self._planned_steps(status), status["steps_left"] - self._uncounted(inflight))
         if steps > 0:
-          push = self._round(steps)
+          push = self._round(steps, rounds % self.learner.num_fragments)
         if inflight is not None:
           status, fresh = self._collect(inflight, final=steps <= 0)
-          inflight, inflight_steps = None, 0
+          inflight = None
         elif steps <= 0:  # Nothing to do and nothing in flight: the budget's end is being recorded.
+          seq, status = self._push_the_rest(seq, status)
           time.sleep(0.2)
-          status, theta = self._ask(lambda: self.client.pull(self.learner.base_versions[0]))
-          fresh = theta if theta is not None else fresh
+          status, _ = self._ask(lambda: self.client.pull(status["versions"][0]))
         if status["done"]:
           break
         if steps <= 0:
           continue
-        self._start_next(fresh, status)
+        self._start_next(fresh, status, push.fragment)
         fresh = None
-        inflight = self.exchanges.submit(self._exchange, seq, push)
-        inflight_steps, seq, rounds = push.local_steps, seq + 1, rounds + 1
+        inflight = (self.exchanges.submit(self._exchange, seq, push), push)
+        seq, rounds = seq + 1, rounds + 1
         if self.service.learner_checkpoint_every and rounds % self.service.learner_checkpoint_every == 0:
           self.checkpointer.save(self.learner.steps, {"state": self.learner.state}, {"steps": self.learner.steps})
     finally:
@@ -237,33 +246,53 @@ class LearnerProcess:
     self.close()
     return summary
 
-  def _collect(self, inflight: concurrent.futures.Future, final: bool) -> tuple[dict, object]:
+  def _collect(self, inflight: tuple[concurrent.futures.Future, object], final: bool) -> tuple[dict, tuple]:
     """Waits for the previous round's exchange (counted as blocked; `final`: no round ran meanwhile,
-    the budget's last push); returns (status, new Θ or None)."""
+    the budget's last pushes); returns (status, (its fragment, new Θ_p or None))."""
+    future, push = inflight
     begin = time.perf_counter()
-    seq, reply, status, theta = self.group.share(inflight.result())
+    seq, reply, status, theta = self.group.share(future.result())
     waited = time.perf_counter() - begin
     self.accounting.blocked += waited
     if final:
       self.accounting.final_ack += waited
     self._record_ack(seq, reply)
-    return status, theta
+    return status, (push.fragment, theta)
+
+  def _uncounted(self, inflight) -> int:
+    """This learner's steps the syncer has not counted yet: those since its last push of fragment 0
+    (the one the budget counts, core.budget_share), and that push if it is still in flight."""
+    in_flight = inflight is not None and inflight[1].fragment == 0
+    return self.learner.steps_since_push[0] + (inflight[1].local_steps if in_flight else 0)
+
+  def _push_the_rest(self, seq: int, status: dict) -> tuple[int, dict]:
+    """At the budget's end, each fragment's steps since its last push, fragment 0 last (with P = 1
+    every step was pushed already): waited for, as no round is left to hide them."""
+    for fragment in sorted(range(1, self.learner.num_fragments), reverse=True) + [0]:
+      if self.learner.steps_since_push[fragment] and not status["done"]:
+        push = self._push(fragment, time.perf_counter())
+        status, _ = self._collect((self.exchanges.submit(self._exchange, seq, push), push), final=True)
+        seq += 1
+    return seq, status
 
   def _planned_steps(self, status: dict) -> int:
-    """The next round's length, decided by the leader for the whole group (see the module doc)."""
+    """The next round's length, decided by the leader for the whole group (see the module doc): with
+    P fragments, 1/P of the period (at least one step), so each fragment goes once per period."""
     planned = policy_lib.measured_round_steps(self.config.policy, self.config.inner_steps, self.speed.speeds[0],
                                               status["max_speed"], self.declared_speeds[self.index],
                                               max(self.declared_speeds))
-    return self.group.share(planned)
+    return self.group.share(max(1, planned // self.learner.num_fragments))
 
-  def _round(self, steps: int):
-    """A round of inner steps (fewer at the budget's end); returns the push of their pseudo-gradient.
+  def _round(self, steps: int, fragment: int):
+    """A round of inner steps (fewer at the budget's end); returns the push of `fragment`'s pseudo-gradient.
 
-    Its time per step feeds this group's measured speed, except in the first round (compilation).
+    With P fragments a round is 1/P of the planned steps, and fragment p goes at the end of
+    every P-th round. Its time per step feeds this group's measured speed, except in the
+    first round (compilation).
     """
     learner, begin = self.learner, time.perf_counter()
     for _ in range(steps):
-      if self.slowdown:
+      if self.slowdown and self.compiled:  # Slower devices; compiling (host work) is not slowed.
         learner.timed_step(self.slowdown)
       else:
         learner.step()
@@ -273,17 +302,32 @@ class LearnerProcess:
     if self.compiled:
       self.speed.observe(0, (time.perf_counter() - begin) / steps)
     self.compiled = True
-    push = learner.push(self.host, 0)  # Δ against the anchor, compressed as configured.
-    push.compute_seconds = time.perf_counter() - begin
-    self.accounting.compute += push.compute_seconds
+    return self._push(fragment, begin)
+
+  def _push(self, fragment: int, begin: float):
+    """Δ_p against its anchor, compressed as configured; compute since `begin` is added to every
+    fragment's, and a push carries its fragment's since that fragment's last push."""
+    push = self.learner.push(self.host, fragment)
+    self.locals[fragment] = self.host.local
+    elapsed = time.perf_counter() - begin
+    self.compute_since_push = [seconds + elapsed for seconds in self.compute_since_push]
+    push.compute_seconds, self.compute_since_push[fragment] = self.compute_since_push[fragment], 0.0
+    self.accounting.compute += elapsed
     return push
 
-  def _start_next(self, theta, status: dict) -> None:
-    """Next round's anchor: the new Θ (landing as θ ← α·θ + (1 − α)·Θ), or θ itself if none came."""
-    if theta is None:
-      self.learner.anchors[0] = self.host.local
-    else:
-      self.learner.receive(0, theta, status["versions"][0])
+  def _start_next(self, fresh: tuple | None, status: dict, pushed: int) -> None:
+    """Anchors after an exchange: the collected fragment's new Θ_p lands (θ_p ← α·θ_p + (1 − α)·Θ_p),
+    or its params as pushed anchor it if none came. With P = 1 the fragment just `pushed` goes
+    again next round, before its exchange is collected: it anchors on its pushed params too."""
+    if fresh is not None:
+      fragment, theta = fresh
+      if theta is None:
+        self.learner.anchors[fragment] = self.locals[fragment]
+      else:
+        self.learner.receive(fragment, theta, status["versions"][fragment])
+    following = (pushed + 1) % self.learner.num_fragments
+    if self.learner.anchors[following] is None:
+      self.learner.anchors[following] = self.locals[following]
 
   def close(self) -> None:
     """Releases the channel, the metrics file and the checkpointer."""

@@ -20,8 +20,6 @@ def validate(config) -> None:
   s = config.service
   _require(config.mode in ("diloco", "decoupled"),
            f"mode={config.mode!r} has no syncer to serve: use --config.mode=diloco or decoupled with --role")
-  _require(config.streaming.num_fragments == 1,
-           "the service runtime syncs whole models (one fragment): set --config.streaming.num_fragments=1")
   _require(0 <= s.port <= 65535, f"service.port={s.port} must be in [0, 65535] (0 = a free port)")
   _require(-1 <= s.data_port <= 65535,
            f"service.data_port={s.data_port} must be in [-1, 65535] (0 = a free port, -1 = pushes over gRPC)")

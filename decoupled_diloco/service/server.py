@@ -2,7 +2,8 @@
 
 Methods of service `decoupled_diloco.Syncer` (bytes in, bytes out; see wire.py):
   Join      unary -> stream   {learner}                    -> status header, Θ chunks
-  Pull      unary -> stream   {learner, have_version}      -> status header, Θ chunks (none if current)
+  Pull      unary -> stream   {learner, fragment, have_version} -> status header, Θ_fragment chunks
+                                                              (none if have_version is current)
   Push      stream -> unary   push header, payload chunks  -> {status, ...status header}
   PushTicket unary -> unary   push header                  -> {ticket, port}: send the payload on the
                                                               data channel instead (datachannel.py)
@@ -37,7 +38,7 @@ from decoupled_diloco.syncer import PushRejected
 SERVICE = "decoupled_diloco.Syncer"
 HEADER_SLACK = wire.MAX_HEADER_BYTES
 JOIN_SCHEMA = {"learner": int}
-PULL_SCHEMA = {"learner": int, "have_version": int}
+PULL_SCHEMA = {"learner": int, "fragment": int, "have_version": int}
 HEARTBEAT_SCHEMA = {"learner": int}
 _REFUSABLE = (wire.WireError, PushRejected, core_lib.UnknownLearner)
 
@@ -150,7 +151,8 @@ class SyncerServer:
   def _pull(self, request: bytes, context):
     del context
     header = wire.parse_header(request, PULL_SCHEMA)
-    return self._reply_stream(*self.core.pull(header["learner"], header["have_version"], time.time()))
+    return self._reply_stream(*self.core.pull(header["learner"], header["fragment"], header["have_version"],
+                                              time.time()))
 
   def _heartbeat(self, request: bytes, context) -> bytes:
     del context

@@ -18,7 +18,7 @@ from absl import logging
 import jax
 
 from decoupled_diloco import checkpoint as checkpoint_lib
-from decoupled_diloco import compression, metrics as metrics_lib, model as model_lib, outer
+from decoupled_diloco import compression, fragments, metrics as metrics_lib, model as model_lib, outer
 from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
 from decoupled_diloco.errors import ConfigError
@@ -82,7 +82,8 @@ def build_core(config, params, workdir: str, recorder: Recorder, evaluator: Eval
   settings = Settings.from_config(config.syncer) if config.mode == "decoupled" else Settings()
   num_learners = len(config.learners.devices)
   syncer = Syncer(outer.outer_optimizer(config.outer), params, range(num_learners), settings,
-                  codec=compression.Codec.from_config(config.compression))
+                  codec=compression.Codec.from_config(config.compression),
+                  assignment=fragments.partition(params, config.streaming.num_fragments, config.streaming.strategy))
   tokens_per_eval = (config.eval_every * config.inner_steps * config.model.seq_len
                      * sum(config.learners.batch_size))
   schedule = {"next": tokens_per_eval}
