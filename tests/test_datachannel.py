@@ -84,7 +84,7 @@ def test_data_channel_refuses_forged_reused_short_and_bad_pushes_untouched(param
     header = _header(payload_bytes=wire.encoded_size(parts))
     with pytest.raises(datachannel.DataRefused, match="data ticket") as forged:
       datachannel.send_push(data_address, secrets.token_hex(datachannel.TICKET_BYTES), parts, timeout=5)
-    assert forged.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert forged.value.code() == grpc.StatusCode.ABORTED  # Retried with a new ticket, as after a restart.
 
     ticket = _ticket(address, header)["ticket"]
     with socket.create_connection(data_address) as connection:  # Half the payload, then gone.
@@ -92,7 +92,7 @@ def test_data_channel_refuses_forged_reused_short_and_bad_pushes_untouched(param
     assert _wait_for(lambda: server.rejections["truncated"] == 1)
     with pytest.raises(datachannel.DataRefused) as reused:  # A ticket is good for one connection.
       datachannel.send_push(data_address, ticket, parts, timeout=5)
-    assert reused.value.code() == grpc.StatusCode.UNAUTHENTICATED and server.rejections["unauthenticated"] == 2
+    assert reused.value.code() == grpc.StatusCode.ABORTED and server.rejections["unauthenticated"] == 2
 
     nan = jax.tree.map(lambda x: np.full(x.shape, np.nan, np.float32), params)
     nan_parts = wire.encode(nan)
@@ -123,6 +123,9 @@ def test_a_syncer_without_data_channel_says_how_to_push(params, tmp_path):
     with pytest.raises(grpc.RpcError) as refused:
       _ticket(f"127.0.0.1:{port}", _header())
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "data_port" in refused.value.details()
+    learner = _client(f"127.0.0.1:{port}", 0, data_channel=True)  # Falls back to streaming over gRPC.
+    assert learner.push(0, _delta(params), base_version=0, tokens=64, local_steps=4,
+                        compute_seconds=0.1)["status"] == "applied" and not learner.data_channel
   finally:
     server.stop()
     core.close()

@@ -118,14 +118,24 @@ class SyncerClient:
       yield header
       yield from wire.chunks(parts, self.chunk_bytes)
 
+    def streamed():
+      return self._push(messages(), timeout=self.timeout, metadata=self._metadata)
+
     def over_data_channel():
-      ticket = wire.parse_header(self._push_ticket(header, timeout=self.timeout, metadata=self._metadata),
-                                 TICKET_SCHEMA)
+      if not self.data_channel:
+        return streamed()
+      try:
+        ticket = wire.parse_header(self._push_ticket(header, timeout=self.timeout, metadata=self._metadata),
+                                   TICKET_SCHEMA)
+      except grpc.RpcError as error:
+        if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+          raise
+        self.data_channel = False  # This syncer has none (service.data_port=-1): stream from now on.
+        return streamed()
       return datachannel.send_push((self.host, ticket["port"]), ticket["ticket"], parts, timeout=self.timeout,
                                    tls=self.data_tls, server_hostname=self.host)
 
-    reply = self._retrying(over_data_channel if self.data_channel else
-                           lambda: self._push(messages(), timeout=self.timeout, metadata=self._metadata))
+    reply = self._retrying(over_data_channel)
     return wire.parse_header(reply, PUSH_REPLY_SCHEMA)
 
   def close(self) -> None:

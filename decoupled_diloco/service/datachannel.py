@@ -14,7 +14,9 @@ syncer decodes without a copy.
 
 A ticket is 128 random bits, bound to its push header, usable once, for `ttl_seconds`,
 one outstanding per learner. A connection with an unknown ticket, or one that ends early,
-applies nothing. With TLS configured the socket is wrapped with the same certificate.
+applies nothing; an unknown ticket is refused ABORTED (retried with a new ticket: a
+restarted syncer knows none of its predecessor's), and the handshake must finish within
+HANDSHAKE_SECONDS, so connections without a ticket cannot hold the slots for long. With TLS configured the socket is wrapped with the same certificate.
 A refusal is raised on the learner as `DataRefused`, a `grpc.RpcError` with a status code,
 so the client retries and reports it exactly as it would a gRPC push.
 """
@@ -27,12 +29,15 @@ import threading
 import time
 from collections.abc import Callable
 
+from absl import logging
 import grpc
 import numpy as np
 
 from decoupled_diloco.service import wire
 
 TICKET_BYTES = 16
+HANDSHAKE_SECONDS = 10.0  # For TLS and the ticket, in all: a connection without one frees its slot soon.
+DISCARD_BYTES = 64 << 20  # What a refused connection may still send before it is closed (reset).
 _REPLY = struct.Struct("<BI")
 REFUSAL_SCHEMA = {"code": str, "details": str}
 
@@ -53,10 +58,13 @@ class DataRefused(grpc.RpcError):
     return self._details
 
 
-def _receive_into(connection: socket.socket, view: memoryview) -> None:
-  """Fills `view` from the connection; ConnectionError if the peer stops early."""
+def _receive_into(connection: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+  """Fills `view` from the connection (by `deadline`, monotonic, if given); ConnectionError if
+  the peer stops early, TimeoutError if it is too slow."""
   filled = 0
   while filled < view.nbytes:
+    if deadline is not None:
+      connection.settimeout(max(1e-3, deadline - time.monotonic()))
     received = connection.recv_into(view[filled:])
     if not received:
       raise ConnectionError(f"connection closed after {filled} of {view.nbytes} bytes")
@@ -73,15 +81,21 @@ def _frame(ok: bool, body: bytes) -> bytes:
 
 
 def _discard(connection: socket.socket) -> None:
-  """Reads and drops what the peer still sends, until it closes (or the timeout)."""
-  scratch = memoryview(bytearray(1 << 20))
-  while connection.recv_into(scratch):
-    pass
+  """Reads and drops what the peer still sends (up to DISCARD_BYTES), so that it can read the
+  reply before the close; a larger payload is cut off (reset), which its sender retries."""
+  scratch, dropped = memoryview(bytearray(1 << 20)), 0
+  deadline = time.monotonic() + HANDSHAKE_SECONDS
+  while dropped < DISCARD_BYTES and time.monotonic() < deadline:
+    connection.settimeout(max(1e-3, deadline - time.monotonic()))
+    received = connection.recv_into(scratch)
+    if not received:
+      return
+    dropped += received
 
 
-def _receive(connection: socket.socket, nbytes: int) -> memoryview:
+def _receive(connection: socket.socket, nbytes: int, deadline: float | None = None) -> memoryview:
   view = memoryview(bytearray(nbytes))
-  _receive_into(connection, view)
+  _receive_into(connection, view, deadline)
   return view
 
 
@@ -140,27 +154,36 @@ class DataListener:
     while not self._closed:
       try:
         connection, _ = self._socket.accept()
-      except OSError:
-        return  # Closed by stop().
+      except OSError as error:  # Closed by stop(), or out of file descriptors for a moment.
+        if not self._closed:
+          logging.warning("data channel accept failed (%s); retrying", error)
+          time.sleep(0.1)
+        continue
       if not self._slots.acquire(blocking=False):
         connection.close()
         continue
-      threading.Thread(target=self._serve, args=(connection,), name="data-push", daemon=True).start()
+      try:
+        threading.Thread(target=self._serve, args=(connection,), name="data-push", daemon=True).start()
+      except RuntimeError:  # No thread to be had: refuse this one, keep serving.
+        connection.close()
+        self._slots.release()
 
   def _serve(self, connection: socket.socket) -> None:
     replied = False  # After the reply, errors only concern the learner, which resends (same seq).
     try:
-      connection.settimeout(self.ttl)
+      connection.settimeout(HANDSHAKE_SECONDS)
+      handshake_deadline = time.monotonic() + HANDSHAKE_SECONDS
       if self.tls is not None:
         connection = self.tls.wrap_socket(connection, server_side=True)
-      header = self._take(bytes(_receive(connection, TICKET_BYTES)))
+      header = self._take(bytes(_receive(connection, TICKET_BYTES, handshake_deadline)))
       if header is None:
         message = "unknown, used or expired data ticket: ask the syncer's PushTicket call for a new one"
         self.on_refusal("unauthenticated", message)
         replied = True
-        connection.sendall(_frame(*refusal_reply(grpc.StatusCode.UNAUTHENTICATED, message)))
+        connection.sendall(_frame(*refusal_reply(grpc.StatusCode.ABORTED, message)))
         _discard(connection)  # Closing on unread bytes would reset the connection before the reply is read.
         return
+      connection.settimeout(self.ttl)
       payload = wire.aligned_buffer(header["payload_bytes"])
       _receive_into(connection, memoryview(payload))
       with self._gate:
@@ -180,8 +203,8 @@ def send_push(address: tuple[str, int], ticket: str, parts: list[memoryview], *,
               tls: ssl.SSLContext | None = None, server_hostname: str | None = None) -> bytes:
   """Sends a ticketed payload; returns the push reply header, or raises DataRefused."""
   try:
-    with socket.create_connection(address, timeout=timeout) as raw:
-      connection = tls.wrap_socket(raw, server_hostname=server_hostname) if tls is not None else raw
+    with socket.create_connection(address, timeout=timeout) as raw, (
+        tls.wrap_socket(raw, server_hostname=server_hostname) if tls is not None else raw) as connection:
       connection.sendall(bytes.fromhex(ticket))
       for part in parts:
         connection.sendall(part)

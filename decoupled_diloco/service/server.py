@@ -184,10 +184,16 @@ class SyncerServer:
     return wire.pack_header({"ticket": self.data.ticket(header), "port": self.data.port})
 
   def _receive_data(self, header: dict, payload) -> tuple[bool, bytes]:
-    """A data-channel payload into the core: (True, push reply) or (False, the counted refusal)."""
+    """A data-channel payload into the core: (True, push reply) or (False, the counted refusal).
+
+    Whatever else fails is INTERNAL, as an uncaught error in a gRPC handler would be.
+    """
     try:
       return True, wire.pack_header(self.core.push(header, payload, time.time()))
     except _REFUSABLE as error:
       refusal = _refusal(error)
+    except Exception as error:  # pylint: disable=broad-except
+      logging.exception("data-channel push failed inside the syncer")
+      refusal = _Refused(grpc.StatusCode.INTERNAL, "internal", f"the syncer failed on this push: {error!r}")
     self._count(refusal.reason, f"data-channel push: {refusal}")
     return datachannel.refusal_reply(refusal.code, str(refusal))
