@@ -228,7 +228,10 @@ class LearnerProcess:
           status, _ = self._ask(lambda: self.client.pull(status["versions"][0]))
         if status["done"]:
           break
-        if steps <= 0:
+        if steps <= 0:  # No round now; land what came back, so that every anchor is set if one follows.
+          if fresh is not None:
+            self._start_next(fresh, status, fresh[0])
+            fresh = None
           continue
         self._start_next(fresh, status, push.fragment)
         fresh = None
