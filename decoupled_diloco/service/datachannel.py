@@ -58,13 +58,18 @@ class DataRefused(grpc.RpcError):
     return self._details
 
 
+def _time_out_at(connection: socket.socket, deadline: float) -> None:
+  """The next socket operation may wait until `deadline` (monotonic), no longer."""
+  connection.settimeout(max(1e-3, deadline - time.monotonic()))
+
+
 def _receive_into(connection: socket.socket, view: memoryview, deadline: float | None = None) -> None:
   """Fills `view` from the connection (by `deadline`, monotonic, if given); ConnectionError if
   the peer stops early, TimeoutError if it is too slow."""
   filled = 0
   while filled < view.nbytes:
     if deadline is not None:
-      connection.settimeout(max(1e-3, deadline - time.monotonic()))
+      _time_out_at(connection, deadline)
     received = connection.recv_into(view[filled:])
     if not received:
       raise ConnectionError(f"connection closed after {filled} of {view.nbytes} bytes")
@@ -86,7 +91,7 @@ def _discard(connection: socket.socket) -> None:
   scratch, dropped = memoryview(bytearray(1 << 20)), 0
   deadline = time.monotonic() + HANDSHAKE_SECONDS
   while dropped < DISCARD_BYTES and time.monotonic() < deadline:
-    connection.settimeout(max(1e-3, deadline - time.monotonic()))
+    _time_out_at(connection, deadline)
     received = connection.recv_into(scratch)
     if not received:
       return

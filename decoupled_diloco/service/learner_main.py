@@ -271,7 +271,7 @@ class LearnerProcess:
   def _push_the_rest(self, seq: int, status: dict) -> tuple[int, dict]:
     """At the budget's end, each fragment's steps since its last push, fragment 0 last (with P = 1
     every step was pushed already): waited for, as no round is left to hide them."""
-    for fragment in sorted(range(1, self.learner.num_fragments), reverse=True) + [0]:
+    for fragment in [*range(1, self.learner.num_fragments), 0]:
       if self.learner.steps_since_push[fragment] and not status["done"]:
         push = self._push(fragment, time.perf_counter())
         status, _ = self._collect((self.exchanges.submit(self._exchange, seq, push), push), final=True)

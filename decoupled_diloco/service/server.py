@@ -175,9 +175,7 @@ class SyncerServer:
     del context
     header = wire.parse_header(request, core_lib.PUSH_SCHEMA)
     self.core.require_known(header["learner"])
-    if not 0 <= header["payload_bytes"] <= self.max_payload_bytes:
-      raise wire.PayloadTooLarge(f"payload of {header['payload_bytes']} bytes is outside the limit "
-                                 f"[0, {self.max_payload_bytes}] bytes")
+    wire.check_payload_size(header["payload_bytes"], self.max_payload_bytes)
     if self.data is None:
       raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, "no_data_channel",
                      "this syncer has no data channel (service.data_port=-1): stream the payload with Push")

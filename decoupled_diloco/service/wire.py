@@ -160,11 +160,16 @@ def chunks(parts: Iterable[memoryview], chunk_bytes: int) -> Iterator[bytes]:
     yield b"".join(pending)
 
 
+def check_payload_size(payload_bytes: int, max_payload_bytes: int) -> None:
+  """PayloadTooLarge unless a header's announced size is within the limit (before any byte is read)."""
+  if not 0 <= payload_bytes <= max_payload_bytes:
+    raise PayloadTooLarge(f"payload of {payload_bytes} bytes is outside the limit [0, {max_payload_bytes}] bytes")
+
+
 def assemble(messages: Iterator[bytes], payload_bytes: int, max_payload_bytes: int, chunk_bytes: int) -> np.ndarray:
   """Reads exactly `payload_bytes` from the chunk messages into one 64-byte-aligned uint8
   buffer (one copy); WireError on any mismatch, checked as messages arrive."""
-  if not 0 <= payload_bytes <= max_payload_bytes:
-    raise PayloadTooLarge(f"payload of {payload_bytes} bytes is outside the limit [0, {max_payload_bytes}] bytes")
+  check_payload_size(payload_bytes, max_payload_bytes)
   buffer, filled = aligned_buffer(payload_bytes), 0
   for message in messages:
     if len(message) > chunk_bytes:
