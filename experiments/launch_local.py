@@ -5,9 +5,10 @@ r"""Starts a syncer and one process per learner group on this machine; optionall
       --chaos_seed=0 --kill_every_seconds=20
   python -m experiments.launch_local --config=configs/demo.py --workdir=/tmp/dd_multi --processes_per_group=2
 
-`--config.*` overrides are passed on to every process. The shared token is
+`--config.*` overrides are passed on to every process. The run secret is
 $DD_SYNCER_TOKEN if set (or the config's service.token_file), else a fresh random one; the
-children get it through their environment, never on a command line. The launcher picks a
+syncer gets it and each learner only its own credential derived from it
+(security.learner_credential), both through their environment, never on a command line. The launcher picks a
 free port (or takes service.port), so the learners start with the syncer and retry until it
 serves; a restarted syncer gets the same port and --config.resume=True. Logs: <workdir>/logs/<process>.log. The launcher
 exits 0 once the syncer and every learner exited 0.
@@ -37,6 +38,8 @@ from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
+
+from decoupled_diloco.service import security
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py", "Experiment config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Shared workdir of the syncer and learners.")
@@ -77,13 +80,13 @@ class LocalCluster:
     return [sys.executable, "-m", "experiments.train", f"--config={self.config_path}", *self.overrides,
             f"--workdir={self.workdir}", *args]
 
-  def _spawn(self, name: str, command: list[str]) -> subprocess.Popen:
+  def _spawn(self, name: str, command: list[str], env: dict | None = None) -> subprocess.Popen:
     self.starts[name] = self.starts.get(name, 0) + 1
     self.started_at[_unit(name)] = time.monotonic()
     log = open(os.path.join(self.workdir, "logs", f"{name}.log"), "ab")  # pylint: disable=consider-using-with
     log.write(f"=== start {self.starts[name]}: {' '.join(command)}\n".encode())
     log.flush()
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env or self.env,
                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     log.close()
     self.processes[name] = process
@@ -119,14 +122,16 @@ class LocalCluster:
   def start_learner(self, index: int) -> None:
     """Starts (or restarts) learner group `index` against the syncer: one process, or several."""
     args = ("--role=learner", f"--learner_id={index}", f"--syncer={self.address}")
+    env = {**self.env, TOKEN_ENV: security.learner_credential(self.env[TOKEN_ENV], index)}
     count = self.group_processes[index]
     if count == 1:
-      self._spawn(f"learner_{index}", self._command(*args))
+      self._spawn(f"learner_{index}", self._command(*args), env)
       return
     coordinator = f"127.0.0.1:{_free_port('127.0.0.1')}"
     for k in range(count):
       self._spawn(f"learner_{index}.p{k}", self._command(*args, f"--group_coordinator={coordinator}",
-                                                         f"--group_processes={count}", f"--group_process_id={k}"))
+                                                         f"--group_processes={count}", f"--group_process_id={k}"),
+                  env)
 
   def start(self) -> None:
     """The syncer and every learner, all at once."""

@@ -8,13 +8,20 @@ push, unknown learner) are not retried: they raise `grpc.RpcError` at once.
 
 With `data_channel`, a push asks for a ticket over gRPC and sends its payload on the
 syncer's data channel (datachannel.py); the whole exchange is one attempt, retried alike.
+After DATA_FAILURES_BEFORE_STREAMING failed data-channel attempts of one push (unreachable,
+cut off, too slow: e.g. a flooded data port) the push streams over gRPC instead; the next
+push tries the data channel again.
 """
 
 import random
 import ssl
 import time
 
+from absl import logging
 import grpc
+import jax
+import ml_dtypes
+import numpy as np
 
 from decoupled_diloco.service import datachannel, security, server, wire
 
@@ -26,6 +33,7 @@ STATUS_SCHEMA = {"version": int, "versions": list, "acked_seq": int, "steps_left
 PUSH_REPLY_SCHEMA = {**{k: v for k, v in STATUS_SCHEMA.items() if k != "payload_bytes"}, "status": str}
 HEARTBEAT_REPLY_SCHEMA = {k: v for k, v in STATUS_SCHEMA.items() if k != "payload_bytes"}
 TICKET_SCHEMA = {"ticket": str, "port": int}
+DATA_FAILURES_BEFORE_STREAMING = 2
 
 
 class SyncerUnreachable(ConnectionError):
@@ -39,6 +47,15 @@ def backoff_delays(initial: float = 0.1, factor: float = 2.0, cap: float = 5.0, 
   while True:
     yield delay * rng.uniform(0.5, 1.0)
     delay = min(cap, delay * factor)
+
+
+def widen(tree):
+  """Θ as the model holds it: bfloat16 leaves (compression.downlink_format='bf16') back to float32.
+
+  Why here: the syncer halves Θ's bytes on the wire, the learner's params stay float32, as
+  the simulator's downlink does (round to bf16, then compute in fp32).
+  """
+  return jax.tree.map(lambda x: x.astype(np.float32) if x.dtype == ml_dtypes.bfloat16 else x, tree)
 
 
 class SyncerClient:
@@ -85,7 +102,7 @@ class SyncerClient:
     if not status["payload_bytes"]:
       return status, None
     data = wire.assemble(replies, status["payload_bytes"], self.max_payload_bytes, self.chunk_bytes)
-    return status, wire.decode(data)
+    return status, widen(wire.decode(data))
 
   def join(self) -> tuple[dict, object]:
     """(status, Θ): the current global params, version and this learner's last acked seq."""
@@ -121,8 +138,10 @@ class SyncerClient:
     def streamed():
       return self._push(messages(), timeout=self.timeout, metadata=self._metadata)
 
+    data_failures = [0]
+
     def over_data_channel():
-      if not self.data_channel:
+      if not self.data_channel or data_failures[0] >= DATA_FAILURES_BEFORE_STREAMING:
         return streamed()
       try:
         ticket = wire.parse_header(self._push_ticket(header, timeout=self.timeout, metadata=self._metadata),
@@ -132,8 +151,16 @@ class SyncerClient:
           raise
         self.data_channel = False  # This syncer has none (service.data_port=-1): stream from now on.
         return streamed()
-      return datachannel.send_push((self.host, ticket["port"]), ticket["ticket"], parts, timeout=self.timeout,
-                                   tls=self.data_tls, server_hostname=self.host)
+      try:
+        return datachannel.send_push((self.host, ticket["port"]), ticket["ticket"], parts, timeout=self.timeout,
+                                     tls=self.data_tls, server_hostname=self.host)
+      except datachannel.DataRefused as error:
+        if error.code() in RETRYABLE:
+          data_failures[0] += 1
+          if data_failures[0] == DATA_FAILURES_BEFORE_STREAMING:
+            logging.warning("push %d: the data channel failed %d times (%s); streaming it over gRPC", seq,
+                            data_failures[0], error.details())
+        raise
 
     reply = self._retrying(over_data_channel)
     return wire.parse_header(reply, PUSH_REPLY_SCHEMA)

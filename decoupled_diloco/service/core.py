@@ -35,6 +35,7 @@ import numpy as np
 from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import compression
 from decoupled_diloco import policy as policy_lib
+from decoupled_diloco.service import limits as limits_lib
 from decoupled_diloco.service import wal, wire
 from decoupled_diloco.syncer import MergeReport, Push, PushRejected, Syncer, SyncerState
 
@@ -75,10 +76,13 @@ class SyncerCore:
   """Thread-safe service state around a `Syncer`; every public method takes the lock."""
 
   def __init__(self, syncer: Syncer, num_learners: int, budget_steps: int, directory: str, *,
-               checkpoint_every_merges: int, lease_seconds: float, metadata: dict, emit=None, on_merge=None):
+               checkpoint_every_merges: int, lease_seconds: float, metadata: dict, emit=None, on_merge=None,
+               limits: limits_lib.PushLimits | None = None, downlink_format: str = "fp32"):
     self.syncer, self.num_learners, self.budget_steps = syncer, num_learners, budget_steps
     self.checkpoint_every, self.lease_seconds = checkpoint_every_merges, lease_seconds
     self.metadata = metadata  # Static facts saved with every checkpoint (e.g. the config).
+    self.limits = limits  # Bounds on push headers (None: only the syncer's own checks).
+    self.downlink_dtype = np.float32 if downlink_format == "fp32" else jax.numpy.bfloat16  # Θ on the wire.
     self.emit = emit or (lambda record: None)  # Metric records (push, outer).
     self.on_merge = on_merge or (lambda version, params, now: None)
     self.lock = threading.RLock()
@@ -193,9 +197,25 @@ class SyncerCore:
     """Unknown ids are refused; a known one renews its lease (and rejoins if it was excluded)."""
     self.require_known(learner)
     self.last_seen[learner] = now
-    if learner not in self.syncer.learners:
-      logging.info("learner %d rejoins the quorum", learner)
-      self._log_live(sorted(self.syncer.learners | {learner}))
+    self._readmit(learner)
+
+  def _readmit(self, learner: int) -> list[int] | None:
+    """A lease-excluded learner back in the quorum (logged); returns the live set before, None if it was in."""
+    if learner in self.syncer.learners:
+      return None
+    before = sorted(self.syncer.learners)
+    logging.info("learner %d rejoins the quorum", learner)
+    self._log_live(sorted(self.syncer.learners | {learner}))
+    return before
+
+  def check_bounds(self, header: dict) -> None:
+    """Raises UnknownLearner or limits.OutOfBounds for a push header no honest learner sends (PushTicket
+    checks it too, before any payload byte moves)."""
+    with self.lock:
+      self.require_known(header["learner"])
+      if self.limits is not None:
+        limits_lib.check_push(self.limits, header, self.acked[header["learner"]],
+                              max(0, self.budget_steps - self.steps_done))
 
   def status(self, learner: int, tells_done: bool = True) -> dict:
     """Reply fields every call returns: where the run is and how much work is left.
@@ -215,7 +235,7 @@ class SyncerCore:
     """(status, encoded Θ): what a (re)starting learner needs, its last acked seq included."""
     with self.lock:
       self._check_learner(learner, now)
-      return self.status(learner), wire.encode(self.syncer.params)
+      return self.status(learner), wire.encode(self._downlink(self.syncer.params))
 
   def pull(self, learner: int, fragment: int, have_version: int, now: float) -> tuple[dict, list | None]:
     """(status, encoded Θ_fragment, or None when the learner already has its version)."""
@@ -239,30 +259,45 @@ class SyncerCore:
     version = self.syncer.versions[fragment]
     cached_version, parts = self._fragment_cache.get(fragment, (None, None))
     if cached_version != version:
-      parts = wire.encode(self.syncer.fragment_params(fragment))
+      parts = wire.encode(self._downlink(self.syncer.fragment_params(fragment)))
       self._fragment_cache[fragment] = (version, parts)
     return parts
+
+  def _downlink(self, tree):
+    """Θ as compression.downlink_format sends it (bf16 halves the bytes; learners widen it back to fp32)."""
+    if self.downlink_dtype == np.float32:
+      return tree
+    return jax.tree.map(lambda x: np.asarray(x).astype(self.downlink_dtype), tree)
 
   def push(self, header: dict, payload: bytes, now: float) -> dict:
     """Applies one push at most once; returns the reply (status + `status()` fields).
 
-    Raises UnknownLearner, wire.WireError or PushRejected (counted, state untouched).
+    Raises UnknownLearner, limits.OutOfBounds, wire.WireError or PushRejected (counted, state
+    untouched): a refused push neither renews its learner's lease nor brings it back into the quorum.
     """
     with self.lock:
       try:
-        self._check_learner(header["learner"], now)
         learner, seq = header["learner"], header["seq"]
-        if seq <= self.acked[learner]:
-          self.counts["duplicates"] += 1
-          return {"status": "duplicate", **self.status(learner)}
-        if self.done:
+        self.check_bounds(header)
+        if seq <= self.acked[learner] or self.done:
+          self._check_learner(learner, now)
+          if seq <= self.acked[learner]:
+            self.counts["duplicates"] += 1
+            return {"status": "duplicate", **self.status(learner)}
           self.counts["late"] += 1
           self.acked[learner] = seq
           return {"status": "late", **self.status(learner)}
         delta = wire.decode(payload)
         _check_float32(delta, learner)
-        accepted = self._apply(header, delta, payload, now, replay=False)
-      except (UnknownLearner, wire.WireError, PushRejected):
+        excluded_live = self._readmit(learner)  # Receive needs it in the quorum; undone if refused.
+        try:
+          accepted = self._apply(header, delta, payload, now, replay=False)
+        except PushRejected:
+          if excluded_live is not None:
+            self._log_live(excluded_live)
+          raise
+        self.last_seen[learner] = now
+      except (UnknownLearner, limits_lib.OutOfBounds, wire.WireError, PushRejected):
         self.counts["rejected"] += 1
         raise
       return {"status": "applied" if accepted else "dropped", **self.status(learner)}

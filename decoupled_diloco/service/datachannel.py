@@ -16,7 +16,16 @@ A ticket is 128 random bits, bound to its push header, usable once, for `ttl_sec
 one outstanding per learner. A connection with an unknown ticket, or one that ends early,
 applies nothing; an unknown ticket is refused ABORTED (retried with a new ticket: a
 restarted syncer knows none of its predecessor's), and the handshake must finish within
-HANDSHAKE_SECONDS, so connections without a ticket cannot hold the slots for long. With TLS configured the socket is wrapped with the same certificate.
+HANDSHAKE_SECONDS. With TLS configured the socket is wrapped with the same certificate.
+
+Starvation: connections without a ticket yet and ticketed ones are kept apart. At most
+`max_connections` unticketed connections are open, at most half of them from one source
+address; a new connection past either limit evicts the oldest (of its source, or of all),
+so a flood of idle or reconnecting connections cannot keep a learner, which sends its
+ticket at once, from being read. Ticketed connections are not limited by that pool (one
+ticket per learner bounds them), and each must deliver its whole payload within
+`transfer_seconds(payload_bytes)`: a fixed allowance plus the payload at
+MIN_RATE_BYTES_PER_SECOND, so a trickling sender cannot hold its slot.
 A refusal is raised on the learner as `DataRefused`, a `grpc.RpcError` with a status code,
 so the client retries and reports it exactly as it would a gRPC push.
 """
@@ -38,6 +47,7 @@ from decoupled_diloco.service import wire
 TICKET_BYTES = 16
 HANDSHAKE_SECONDS = 10.0  # For TLS and the ticket, in all: a connection without one frees its slot soon.
 DISCARD_BYTES = 64 << 20  # What a refused connection may still send before it is closed (reset).
+MIN_RATE_BYTES_PER_SECOND = 256 << 10  # The slowest transfer allowed (data channel and gRPC streams alike).
 _REPLY = struct.Struct("<BI")
 REFUSAL_SCHEMA = {"code": str, "details": str}
 
@@ -56,6 +66,11 @@ class DataRefused(grpc.RpcError):
   def details(self) -> str:
     """Why, in one line."""
     return self._details
+
+
+def transfer_seconds(nbytes: int) -> float:
+  """A whole transfer's deadline: HANDSHAKE_SECONDS plus `nbytes` at the minimum rate."""
+  return HANDSHAKE_SECONDS + nbytes / MIN_RATE_BYTES_PER_SECOND
 
 
 def _time_out_at(connection: socket.socket, deadline: float) -> None:
@@ -108,8 +123,8 @@ class DataListener:
   """The syncer's side: accepts ticketed connections and hands each payload to `receive`.
 
   `receive(header, payload)` returns (ok, reply bytes): the push reply header, or a refusal
-  {code, details}; it must not raise. Connections are served on their own threads, at most
-  `max_connections` at once (others are closed at once).
+  {code, details}; it must not raise. Connections are served on their own threads; at most
+  `max_connections` of them wait for their ticket (see the module doc for who is evicted).
   """
 
   def __init__(self, host: str, port: int, receive: Callable[[dict, np.ndarray], tuple[bool, bytes]], *,
@@ -118,7 +133,10 @@ class DataListener:
     self.receive, self.ttl, self.tls, self.on_refusal = receive, ttl_seconds, tls, on_refusal
     self._tickets: dict[bytes, tuple[dict, float]] = {}
     self._lock = threading.Lock()
-    self._slots = threading.BoundedSemaphore(max_connections)
+    self.max_unticketed, self.per_source = max_connections, max(1, max_connections // 2)
+    # Unticketed connections in arrival order (oldest first) -> (source address, a dup of the socket that
+    # can shut it down even once TLS has taken the original over).
+    self._unticketed: dict[socket.socket, tuple[str, socket.socket]] = {}
     self._socket = socket.create_server((host, port))
     self.port = self._socket.getsockname()[1]
     self._closed = False
@@ -164,23 +182,52 @@ class DataListener:
           logging.warning("data channel accept failed (%s); retrying", error)
           time.sleep(0.1)
         continue
-      if not self._slots.acquire(blocking=False):
-        connection.close()
-        continue
+      self._admit(connection)
       try:
         threading.Thread(target=self._serve, args=(connection,), name="data-push", daemon=True).start()
       except RuntimeError:  # No thread to be had: refuse this one, keep serving.
+        self._ticketed(connection)
         connection.close()
-        self._slots.release()
 
-  def _serve(self, connection: socket.socket) -> None:
+  def _admit(self, connection: socket.socket) -> None:
+    """Registers an unticketed connection, evicting the oldest of its source (past the per-source
+    limit) or of all (past the pool) first: an evicted connection's thread sees it closed and ends."""
+    source = connection.getpeername()[0]
+    with self._lock:
+      mine = [c for c, (s, _) in self._unticketed.items() if s == source]
+      victims = mine if len(mine) >= self.per_source else (
+          list(self._unticketed) if len(self._unticketed) >= self.max_unticketed else [])
+      victim = self._unticketed.pop(victims[0])[1] if victims else None
+      self._unticketed[connection] = (source, connection.dup())
+    if victim is not None:
+      self.on_refusal("evicted", f"data connection from {source} evicted: too many without a ticket")
+      try:
+        victim.shutdown(socket.SHUT_RDWR)
+      except OSError:
+        pass
+      victim.close()
+
+  def _ticketed(self, connection: socket.socket) -> bool:
+    """Moves a connection out of the unticketed pool; False if it was evicted meanwhile."""
+    with self._lock:
+      entry = self._unticketed.pop(connection, None)
+    if entry is not None:
+      entry[1].close()
+    return entry is not None
+
+  def _serve(self, raw: socket.socket) -> None:
     replied = False  # After the reply, errors only concern the learner, which resends (same seq).
+    connection, handshaking = raw, True
     try:
       connection.settimeout(HANDSHAKE_SECONDS)
       handshake_deadline = time.monotonic() + HANDSHAKE_SECONDS
       if self.tls is not None:
         connection = self.tls.wrap_socket(connection, server_side=True)
-      header = self._take(bytes(_receive(connection, TICKET_BYTES, handshake_deadline)))
+      ticket = bytes(_receive(connection, TICKET_BYTES, handshake_deadline))
+      handshaking = False
+      if not self._ticketed(raw):  # Evicted meanwhile (counted then).
+        return
+      header = self._take(ticket)
       if header is None:
         message = "unknown, used or expired data ticket: ask the syncer's PushTicket call for a new one"
         self.on_refusal("unauthenticated", message)
@@ -188,20 +235,22 @@ class DataListener:
         connection.sendall(_frame(*refusal_reply(grpc.StatusCode.ABORTED, message)))
         _discard(connection)  # Closing on unread bytes would reset the connection before the reply is read.
         return
-      connection.settimeout(self.ttl)
       payload = wire.aligned_buffer(header["payload_bytes"])
-      _receive_into(connection, memoryview(payload))
+      _receive_into(connection, memoryview(payload), time.monotonic() + transfer_seconds(header["payload_bytes"]))
       with self._gate:
         ok, body = (refusal_reply(grpc.StatusCode.UNAVAILABLE, "the syncer is shutting down: resend to its restart")
                     if self._closed else self.receive(header, payload))
       replied = True
       connection.sendall(_frame(ok, body))
-    except OSError as error:  # Broken, too slow or not TLS (ssl.SSLError is an OSError).
-      if not replied:
-        self.on_refusal("truncated", f"data connection failed before its payload arrived: {error}")
+    except OSError as error:  # Broken, too slow, evicted or not TLS (ssl.SSLError is an OSError).
+      evicted = handshaking and not self._ticketed(raw)  # Counted when it was evicted.
+      if not replied and not evicted:
+        self.on_refusal("too_slow" if isinstance(error, TimeoutError) else "truncated",
+                        f"data connection failed before its payload arrived: {error}")
     finally:
+      if handshaking:
+        self._ticketed(raw)
       connection.close()
-      self._slots.release()
 
 
 def send_push(address: tuple[str, int], ticket: str, parts: list[memoryview], *, timeout: float,

@@ -1,11 +1,18 @@
-"""Who may talk to the syncer: a shared secret on every call, and TLS when certificates are given.
+"""Who may talk to the syncer: a credential on every call, and TLS when certificates are given.
 
-The token never appears on a command line (where `ps` shows it to every user of the
+The run secret stays with the syncer (and the operator). Each learner gets its own
+credential, HMAC-SHA256(run secret, "learner:<id>") in hex (`learner_credential`): the
+syncer derives every learner's and checks that the credential of a call belongs to the
+learner the call names, so a learner can act only as itself. Holders of the run secret may
+act as any learner (the operator's tools, tests).
+
+A token never appears on a command line (where `ps` shows it to every user of the
 machine): it comes from the environment variable DD_SYNCER_TOKEN or from the file
 `service.token_file`. Calls carry it in the `x-dd-token` metadata entry and the server
 compares in constant time.
 """
 
+import hashlib
 import hmac
 import os
 import ssl
@@ -35,10 +42,42 @@ def load_token(token_file: str) -> str:
   return token
 
 
+ANY_LEARNER = -1  # What `caller` returns for the run secret: it may act as every learner.
+
+
 def token_matches(metadata, token: str) -> bool:
   """Whether the call's metadata carries `token` (constant-time comparison)."""
   sent = dict(metadata or ()).get(TOKEN_METADATA_KEY, "")
   return hmac.compare_digest(str(sent).encode(), token.encode())
+
+
+def learner_credential(secret: str, learner: int) -> str:
+  """Learner `learner`'s own credential, derived from the run secret (launchers hand it out instead of it).
+
+  Why derived: the syncer needs no table of keys, and one learner's credential tells
+  nothing about another's or about the secret.
+  """
+  return hmac.new(secret.encode(), f"learner:{learner}".encode(), hashlib.sha256).hexdigest()
+
+
+class Credentials:
+  """The syncer's check of who calls: the run secret, or one learner's credential."""
+
+  def __init__(self, secret: str, num_learners: int):
+    self._keys = [(secret.encode(), ANY_LEARNER)]
+    self._keys += [(learner_credential(secret, m).encode(), m) for m in range(num_learners)]
+
+  def caller(self, metadata) -> int | None:
+    """ANY_LEARNER for the run secret, a learner id for its credential, None for anything else.
+
+    Every key is compared (constant time each), so the timing tells nothing of which matched.
+    """
+    sent = str(dict(metadata or ()).get(TOKEN_METADATA_KEY, "")).encode()
+    found = None
+    for key, who in self._keys:
+      if hmac.compare_digest(sent, key):
+        found = who
+    return found
 
 
 def _read(path: str, what: str) -> bytes:

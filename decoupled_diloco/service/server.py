@@ -12,10 +12,20 @@ A status header is {version, versions, acked_seq, steps_left, done, max_speed, p
 reply's `status` is 'applied', 'dropped' (over-stale), 'duplicate' (already acked) or
 'late' (after the run ended). Every refusal is a gRPC status with a message saying why,
 and is counted in `SyncerServer.rejections`:
-  UNAUTHENTICATED   missing or wrong token
-  INVALID_ARGUMENT  malformed header or payload, NaN/Inf, wrong shapes or dtypes, bad versions
+  UNAUTHENTICATED   missing or wrong token ('unauthenticated')
+  PERMISSION_DENIED a learner's credential used for another learner ('impersonation')
+  INVALID_ARGUMENT  malformed header or payload, NaN/Inf, wrong shapes or dtypes, bad versions,
+                    header values beyond their bounds ('out_of_bounds', see limits.py)
   RESOURCE_EXHAUSTED  payload or chunk over the limits
   NOT_FOUND         unknown learner id
+  UNAVAILABLE       no bulk slot free ('busy'; the learner retries)
+  DEADLINE_EXCEEDED a stream slower than MIN_RATE_BYTES_PER_SECOND ('too_slow')
+Starvation: Join, Pull and Push ("bulk" calls, which move Θ or a payload) hold one of
+`workers` slots (gRPC has CONTROL_WORKERS threads more), at most PER_CALLER_BULK of them per credential (the run
+secret excepted), taken without waiting; so Heartbeat and PushTicket always find a worker
+and a learner with a stalled stream blocks only itself. Every stream has a whole-call
+deadline sized from its bytes (datachannel.transfer_seconds): when it passes the server
+cancels the call. gRPC itself enforces keepalive (no ping floods) and bounds queued calls.
 Messages larger than chunk_bytes + 64 KiB are refused by gRPC itself (RESOURCE_EXHAUSTED
 from gRPC), so no single message can exhaust memory. Those are counted (as 'empty') only
 when gRPC had already started the push handler, whose stream then ends before its header.
@@ -25,6 +35,7 @@ Data-channel pushes are refused the same way, with the same codes and counters, 
 
 import collections
 import ssl
+import threading
 import time
 from concurrent import futures
 
@@ -32,7 +43,7 @@ from absl import logging
 import grpc
 
 from decoupled_diloco.service import core as core_lib
-from decoupled_diloco.service import datachannel, security, wire
+from decoupled_diloco.service import datachannel, limits, security, wire
 from decoupled_diloco.syncer import PushRejected
 
 SERVICE = "decoupled_diloco.Syncer"
@@ -40,7 +51,9 @@ HEADER_SLACK = wire.MAX_HEADER_BYTES
 JOIN_SCHEMA = {"learner": int}
 PULL_SCHEMA = {"learner": int, "fragment": int, "have_version": int}
 HEARTBEAT_SCHEMA = {"learner": int}
-_REFUSABLE = (wire.WireError, PushRejected, core_lib.UnknownLearner)
+_REFUSABLE = (wire.WireError, PushRejected, core_lib.UnknownLearner, limits.OutOfBounds)
+CONTROL_WORKERS = 4  # gRPC workers that bulk calls can never take: heartbeats and tickets never queue.
+PER_CALLER_BULK = 2  # Bulk calls one learner credential may have open (a push and a pull, or a join).
 
 
 class _Refused(Exception):
@@ -59,6 +72,8 @@ def _refusal(error: Exception) -> _Refused:
     return _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "oversized", str(error))
   if isinstance(error, wire.WireError):
     return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", str(error))
+  if isinstance(error, limits.OutOfBounds):
+    return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "out_of_bounds", str(error))
   if isinstance(error, PushRejected):
     return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "rejected", str(error))
   return _Refused(grpc.StatusCode.NOT_FOUND, "unknown_learner", str(error))
@@ -68,6 +83,36 @@ def message_options(chunk_bytes: int) -> list[tuple[str, int]]:
   """gRPC channel/server options: no message larger than one chunk plus a header."""
   limit = chunk_bytes + HEADER_SLACK
   return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+
+
+# The server enforces keepalive: a client pinging more often than every 5 s without data is cut off
+# after 2 strikes, and idle connections close after 5 minutes (a learner reconnects transparently).
+KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
+                     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+                     ("grpc.http2.max_ping_strikes", 2), ("grpc.max_connection_idle_ms", 300_000)]
+
+
+class _Deadline:
+  """Cancels a call when its whole-call deadline passes (gRPC has no server-side deadline of its own)."""
+
+  def __init__(self, context):
+    self.context, self.expired, self._timer = context, False, None
+
+  def set(self, seconds: float) -> None:
+    """From now on the call has `seconds` left (replaces an earlier deadline)."""
+    self.clear()
+    self._timer = threading.Timer(seconds, self._expire)
+    self._timer.daemon = True
+    self._timer.start()
+
+  def _expire(self) -> None:
+    self.expired = True
+    self.context.cancel()
+
+  def clear(self) -> None:
+    """No deadline any more (the call is done)."""
+    if self._timer is not None:
+      self._timer.cancel()
 
 
 class SyncerServer:
@@ -82,17 +127,21 @@ class SyncerServer:
                data_port: int = -1, data_tls: ssl.SSLContext | None = None, data_timeout_seconds: float = 120.0):
     if data_port >= 0 and (credentials is None) != (data_tls is None):
       raise ValueError("the data channel needs TLS exactly when gRPC has it: pass data_tls with credentials")
-    self.core, self.token, self.chunk_bytes, self.max_payload_bytes = core, token, chunk_bytes, max_payload_bytes
+    self.core, self.chunk_bytes, self.max_payload_bytes = core, chunk_bytes, max_payload_bytes
+    self.credentials = security.Credentials(token, core.num_learners)
     self.rejections = collections.Counter()
+    self._bulk_lock = threading.Lock()
+    self._bulk_free, self._bulk_by_caller = workers, collections.Counter()
     self.data = (datachannel.DataListener(host, data_port, self._receive_data, ttl_seconds=data_timeout_seconds,
                                           max_connections=workers, tls=data_tls, on_refusal=self._count)
                  if data_port >= 0 else None)
-    self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
-                               options=message_options(chunk_bytes) + [("grpc.so_reuseport", 0)])
+    self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers + CONTROL_WORKERS),
+                               options=message_options(chunk_bytes) + KEEPALIVE_OPTIONS + [("grpc.so_reuseport", 0)],
+                               maximum_concurrent_rpcs=16 * (workers + CONTROL_WORKERS))
     handlers = {
-        "Join": grpc.unary_stream_rpc_method_handler(self._guard(self._join)),
-        "Pull": grpc.unary_stream_rpc_method_handler(self._guard(self._pull)),
-        "Push": grpc.stream_unary_rpc_method_handler(self._guard(self._push)),
+        "Join": grpc.unary_stream_rpc_method_handler(self._guard(self._join, bulk=True)),
+        "Pull": grpc.unary_stream_rpc_method_handler(self._guard(self._pull, bulk=True)),
+        "Push": grpc.stream_unary_rpc_method_handler(self._guard(self._push, bulk=True)),
         "Heartbeat": grpc.unary_unary_rpc_method_handler(self._guard(self._heartbeat)),
         "PushTicket": grpc.unary_unary_rpc_method_handler(self._guard(self._push_ticket)),
     }
@@ -120,22 +169,60 @@ class SyncerServer:
     self.rejections[reason] += 1
     logging.warning("refused %s", message)
 
-  def _guard(self, method):
-    """Authenticates the call, then maps the method's refusals onto gRPC statuses (counted)."""
+  def _guard(self, method, bulk: bool = False):
+    """Authenticates the call (and, for bulk calls, takes a slot), then maps the method's refusals
+    onto gRPC statuses (counted). The method gets the caller: a learner id or ANY_LEARNER."""
 
     def handler(request, context):
+      deadline = _Deadline(context)
       try:
-        if not security.token_matches(context.invocation_metadata(), self.token):
+        caller = self.credentials.caller(context.invocation_metadata())
+        if caller is None:
           raise _Refused(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
-                         "missing or wrong token: give the learner the syncer's token via "
-                         f"${security.TOKEN_ENV} or service.token_file")
-        return method(request, context)
+                         "missing or wrong token: give the learner its credential (launch_local and launch_tpu do) "
+                         f"via ${security.TOKEN_ENV} or service.token_file")
+        if bulk:
+          self._take_bulk(caller, context, deadline)
+        return method(request, context, caller, deadline)
       except (_Refused, *_REFUSABLE) as error:
         refusal = _refusal(error)
+      except grpc.RpcError:  # The request stream broke: cancelled by its deadline, or the client left.
+        if not deadline.expired:
+          raise
+        refusal = _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, "too_slow", "the call's stream was slower than "
+                           f"{datachannel.MIN_RATE_BYTES_PER_SECOND} bytes/s: cancelled")
       self._count(refusal.reason, f"{method.__name__.strip('_')} call: {refusal}")
       context.abort(refusal.code, str(refusal))
 
     return handler
+
+  def _take_bulk(self, caller: int, context, deadline: _Deadline) -> None:
+    """A bulk slot for this call until it ends (refused UNAVAILABLE, which learners retry, if none is free)."""
+    with self._bulk_lock:
+      if self._bulk_free <= 0 or (caller != security.ANY_LEARNER and self._bulk_by_caller[caller] >= PER_CALLER_BULK):
+        raise _Refused(grpc.StatusCode.UNAVAILABLE, "busy", f"no bulk slot free for learner {caller}: retry later")
+      self._bulk_free -= 1
+      self._bulk_by_caller[caller] += 1
+    released = []
+
+    def release():
+      deadline.clear()
+      with self._bulk_lock:
+        if not released:
+          released.append(True)
+          self._bulk_free += 1
+          self._bulk_by_caller[caller] -= 1
+
+    if not context.add_callback(release):  # The call ended already.
+      release()
+    deadline.set(datachannel.transfer_seconds(0))  # Until the method sizes it from its bytes.
+
+  @staticmethod
+  def _authorize(caller: int, learner: int) -> None:
+    """A learner's credential acts for that learner only (the run secret for all)."""
+    if caller not in (security.ANY_LEARNER, learner):
+      raise _Refused(grpc.StatusCode.PERMISSION_DENIED, "impersonation",
+                     f"the credential of learner {caller} cannot act as learner {learner}")
 
   def _reply_stream(self, status: dict, parts: list | None):
     """A status header, then Θ's chunks (if any), cut lazily as gRPC sends them."""
@@ -143,39 +230,54 @@ class SyncerServer:
     if parts:
       yield from wire.chunks(parts, self.chunk_bytes)
 
-  def _join(self, request: bytes, context):
+  def _join(self, request: bytes, context, caller: int, deadline: _Deadline):
     del context
     header = wire.parse_header(request, JOIN_SCHEMA)
-    return self._reply_stream(*self.core.join(header["learner"], time.time()))
+    self._authorize(caller, header["learner"])
+    return self._sized(deadline, *self.core.join(header["learner"], time.time()))
 
-  def _pull(self, request: bytes, context):
+  def _pull(self, request: bytes, context, caller: int, deadline: _Deadline):
     del context
     header = wire.parse_header(request, PULL_SCHEMA)
-    return self._reply_stream(*self.core.pull(header["learner"], header["fragment"], header["have_version"],
-                                              time.time()))
+    self._authorize(caller, header["learner"])
+    return self._sized(deadline, *self.core.pull(header["learner"], header["fragment"], header["have_version"],
+                                                 time.time()))
 
-  def _heartbeat(self, request: bytes, context) -> bytes:
-    del context
+  def _sized(self, deadline: _Deadline, status: dict, parts: list | None):
+    """The reply stream, with the call's deadline sized from the bytes it sends."""
+    deadline.set(datachannel.transfer_seconds(wire.encoded_size(parts) if parts else 0))
+    return self._reply_stream(status, parts)
+
+  def _heartbeat(self, request: bytes, context, caller: int, deadline: _Deadline) -> bytes:
+    del context, deadline
     header = wire.parse_header(request, HEARTBEAT_SCHEMA)
+    self._authorize(caller, header["learner"])
     return wire.pack_header(self.core.heartbeat(header["learner"], time.time()))
 
-  def _push(self, messages, context) -> bytes:
+  def _push(self, messages, context, caller: int, deadline: _Deadline) -> bytes:
     del context
     first = next(messages, None)
     if first is None:  # Sent empty, or cut by gRPC for an oversized first message.
       raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty",
                      f"push stream is empty: send the push header first, every message <= chunk_bytes + "
                      f"{HEADER_SLACK} bytes")
-    header = wire.parse_header(first, core_lib.PUSH_SCHEMA)
+    header = self._push_header(first, caller)
+    deadline.set(datachannel.transfer_seconds(header["payload_bytes"]))
     payload = wire.assemble(messages, header["payload_bytes"], self.max_payload_bytes, self.chunk_bytes)
     return wire.pack_header(self.core.push(header, payload, time.time()))
 
-  def _push_ticket(self, request: bytes, context) -> bytes:
-    """Checks a push header as Push would before its payload, then issues a data-channel ticket."""
-    del context
-    header = wire.parse_header(request, core_lib.PUSH_SCHEMA)
-    self.core.require_known(header["learner"])
+  def _push_header(self, data: bytes, caller: int) -> dict:
+    """A push header checked as far as it can be before its payload: schema, caller, bounds, size."""
+    header = wire.parse_header(data, core_lib.PUSH_SCHEMA)
+    self._authorize(caller, header["learner"])
+    self.core.check_bounds(header)
     wire.check_payload_size(header["payload_bytes"], self.max_payload_bytes)
+    return header
+
+  def _push_ticket(self, request: bytes, context, caller: int, deadline: _Deadline) -> bytes:
+    """Checks a push header as Push would before its payload, then issues a data-channel ticket."""
+    del context, deadline
+    header = self._push_header(request, caller)
     if self.data is None:
       raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, "no_data_channel",
                      "this syncer has no data channel (service.data_port=-1): stream the payload with Push")

@@ -23,7 +23,7 @@ from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.service import core as core_lib
-from decoupled_diloco.service import runconfig, security
+from decoupled_diloco.service import limits, runconfig, security
 from decoupled_diloco.service import server as server_lib
 from decoupled_diloco.syncer import Settings, Syncer
 
@@ -97,7 +97,9 @@ def build_core(config, params, workdir: str, recorder: Recorder, evaluator: Eval
   core = core_lib.SyncerCore(syncer, num_learners, runconfig.budget_steps(config), workdir,
                              checkpoint_every_merges=config.service.checkpoint_every_merges,
                              lease_seconds=config.service.lease_seconds, metadata={"config": config.to_dict()},
-                             emit=recorder.write, on_merge=on_merge)
+                             emit=recorder.write, on_merge=on_merge,
+                             limits=limits.PushLimits.from_config(config, runconfig.budget_steps(config)),
+                             downlink_format=config.compression.downlink_format)
   return core
 
 

@@ -24,6 +24,7 @@ rejects a short, long or oversized stream before decoding it. Pull/Join replies 
 the same way. Any violation raises WireError (a ValueError) with a message naming it.
 """
 
+import math
 import struct
 from collections.abc import Iterable, Iterator
 
@@ -129,8 +130,8 @@ def encode(payload) -> list[memoryview]:
   for start, array in arrays:
     if start > end:  # Zero padding up to the offset the skeleton gave this array.
       parts.append(memoryview(bytes(start - end)))
-    if array.nbytes:
-      parts.append(memoryview(array).cast("B"))
+    if array.nbytes:  # As bytes: the buffer protocol knows no ml_dtypes type (bfloat16), a uint8 view does.
+      parts.append(memoryview(array.reshape(-1).view(np.uint8)))
     end = start + array.nbytes
   return parts
 
@@ -249,8 +250,10 @@ def _array(ref, body: memoryview, previous_end: int) -> np.ndarray:
   if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
     raise WireError(f"array shape {shape} must be non-negative ints")
   dtype = DTYPES[name]
-  count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+  count = math.prod(shape)  # Python ints: a product that overflows int64 is just too large, never negative.
   nbytes = count * dtype.itemsize
+  if nbytes > body.nbytes:
+    raise WireError(f"array {name}{shape} needs {nbytes} bytes; the payload has {body.nbytes}")
   expected_offset = _aligned(previous_end) if nbytes else previous_end
   if offset != expected_offset:
     raise WireError(f"array at offset {offset} does not follow the previous one (expected {expected_offset})")

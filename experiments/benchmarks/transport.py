@@ -43,8 +43,8 @@ class _DecodeOnlyCore:
 
   num_learners = 1
 
-  def require_known(self, learner: int) -> None:
-    del learner
+  def check_bounds(self, header: dict) -> None:
+    del header
 
   def push(self, header: dict, payload, now: float) -> dict:
     del now
