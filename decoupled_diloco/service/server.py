@@ -167,7 +167,7 @@ class SyncerServer:
 
   def _count(self, reason: str, message: str) -> None:
     self.rejections[reason] += 1
-    logging.warning("refused %s", message)
+    logging.warning("refused (%s) %s", reason, message)
 
   def _guard(self, method, bulk: bool = False):
     """Authenticates the call (and, for bulk calls, takes a slot), then maps the method's refusals
