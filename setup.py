@@ -24,6 +24,8 @@ setuptools.setup(
         # The syncer service (decoupled_diloco/service): gRPC transport, msgpack wire headers.
         "grpcio>=1.60,<2",
         "msgpack>=1.0,<2",
+        # launch_tpu makes the run's CA and the syncer's TLS certificate (experiments/credentials.py).
+        "cryptography>=42",
         # Report plots (experiments.report, notebooks); 3.10 and 3.11 tested.
         "matplotlib>=3.10,<3.12",
     ],
@@ -38,8 +40,6 @@ setuptools.setup(
             "tensorflow-cpu>=2.18; platform_machine=='x86_64'",
             "array-record>=0.7",
             "importlib_resources",
-            # tests/test_service_units.py makes a self-signed certificate for the TLS test.
-            "cryptography>=42",
             # tests/test_notebooks.py executes colabs/*.ipynb in a kernel of this interpreter.
             "nbclient>=0.10,<0.12",
             "nbformat>=5.10,<6",

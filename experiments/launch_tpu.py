@@ -8,15 +8,22 @@ on a small CPU VM (--syncer_vm=NAME@ZONE):
       --slices=v5p-128@us-east5-a,v6e-64@us-east1-d --project=my-project --run_name=dd-1b --dry_run
 
 Steps: create the slices (unless --reuse), upload this checkout and install it in a venv on
-every host, deliver the shared token as a file (scp of a local 0600 file, or a Secret
-Manager fetch on the host with --token_secret), start the syncer bound to 0.0.0.0, look up
-its internal IP, start learner i on every worker of slice i with --syncer=IP:PORT (pushes'
-payloads go to its data channel on PORT + 1). The token
-never appears on a command line; `--config.*` overrides reach every process. --dry_run
-prints each command (one per line, after a `#` line saying what it does) and runs nothing;
-the syncer's IP, unknown then, shows as SYNCER_IP. Slices in other regions reach the syncer
-over the VPC's internal addresses (the default network allows internal traffic); pass
---tls_cert/--tls_key (the certificate must name the syncer's IP) to encrypt it too.
+every host, deliver the run secret to the syncer's host only and to the hosts of slice i
+learner i's own credential (security.learner_credential: derived here from a local 0600
+file and copied, or with --token_secret derived on the host from a Secret Manager fetch
+that is never stored there), look up the syncer's internal IP, make TLS certificates for
+it, start the syncer bound to 0.0.0.0, start learner i on every worker of slice i with
+--syncer=IP:PORT (pushes' payloads go to its data channel on PORT + 1). No secret ever
+appears on a command line; `--config.*` overrides reach every process. --dry_run prints
+each command (one per line, after a `#` line saying what it does) and runs nothing; the
+syncer's IP, unknown then, shows as SYNCER_IP.
+
+TLS is on by default: a self-signed CA made once per run on this machine
+(~/.config/decoupled_diloco/<run_name>/tls/ca.pem; its key stays here) signs a certificate
+naming the syncer's address; learners trust the CA. --tls_cert/--tls_key use your own
+certificate instead (it must name the syncer's IP). --insecure serves plaintext, which
+sends credentials and parameters in clear over the network: it must be asked for, and the
+launcher says so loudly.
 """
 
 import dataclasses
@@ -136,6 +143,13 @@ class Options:
   version: str = ""
   spot: bool = False
   archive: str = "/tmp/dd_src.tar.gz"
+  insecure: bool = False
+  local_dir: str = "/tmp/dd_run"  # This machine's files of the run: learner credentials, tls/.
+
+  @property
+  def tls(self) -> str:
+    """'given' (--tls_cert), 'generated' (the default) or 'none' (--insecure)."""
+    return "given" if self.tls_cert else "none" if self.insecure else "generated"
 
 
 def check(options: Options, learner_groups: tuple[int, ...]) -> None:
@@ -156,6 +170,8 @@ def check(options: Options, learner_groups: tuple[int, ...]) -> None:
     raise ConfigError(f"--port={options.port} must be in [1, 65534] (the data channel takes port + 1)")
   if options.syncer_vm and not re.fullmatch(rf"{_NAME.pattern}@{_ZONE.pattern}", options.syncer_vm):
     raise ConfigError(f"--syncer_vm={options.syncer_vm!r}: expected NAME@ZONE, e.g. dd-syncer@us-central1-a")
+  if options.insecure and options.tls_cert:
+    raise ConfigError("--insecure and --tls_cert contradict each other: drop --insecure to serve TLS")
   if bool(options.tls_cert) != bool(options.tls_key):
     raise ConfigError("TLS needs both --tls_cert and --tls_key (the syncer's certificate and private key)")
   for path in (options.tls_cert, options.tls_key):
@@ -188,21 +204,17 @@ def plan(options: Options) -> list[Step]:
   steps.append(Step("pack this checkout", ("tar", "--exclude=__pycache__", "-czf", o.archive, "-C", _repo(),
                                            "setup.py", "decoupled_diloco", "experiments", "configs")))
   hosts = slices + ([syncer] if not syncer.tpu else [])
-  for host in hosts:
+  for i, host in enumerate(hosts):
     steps.append(Step(f"make the run directory on {host.name}",
                       tuple(host.ssh(o.project, f"mkdir -p -m 700 {remote}"))))
     steps.append(Step(f"upload the code to {host.name}", tuple(host.scp(o.project, o.archive, f"dd/{run}/src.tar.gz"))))
-    if o.token_secret:
-      fetch = (f"D={remote}; umask 077 && gcloud secrets versions access latest "
-               f"--secret={shlex.quote(o.token_secret)} --project={shlex.quote(o.project)} > \"$D/token\"")
-      steps.append(Step(f"fetch the token from Secret Manager on {host.name}", tuple(host.ssh(o.project, fetch))))
-    else:
-      steps.append(Step(f"copy the token file to {host.name}", tuple(host.scp(o.project, o.token_file,
-                                                                               f"dd/{run}/token"))))
-    if o.tls_cert:  # The syncer serves with it, learners trust it.
+    if o.tls == "given":  # The syncer serves with it, learners trust it.
       steps.append(Step(f"copy the TLS certificate to {host.name}",
                         tuple(host.scp(o.project, o.tls_cert, f"dd/{run}/tls.crt"))))
     steps.append(Step(f"install into a venv on {host.name}", tuple(host.ssh(o.project, _setup(remote, host.tpu)))))
+    if host is not syncer:  # Learner i's credential: it can act as learner i only.
+      steps.extend(_credential_steps(o, host, i, remote))
+  steps.extend(_secret_steps(o, syncer, remote))
   if o.tls_key:  # The private key goes to the syncer's host only.
     steps.append(Step(f"copy the TLS key to {syncer.name}", tuple(syncer.scp(o.project, o.tls_key,
                                                                              f"dd/{run}/tls.key"))))
@@ -211,11 +223,55 @@ def plan(options: Options) -> list[Step]:
   else:
     address = SYNCER_IP
     steps.append(Step(f"look up the internal IP of {syncer.name}", tuple(_ip_lookup(syncer, o.project)), SYNCER_IP))
+  if o.tls == "generated":
+    steps.extend(_certificate_steps(o, syncer, hosts, address))
   steps.append(Step(f"start the syncer on {syncer.name} (worker {syncer.worker})" if syncer.tpu else
                     f"start the syncer on {syncer.name}", tuple(syncer.ssh(o.project, _syncer_command(o, remote)))))
   for i, host in enumerate(slices):
     steps.append(Step(f"start learner {i} on every worker of {host.name}",
                       tuple(host.ssh(o.project, _learner_command(o, remote, i, f"{address}:{o.port}")))))
+  return steps
+
+
+def _credential_steps(o: Options, host: Host, index: int, remote: str) -> list[Step]:
+  """Learner `index`'s credential into $D/token on `host`: derived here and copied, or derived on the host
+  from a Secret Manager fetch piped through (the secret is never stored there)."""
+  if o.token_secret:
+    derive = (f"D={remote}; umask 077 && cd \"$D/src\" && gcloud secrets versions access latest "
+              f"--secret={shlex.quote(o.token_secret)} --project={shlex.quote(o.project)} | \"$D/venv/bin/python\" "
+              f"-m experiments.credentials learner --secret_file=- --learner={index} --out=\"$D/token\"")
+    return [Step(f"derive learner {index}'s credential on {host.name} from Secret Manager",
+                 tuple(host.ssh(o.project, derive)))]
+  local = os.path.join(o.local_dir, f"learner_{index}.token")
+  return [Step(f"derive learner {index}'s credential", (sys.executable, "-m", "experiments.credentials", "learner",
+                                                       f"--secret_file={o.token_file}", f"--learner={index}",
+                                                       f"--out={local}")),
+          Step(f"copy learner {index}'s credential to {host.name}",
+               tuple(host.scp(o.project, local, f"dd/{o.run_name}/token")))]
+
+
+def _secret_steps(o: Options, syncer: Host, remote: str) -> list[Step]:
+  """The run secret into $D/secret on the syncer's host only."""
+  if o.token_secret:
+    fetch = (f"D={remote}; umask 077 && gcloud secrets versions access latest "
+             f"--secret={shlex.quote(o.token_secret)} --project={shlex.quote(o.project)} > \"$D/secret\"")
+    return [Step(f"fetch the run secret from Secret Manager on {syncer.name}", tuple(syncer.ssh(o.project, fetch)))]
+  return [Step(f"copy the run secret to {syncer.name}", tuple(syncer.scp(o.project, o.token_file,
+                                                                          f"dd/{o.run_name}/secret")))]
+
+
+def _certificate_steps(o: Options, syncer: Host, hosts: list[Host], address: str) -> list[Step]:
+  """The run's CA (made once, kept here) signs a certificate naming `address`; the syncer gets it and
+  its key, every host the CA."""
+  tls = os.path.join(o.local_dir, "tls")
+  steps = [Step(f"make the TLS certificate for {address}", (sys.executable, "-m", "experiments.credentials", "certs",
+                                                           f"--dir={tls}", f"--host={address}"))]
+  for name, target in (("syncer.pem", "tls.crt"), ("syncer.key", "tls.key")):
+    steps.append(Step(f"copy {name} to {syncer.name}", tuple(syncer.scp(o.project, os.path.join(tls, name),
+                                                                          f"dd/{o.run_name}/{target}"))))
+  for host in hosts:
+    steps.append(Step(f"copy the run's CA to {host.name}", tuple(host.scp(o.project, os.path.join(tls, "ca.pem"),
+                                                                          f"dd/{o.run_name}/tls_ca.pem"))))
   return steps
 
 
@@ -233,25 +289,27 @@ def _setup(remote: str, tpu: bool) -> str:
           f"\"$D/venv/bin/pip\" install -q -U pip; \"$D/venv/bin/pip\" install -q -e \"$D/src\"{jax}")
 
 
-def _train(o: Options, remote: str, log: str, env: str, *args: str) -> str:
-  """A detached `experiments.train` process on a host: token by file path, output in its log."""
+def _train(o: Options, remote: str, log: str, env: str, *args: str, token: str = "token") -> str:
+  """A detached `experiments.train` process on a host: its secret by file path, output in its log."""
   workdir = shlex.quote(o.workdir) if o.workdir else '"$D/work"'
   command = ["\"$D/venv/bin/python\" -m experiments.train", shlex.quote(f"--config={o.config_path}"),
              *map(shlex.quote, o.overrides), *args, f"--workdir={workdir}",
-             "--config.service.token_file=\"$D/token\""]
+             f"--config.service.token_file=\"$D/{token}\""]
   return (f"D={remote}; cd \"$D/src\" && {env}nohup {' '.join(command)} > \"$D/{log}.log\" 2>&1 < /dev/null &")
 
 
 def _syncer_command(o: Options, remote: str) -> str:
   """The syncer binds every interface (learners come from other slices); on a slice it keeps off the TPU."""
-  tls = ["--config.service.tls_cert=\"$D/tls.crt\"", "--config.service.tls_key=\"$D/tls.key\""] if o.tls_cert else []
+  tls = ["--config.service.tls_cert=\"$D/tls.crt\"", "--config.service.tls_key=\"$D/tls.key\""
+         ] if o.tls != "none" else []
   return _train(o, remote, "syncer", "" if o.syncer_vm else "JAX_PLATFORMS=cpu ", "--role=syncer",
                 "--config.service.host=0.0.0.0", f"--config.service.port={o.port}",
-                f"--config.service.data_port={o.port + 1}", *tls)
+                f"--config.service.data_port={o.port + 1}", *tls, token="secret")
 
 
 def _learner_command(o: Options, remote: str, index: int, address: str) -> str:
-  tls = ["--config.service.tls_ca=\"$D/tls.crt\""] if o.tls_cert else []
+  tls = {"given": ["--config.service.tls_ca=\"$D/tls.crt\""], "generated": ["--config.service.tls_ca=\"$D/tls_ca.pem\""],
+         "none": []}[o.tls]
   # Every worker of the slice runs this; --group_coordinator=auto makes them one JAX program.
   return _train(o, remote, f"learner_{index}", "", "--role=learner", f"--learner_id={index}",
                 f"--syncer={shlex.quote(address)}", "--group_coordinator=auto", *tls)
@@ -293,6 +351,8 @@ def define_flags() -> dict:
       "tls_key": flags.DEFINE_string("tls_key", "", "Local PEM private key of the syncer."),
       "version": flags.DEFINE_string("version", "", "TPU software version ('' = the usual one per slice type)."),
       "spot": flags.DEFINE_bool("spot", False, "Create Spot slices."),
+      "insecure": flags.DEFINE_bool("insecure", False, "Serve without TLS: credentials and parameters cross the "
+                                    "network in clear. Only for networks you trust entirely."),
   }
 
 
@@ -348,7 +408,9 @@ def options_from_flags(f: dict, argv: list[str]) -> Options:
                  f["project"].value, f["run_name"].value, f["reuse"].value, f["syncer_vm"].value,
                  f["syncer_machine_type"].value, f["port"].value, f["syncer_address"].value, f["workdir"].value,
                  token_file, f["token_secret"].value, f["tls_cert"].value, f["tls_key"].value, f["version"].value,
-                 f["spot"].value, os.path.join(tempfile.gettempdir(), f"{f['run_name'].value}_src.tar.gz"))
+                 f["spot"].value, os.path.join(tempfile.gettempdir(), f"{f['run_name'].value}_src.tar.gz"),
+                 f["insecure"].value, os.path.join(os.path.dirname(default_token_file(f["run_name"].value)),
+                                                   f["run_name"].value))
 
 
 def main(f: dict, argv: list[str]) -> None:
@@ -367,6 +429,9 @@ def main(f: dict, argv: list[str]) -> None:
     steps = plan(options)
   except ConfigError as error:
     fail(error)
+  if options.insecure:
+    sys.stderr.write("WARNING: --insecure: the syncer serves PLAINTEXT on every interface; learner credentials, "
+                     "the run secret's uses and all parameters cross the network unencrypted.\n")
   if f["dry_run"].value:
     for step in steps:
       print(f"# {step.what}" + (f" (prints {step.captures})" if step.captures else ""))
@@ -374,6 +439,7 @@ def main(f: dict, argv: list[str]) -> None:
   else:
     if options.token_file:
       ensure_token_file(options.token_file)
+    os.makedirs(options.local_dir, mode=0o700, exist_ok=True)
     execute(steps)
   first = Host(f"{options.run_name}-0", options.slices[0].zone, worker="0")
   print(f"# logs: {shlex.join(first.ssh(options.project, 'tail -f dd/' + options.run_name + '/learner_0.log'))}")

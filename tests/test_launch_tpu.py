@@ -2,13 +2,17 @@
 
 import pathlib
 import shlex
+import socket
+import ssl
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from decoupled_diloco.errors import ConfigError
-from experiments import launch_tpu
+from decoupled_diloco.service import security
+from experiments import credentials, launch_tpu
 
 REPO = pathlib.Path(__file__).parents[1]
 SLICES = "v5p-32@us-east5-a,v6e-32@us-east1-d"
@@ -66,10 +70,64 @@ def test_dry_run_creates_each_slice_and_starts_the_syncer_and_one_learner_per_sl
     assert f"--learner_id={i} " in remote and "--syncer=SYNCER_IP:50051 " in remote
     assert "--group_coordinator=auto" in remote  # the slice's workers form one multi-host JAX program
     assert "--config.learners.devices=(16, 32)" in remote  # overrides reach every process
-  for command in syncers + learners:  # the token travels as a file path only
+  # Secrets travel as file paths only: the run secret to the syncer's host, each learner its own credential.
+  assert '--config.service.token_file="$D/secret"' in syncer and "DD_SYNCER_TOKEN" not in syncer
+  for command in learners:
     assert '--config.service.token_file="$D/token"' in _remote(command) and "DD_SYNCER_TOKEN" not in _remote(command)
+  secrets = [c for c in commands if c[4:5] == ["scp"] and c[5] == str(token)]
+  assert [c[6] for c in secrets] == ["dd-t-0:dd/dd-t/secret"] and "--worker=0" in secrets[0]
+  derived = [c for c in commands if c[1:4] == ["-m", "experiments.credentials", "learner"]]
+  assert [c[5] for c in derived] == ["--learner=0", "--learner=1"]
   copies = [c for c in commands if c[4:5] == ["scp"] and c[6].endswith(":dd/dd-t/token")]
-  assert [(c[5], c[6]) for c in copies] == [(str(token), "dd-t-0:dd/dd-t/token"), (str(token), "dd-t-1:dd/dd-t/token")]
+  assert [(c[5], c[6]) for c in copies] == [(d[6][len("--out="):], f"dd-t-{i}:dd/dd-t/token")
+                                            for i, d in enumerate(derived)]
+  # TLS by default: a certificate naming the looked-up IP, the CA to every host, the key to the syncer's.
+  certs, = [c for c in commands if c[1:4] == ["-m", "experiments.credentials", "certs"]]
+  assert certs[5] == "--host=SYNCER_IP" and commands.index(certs) > lookup
+  assert '--config.service.tls_cert="$D/tls.crt"' in syncer and '--config.service.tls_key="$D/tls.key"' in syncer
+  assert all('--config.service.tls_ca="$D/tls_ca.pem"' in _remote(c) for c in learners)
+  keys = [c for c in commands if c[4:5] == ["scp"] and c[6].endswith(":dd/dd-t/tls.key")]
+  assert [c[5].rsplit("/", 1)[1] for c in keys] == ["syncer.key"] and "--worker=0" in keys[0]
+
+
+def test_plaintext_off_loopback_needs_insecure_and_says_so(tmp_path):
+  token = tmp_path / "token"
+  token.write_text("t" * 32 + "\n")
+  result = _dry_run(*OVERRIDES, f"--slices={SLICES}", "--project=proj", "--run_name=dd-t", f"--token_file={token}",
+                    "--insecure")
+  assert result.returncode == 0 and "WARNING: --insecure" in result.stderr and "PLAINTEXT" in result.stderr
+  assert "tls_c" not in result.stdout  # Neither the syncer nor the learners get TLS flags.
+  assert not any("experiments.credentials certs" in " ".join(c) for c in _commands(result.stdout))
+  with pytest.raises(ConfigError, match="--insecure and --tls_cert"):
+    launch_tpu.check(_options(insecure=True, tls_cert="/c.pem", tls_key="/k.pem"), (16, 32))
+
+
+def test_credentials_and_certificates_work_for_the_real_service(tmp_path):
+  secret = tmp_path / "secret"
+  secret.write_text("r" * 32 + "\n")
+  out = tmp_path / "learner_1.token"
+  assert credentials.main(["learner", f"--secret_file={secret}", "--learner=1", f"--out={out}"]) == 0
+  assert out.read_text().strip() == security.learner_credential("r" * 32, 1)
+  assert oct(out.stat().st_mode & 0o777) == "0o600"
+  paths = credentials.make_certificates(str(tmp_path / "tls"), "127.0.0.1")
+  ca = open(paths["ca.pem"], "rb").read()
+  again = credentials.make_certificates(str(tmp_path / "tls"), "127.0.0.1")  # The CA is kept across calls.
+  assert open(again["ca.pem"], "rb").read() == ca
+  server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+  server.load_cert_chain(paths["syncer.pem"], paths["syncer.key"])
+  client = ssl.create_default_context(cadata=ca.decode())
+  with socket.create_server(("127.0.0.1", 0)) as listener:
+    def serve():
+      connection, _ = listener.accept()
+      with server.wrap_socket(connection, server_side=True) as tls:
+        tls.sendall(tls.recv(5))
+    thread = threading.Thread(target=serve)
+    thread.start()
+    with socket.create_connection(listener.getsockname()) as raw, client.wrap_socket(
+        raw, server_hostname="127.0.0.1") as tls:
+      tls.sendall(b"hello")
+      assert tls.recv(5) == b"hello"
+    thread.join()
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -53,6 +53,7 @@ PULL_SCHEMA = {"learner": int, "fragment": int, "have_version": int}
 HEARTBEAT_SCHEMA = {"learner": int}
 _REFUSABLE = (wire.WireError, PushRejected, core_lib.UnknownLearner, limits.OutOfBounds)
 CONTROL_WORKERS = 4  # gRPC workers that bulk calls can never take: heartbeats and tickets never queue.
+LOG_BURST = 20  # Refusals of one reason logged one by one per minute; the rest are summed up.
 PER_CALLER_BULK = 2  # Bulk calls one learner credential may have open (a push and a pull, or a join).
 
 
@@ -131,6 +132,7 @@ class SyncerServer:
     self.credentials = security.Credentials(token, core.num_learners)
     self.rejections = collections.Counter()
     self._bulk_lock = threading.Lock()
+    self._logged: dict[str, tuple[float, int]] = {}  # reason -> (start of its minute, refusals in it)
     self._bulk_free, self._bulk_by_caller = workers, collections.Counter()
     self.data = (datachannel.DataListener(host, data_port, self._receive_data, ttl_seconds=data_timeout_seconds,
                                           max_connections=workers, tls=data_tls, on_refusal=self._count)
@@ -166,8 +168,20 @@ class SyncerServer:
     self._server.stop(grace).wait()
 
   def _count(self, reason: str, message: str) -> None:
-    self.rejections[reason] += 1
-    logging.warning("refused (%s) %s", reason, message)
+    """Counts a refusal and logs it: every one, up to LOG_BURST per reason a minute, so a flood
+    cannot fill the syncer's disk with log lines (the counter keeps every one)."""
+    now = time.monotonic()
+    with self._bulk_lock:
+      self.rejections[reason] += 1
+      start, logged = self._logged.get(reason, (now, 0))
+      if now - start >= 60.0:
+        if logged > LOG_BURST:
+          logging.warning("refused (%s) %d more times in the last minute (not logged one by one)", reason,
+                          logged - LOG_BURST)
+        start, logged = now, 0
+      self._logged[reason] = (start, logged + 1)
+    if logged < LOG_BURST:
+      logging.warning("refused (%s) %s", reason, message)
 
   def _guard(self, method, bulk: bool = False):
     """Authenticates the call (and, for bulk calls, takes a slot), then maps the method's refusals
