@@ -3,8 +3,10 @@
   wire.py        bytes on the wire: msgpack headers, self-describing array payloads, chunks
   wal.py         the syncer's write-ahead log (an ack means the push is on disk)
   core.py        SyncerCore: exactly-once pushes, checkpoints + log replay, leases, budget
-  security.py    shared token (env/file), TLS credentials
-  server.py      gRPC methods Join/Pull/Push/Heartbeat, refusals as gRPC statuses
+  security.py    run secret (env/file), per-learner credentials derived from it, TLS credentials
+  limits.py      upper bounds on push headers (tokens, local_steps, seq)
+  server.py      gRPC methods Join/Pull/Push/Heartbeat/PushTicket, refusals as gRPC statuses, bulk slots
+  datachannel.py push payloads over a ticketed TCP socket (separate pools, transfer deadlines)
   client.py      a learner's calls with retries and backoff
   runconfig.py   checks of config.service and what both processes derive from the config
   syncer_main.py / learner_main.py   the two processes (experiments.train --role=...)

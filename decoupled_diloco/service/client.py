@@ -9,8 +9,8 @@ push, unknown learner) are not retried: they raise `grpc.RpcError` at once.
 With `data_channel`, a push asks for a ticket over gRPC and sends its payload on the
 syncer's data channel (datachannel.py); the whole exchange is one attempt, retried alike.
 After DATA_FAILURES_BEFORE_STREAMING failed data-channel attempts of one push (unreachable,
-cut off, too slow: e.g. a flooded data port) the push streams over gRPC instead; the next
-push tries the data channel again.
+cut off, too slow: e.g. a flooded data port) the push streams over gRPC instead, and so do
+the pushes of the next DATA_CHANNEL_PAUSE_SECONDS; then the data channel is tried again.
 """
 
 import random
@@ -34,6 +34,7 @@ PUSH_REPLY_SCHEMA = {**{k: v for k, v in STATUS_SCHEMA.items() if k != "payload_
 HEARTBEAT_REPLY_SCHEMA = {k: v for k, v in STATUS_SCHEMA.items() if k != "payload_bytes"}
 TICKET_SCHEMA = {"ticket": str, "port": int}
 DATA_FAILURES_BEFORE_STREAMING = 2
+DATA_CHANNEL_PAUSE_SECONDS = 30.0
 
 
 class SyncerUnreachable(ConnectionError):
@@ -72,6 +73,7 @@ class SyncerClient:
     self.learner, self.chunk_bytes, self.max_payload_bytes = learner, chunk_bytes, max_payload_bytes
     self.timeout, self.retry_seconds = timeout_seconds, retry_seconds
     self.data_channel, self.data_tls = data_channel, data_tls
+    self._data_channel_paused_until = 0.0  # time.monotonic() before which pushes stream (see the module doc).
     self.host = target.rsplit(":", 1)[0].strip("[]")  # The data channel is on the syncer's host.
     self._metadata = ((security.TOKEN_METADATA_KEY, token),)
     method = f"/{server.SERVICE}/"
@@ -141,7 +143,7 @@ class SyncerClient:
     data_failures = [0]
 
     def over_data_channel():
-      if not self.data_channel or data_failures[0] >= DATA_FAILURES_BEFORE_STREAMING:
+      if not self.data_channel or time.monotonic() < self._data_channel_paused_until:
         return streamed()
       try:
         ticket = wire.parse_header(self._push_ticket(header, timeout=self.timeout, metadata=self._metadata),
@@ -157,7 +159,8 @@ class SyncerClient:
       except datachannel.DataRefused as error:
         if error.code() in RETRYABLE:
           data_failures[0] += 1
-          if data_failures[0] == DATA_FAILURES_BEFORE_STREAMING:
+          if data_failures[0] >= DATA_FAILURES_BEFORE_STREAMING:
+            self._data_channel_paused_until = time.monotonic() + DATA_CHANNEL_PAUSE_SECONDS
             logging.warning("push %d: the data channel failed %d times (%s); streaming it over gRPC", seq,
                             data_failures[0], error.details())
         raise

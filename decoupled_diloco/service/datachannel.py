@@ -47,6 +47,8 @@ from decoupled_diloco.service import wire
 TICKET_BYTES = 16
 HANDSHAKE_SECONDS = 10.0  # For TLS and the ticket, in all: a connection without one frees its slot soon.
 DISCARD_BYTES = 64 << 20  # What a refused connection may still send before it is closed (reset).
+LISTEN_BACKLOG = 1024  # Connections the kernel queues for accept(): a flood's burst is queued, not dropped.
+CONNECT_SECONDS = 2.0  # A learner's connect: a SYN the flooded syncer dropped fails fast (then gRPC streams).
 MIN_RATE_BYTES_PER_SECOND = 256 << 10  # The slowest transfer allowed (data channel and gRPC streams alike).
 _REPLY = struct.Struct("<BI")
 REFUSAL_SCHEMA = {"code": str, "details": str}
@@ -137,7 +139,7 @@ class DataListener:
     # Unticketed connections in arrival order (oldest first) -> (source address, a dup of the socket that
     # can shut it down even once TLS has taken the original over).
     self._unticketed: dict[socket.socket, tuple[str, socket.socket]] = {}
-    self._socket = socket.create_server((host, port))
+    self._socket = socket.create_server((host, port), backlog=LISTEN_BACKLOG)
     self.port = self._socket.getsockname()[1]
     self._closed = False
     self._gate = threading.Lock()  # Held while a payload goes into the syncer; stop() closes it.
@@ -257,15 +259,16 @@ def send_push(address: tuple[str, int], ticket: str, parts: list[memoryview], *,
               tls: ssl.SSLContext | None = None, server_hostname: str | None = None) -> bytes:
   """Sends a ticketed payload; returns the push reply header, or raises DataRefused."""
   try:
-    with socket.create_connection(address, timeout=timeout) as raw, (
-        tls.wrap_socket(raw, server_hostname=server_hostname) if tls is not None else raw) as connection:
-      connection.sendall(bytes.fromhex(ticket))
-      for part in parts:
-        connection.sendall(part)
-      ok, length = _REPLY.unpack(_receive(connection, _REPLY.size))
-      if length > wire.MAX_HEADER_BYTES:
-        raise ConnectionError(f"data channel reply of {length} bytes is over {wire.MAX_HEADER_BYTES}")
-      body = bytes(_receive(connection, length))
+    with socket.create_connection(address, timeout=min(timeout, CONNECT_SECONDS)) as raw:
+      raw.settimeout(timeout)
+      with tls.wrap_socket(raw, server_hostname=server_hostname) if tls is not None else raw as connection:
+        connection.sendall(bytes.fromhex(ticket))
+        for part in parts:
+          connection.sendall(part)
+        ok, length = _REPLY.unpack(_receive(connection, _REPLY.size))
+        if length > wire.MAX_HEADER_BYTES:
+          raise ConnectionError(f"data channel reply of {length} bytes is over {wire.MAX_HEADER_BYTES}")
+        body = bytes(_receive(connection, length))
   except OSError as error:  # Includes ssl.SSLError and timeouts.
     raise DataRefused(grpc.StatusCode.UNAVAILABLE, f"data channel to {address[0]}:{address[1]}: {error}") from error
   if ok:

@@ -119,26 +119,29 @@ def stalled_push(address: str, token: str, learner: int, stop: threading.Event, 
 
 def poison_headers(address: str, token: str, learner: int, victim: int, stop: threading.Event,
                    max_count: int = 100_000, pause: float = 0.0) -> collections.Counter:
-  """Pushes headers no honest learner sends: out of bounds, impersonating `victim`, overflowing shapes,
-  forged tokens. Each is refused before any payload is applied."""
+  """Sends headers no honest learner sends: out of bounds, impersonating `victim`, forged tokens (as
+  PushTicket calls, which check a header before any payload), and a Push whose payload's shape
+  overflows int64. Each is refused before anything is applied."""
   outcomes = collections.Counter()
   payload = overflowing_payload()
   cases = [
-      (token, push_header(learner, len(payload), tokens=2**62)),
-      (token, push_header(learner, len(payload), local_steps=10**12)),
-      (token, push_header(learner, len(payload), seq=2**62)),
-      (token, push_header(victim, len(payload), seq=2**20)),
-      (token, push_header(learner, len(payload))),
-      ("forged-" + "x" * 32, push_header(victim, len(payload))),
+      ("PushTicket", token, push_header(learner, len(payload), tokens=2**62)),
+      ("PushTicket", token, push_header(learner, len(payload), local_steps=10**12)),
+      ("PushTicket", token, push_header(learner, len(payload), seq=2**62)),
+      ("PushTicket", token, push_header(victim, len(payload), seq=2**20)),
+      ("PushTicket", "forged-" + "x" * 32, push_header(victim, len(payload))),
+      ("Push", token, push_header(learner, len(payload))),
   ]
   with grpc.insecure_channel(address) as channel:
-    push = channel.stream_unary(f"/{server_lib.SERVICE}/Push")
+    calls = {"Push": channel.stream_unary(f"/{server_lib.SERVICE}/Push"),
+             "PushTicket": channel.unary_unary(f"/{server_lib.SERVICE}/PushTicket")}
     for count in range(max_count):
       if stop.is_set():
         break
-      sender, header = cases[count % len(cases)]
+      method, sender, header = cases[count % len(cases)]
+      request = iter([wire.pack_header(header), payload]) if method == "Push" else wire.pack_header(header)
       try:
-        push(iter([wire.pack_header(header), payload]), metadata=metadata(sender), timeout=30)
+        calls[method](request, metadata=metadata(sender), timeout=30)
         outcomes["OK"] += 1
       except grpc.RpcError as error:
         outcomes[error.code().name] += 1

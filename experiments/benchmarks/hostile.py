@@ -1,0 +1,172 @@
+r"""Honest learners' service while attackers hit the same syncer: the starvation defences, measured.
+
+  python -m experiments.benchmarks.hostile [--phase_seconds=45]
+
+A real syncer process (experiments.launch_local's LocalCluster, the demo model, 5 learner
+ids) on loopback. Learners 0-3 are honest: each (a thread of one process) computes for
+`--round_seconds` (a sleep: the syncer's side is what is measured), then pushes its round
+and pulls Θ, waiting for both (`blocked`). Learner 4 is compromised: the attackers (another
+process) hold its credential, and none other. The first phase runs undisturbed, the second
+under bounded attacker loops (experiments/benchmarks/attacks.py): reconnect floods of the
+data port (connect-and-close and idle holders), slow senders trickling ticketed payloads,
+Push streams that stall after their header, and poison headers (out of bounds,
+impersonating learner 0, shapes overflowing int64, forged tokens). Then the honest learners
+spend the rest of the budget, so that the syncer ends the run and its summary counts every
+refusal.
+
+JSON keys: `honest_push_p99_seconds` (an honest push + pull under attack, p99),
+`blocked_ratio` (honest blocked fraction under attack / undisturbed; target <= 2),
+`honest_refused` (honest exchanges that failed; target 0), `refused` (the syncer's refusal
+counters by kind), `syncer_rss_growth_mb` (the syncer's resident memory at the attack's end
+minus at its start; target <= 64), and the attack volume.
+"""
+
+import argparse
+import collections
+import json
+import multiprocessing
+import os
+import tempfile
+import time
+
+import numpy as np
+
+from decoupled_diloco import metrics as metrics_lib
+from experiments.benchmarks import attacks
+from experiments.launch_local import LocalCluster
+
+HONEST, ATTACKER = (0, 1, 2, 3), 4
+SECRET = "hostile-benchmark-secret-0123456789"
+INNER_STEPS, BATCH, SEQ_LEN = 25, 4, 64
+OVERRIDES = ("--config.mode=decoupled", "--config.learners.devices=(1,1,1,1,1)",
+             f"--config.learners.batch_size=({BATCH},{BATCH},{BATCH},{BATCH},{BATCH})",
+             f"--config.model.seq_len={SEQ_LEN}", f"--config.inner_steps={INNER_STEPS}", "--config.syncer.quorum=1",
+             "--config.outer.optimizer=delayed_nesterov", "--config.outer.buffer_size=4", "--config.eval_every=100000",
+             "--config.service.learner_checkpoint_every=0", "--config.service.linger_seconds=3",
+             "--config.service.lease_seconds=600")
+
+
+def _rss_mb(pid: int) -> float:
+  """Resident memory of a process, MiB (Linux)."""
+  with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+    return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def _honest(address: str, learner: int, start, round_seconds: float, out) -> None:
+  """One honest learner: rounds of (compute, push + pull) through both phases, then the budget's rest."""
+  from decoupled_diloco.service import client as client_lib  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.service import security  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  client = client_lib.SyncerClient(address, security.learner_credential(SECRET, learner), learner,
+                                   chunk_bytes=1 << 20, timeout_seconds=60, retry_seconds=120, data_channel=True)
+  status, theta = client.join()
+  delta = jax.tree.map(lambda x: np.full(x.shape, 1e-4, np.float32), theta)
+  seq, rounds = status["acked_seq"] + 1, []
+  out.put(("ready", learner))
+  phases = start.get()  # The same two phase ends for every learner, once all of them are ready.
+  while not status["done"]:
+    if time.time() < phases[1]:  # After the phases, the budget's rest goes as fast as it can.
+      time.sleep(round_seconds)
+    begin = time.time()
+    phase = "undisturbed" if begin < phases[0] else "attack" if begin < phases[1] else "finish"
+    try:
+      reply = client.push(seq, delta, base_version=status["version"], tokens=INNER_STEPS * BATCH * SEQ_LEN,
+                          local_steps=INNER_STEPS, compute_seconds=round_seconds)
+      outcome = reply["status"]
+      status = client.pull(-1)[0] if not reply["done"] else reply
+    except Exception as error:  # pylint: disable=broad-except
+      outcome = f"failed: {type(error).__name__}: {error}"
+    seq += 1
+    rounds.append((phase, begin, time.time() - begin, outcome))
+  out.put((learner, rounds))
+
+
+def _attack(address: str, seconds: float, out) -> None:
+  """The compromised learner's attack loops, bounded in time (and count)."""
+  from decoupled_diloco.service import security  # pylint: disable=g-import-not-at-top
+  credential = security.learner_credential(SECRET, ATTACKER)
+  host = address.rsplit(":", 1)[0]
+  data_port = attacks.ticket(address, attacks.push_header(ATTACKER, 8), credential)["port"]
+  loops = ([lambda stop: attacks.reconnect_flood(host, data_port, stop)] * 4
+           + [lambda stop: attacks.reconnect_flood(host, data_port, stop, hold_seconds=30)] * 4
+           + [lambda stop: attacks.slow_sender(address, data_port, credential, ATTACKER, stop)] * 2
+           + [lambda stop: attacks.stalled_push(address, credential, ATTACKER, stop, payload_bytes=64 << 10)] * 4
+           + [lambda stop: attacks.poison_headers(address, credential, ATTACKER, 0, stop, pause=0.01)] * 2)
+  results = attacks.run_for(seconds, loops)
+  total = collections.Counter()
+  for result in results:
+    total.update(result)
+  out.put(dict(total))
+
+
+def _fraction(rounds, phase: str, start: float, end: float) -> float:
+  """A learner's blocked seconds in `phase` over that phase's wall-clock."""
+  return sum(seconds for p, _, seconds, _ in rounds if p == phase) / (end - start)
+
+
+def main():
+  """One syncer, two phases; prints the JSON line."""
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--phase_seconds", type=float, default=45.0, help="Length of each phase.")
+  parser.add_argument("--round_seconds", type=float, default=1.0, help="An honest learner's compute per round.")
+  args = parser.parse_args()
+  rounds_per_learner = 2 * args.phase_seconds / args.round_seconds
+  outer_steps = int(1.2 * rounds_per_learner * len(HONEST) / 5) + 2  # The honest pushes nearly spend it.
+  context = multiprocessing.get_context("spawn")
+  with tempfile.TemporaryDirectory() as workdir:
+    cluster = LocalCluster("configs/demo.py", workdir, [*OVERRIDES, f"--config.outer_steps={outer_steps}"], 5,
+                           env=dict(os.environ, DD_SYNCER_TOKEN=SECRET))
+    try:
+      address = cluster.start_syncer()
+      pid = cluster.processes["syncer"].pid
+      out, start = context.Queue(), context.Queue()
+      honest = [context.Process(target=_honest, args=(address, m, start, args.round_seconds, out)) for m in HONEST]
+      for process in honest:
+        process.start()
+      for _ in HONEST:
+        assert out.get(timeout=300)[0] == "ready"
+      begin = time.time()
+      phases = (begin + args.phase_seconds, begin + 2 * args.phase_seconds)
+      for _ in HONEST:
+        start.put(phases)
+      time.sleep(max(0.0, phases[0] - time.time()))
+      rss_before = _rss_mb(pid)
+      attacker = context.Process(target=_attack, args=(address, args.phase_seconds, out))
+      attacker.start()
+      rss_peak = rss_before
+      while time.time() < phases[1]:
+        rss_peak = max(rss_peak, _rss_mb(pid))
+        time.sleep(0.5)
+      rss_after = _rss_mb(pid)
+      results = [out.get(timeout=600) for _ in range(len(HONEST) + 1)]
+      for process in [*honest, attacker]:
+        process.join(timeout=60)
+      cluster.processes["syncer"].wait(timeout=300)
+      summary = next(r for r in metrics_lib.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+                     if r["kind"] == "summary")
+    finally:
+      cluster.stop()
+  attack_volume = next(r for r in results if isinstance(r, dict))
+  learners = dict(r for r in results if isinstance(r, tuple))
+  attacked = [s for rounds in learners.values() for p, _, s, _ in rounds if p == "attack"]
+  undisturbed = np.mean([_fraction(r, "undisturbed", begin, phases[0]) for r in learners.values()])
+  under_attack = np.mean([_fraction(r, "attack", phases[0], phases[1]) for r in learners.values()])
+  failed = [o for rounds in learners.values() for *_, o in rounds if o not in ("applied", "dropped", "late")]
+  for outcome in failed[:5]:
+    print("honest exchange failed:", outcome)
+  print(json.dumps({
+      "honest_push_p99_seconds": round(float(np.percentile(attacked, 99)), 4),
+      "honest_push_p50_seconds": round(float(np.percentile(attacked, 50)), 4),
+      "blocked_fraction_undisturbed": round(float(undisturbed), 4),
+      "blocked_fraction_under_attack": round(float(under_attack), 4),
+      "blocked_ratio": round(float(under_attack / undisturbed), 3),
+      "honest_refused": len(failed), "honest_exchanges": sum(len(r) for r in learners.values()),
+      "refused": summary["refused_calls"], "attack_attempts": attack_volume,
+      "syncer_rss_growth_mb": round(rss_after - rss_before, 1), "syncer_rss_peak_growth_mb": round(
+          rss_peak - rss_before, 1),
+      "phase_seconds": args.phase_seconds, "round_seconds": args.round_seconds,
+      "run_done": summary["done"]}))
+
+
+if __name__ == "__main__":
+  main()
