@@ -9,6 +9,7 @@ of the same rules run on an in-process core where they need its insides (the quo
 """
 
 import collections
+import json
 import os
 import re
 import socket
@@ -37,14 +38,14 @@ SECRET = "h" * 32
 
 @pytest.fixture(scope="module")
 def syncer(tmp_path_factory):
-  """(address, log path) of a real syncer process; stopped after the module."""
+  """(address, log path, LocalCluster) of a real syncer process; stopped after the module."""
   workdir = str(tmp_path_factory.mktemp("hostile"))
   cluster = LocalCluster(CONFIG, workdir, ["--config.compression.format=bf16",
                                            "--config.compression.downlink_format=bf16",
                                            "--config.service.data_port=0"], 2,
                          env=dict(os.environ, DD_SYNCER_TOKEN=SECRET))
   address = cluster.start_syncer()
-  yield address, os.path.join(workdir, "logs", "syncer.log")
+  yield address, os.path.join(workdir, "logs", "syncer.log"), cluster
   cluster.stop()
 
 
@@ -96,7 +97,7 @@ def _port_of_data(address):
 
 
 def test_bf16_pushes_apply_and_theta_comes_back_in_bf16(syncer, params):
-  address, _ = syncer
+  address, _, _ = syncer
   honest = _client(address, 0, data_channel=True)
   status, _ = honest.join()
   reply = _bf16_push(honest, params, _next_seq(address, 0), status["version"])
@@ -123,7 +124,7 @@ def _refused(call, code, text=""):
 
 
 def test_a_learner_credential_acts_for_its_learner_only(syncer, params):
-  address, log = syncer
+  address, log, _ = syncer
   before, counted = _state(address), _refusals(log)
   mallory = _client(address, 1)  # Learner 1's own credential, naming learner 0.
   as_zero = client_lib.SyncerClient(address, security.learner_credential(SECRET, 1), 0, chunk_bytes=64 << 10,
@@ -147,7 +148,7 @@ def test_a_learner_credential_acts_for_its_learner_only(syncer, params):
                                           ({"local_steps": 10**12}, "steps left"), ({"seq": 2**62}, "beyond"),
                                           ({"seq": 65}, "beyond")])
 def test_header_values_beyond_their_bounds_are_refused_before_anything_is_applied(syncer, params, fields, text):
-  address, log = syncer
+  address, log, _ = syncer
   before, counted = _state(address), _refusals(log)
   seq = before[0][3] + 1
   header = attacks.push_header(1, 8, seq=seq)
@@ -165,7 +166,7 @@ def test_header_values_beyond_their_bounds_are_refused_before_anything_is_applie
 
 
 def test_shapes_that_overflow_int64_are_invalid_argument_and_counted(syncer):
-  address, log = syncer
+  address, log, _ = syncer
   before, counted = _state(address), _refusals(log)
   payload = attacks.overflowing_payload()
   header = attacks.push_header(0, len(payload), seq=before[0][2] + 1)
@@ -179,7 +180,7 @@ def test_shapes_that_overflow_int64_are_invalid_argument_and_counted(syncer):
 
 
 def test_floods_trickles_and_stalled_streams_leave_honest_pushes_and_heartbeats_alone(syncer, params):
-  address, log = syncer
+  address, log, _ = syncer
   data_port = _port_of_data(address)
   host = address.rsplit(":", 1)[0]
   credential = security.learner_credential(SECRET, 1)  # The attacker is learner 1, gone bad.
@@ -284,3 +285,23 @@ def test_a_trickled_payload_is_cut_off_by_its_transfer_deadline(params, tmp_path
     assert time.monotonic() - begin < datachannel.transfer_seconds(1 << 10) + 3
     assert server.rejections["too_slow"] == 1 and core.acked == {0: -1, 1: -1}
   core.close()
+
+
+def test_real_learners_with_their_own_credentials_finish_the_bf16_run_after_the_attacks(syncer):
+  """Last: learner processes (bf16 pushes, bf16 Θ, each with its own credential from launch_local) spend the
+  budget on the syncer the attacks above hit; every push they saw acknowledged was applied."""
+  address, log, cluster = syncer
+  for index in range(2):
+    cluster.start_learner(index)
+  codes = cluster.wait(400)
+  assert codes == {"syncer": 0, "learner_0": 0, "learner_1": 0}, codes
+  records = [json.loads(line) for line in open(os.path.join(cluster.workdir, "metrics.jsonl"), encoding="utf-8")]
+  summary, = [r for r in records if r["kind"] == "summary"]
+  assert summary["done"] and summary["steps_done"] >= 80
+  for index in range(2):
+    with open(os.path.join(cluster.workdir, f"learner_{index}", "metrics.jsonl"), encoding="utf-8") as f:
+      acks = [json.loads(line) for line in f if '"ack"' in line]
+    assert acks and all(a["status"] != "refused" for a in acks), acks
+  logged = _refusals(log)  # Each kind below was refused fewer than 20 times a minute: logged one by one.
+  assert {k: summary["refused_calls"].get(k, 0) for k in ("impersonation", "out_of_bounds", "malformed")} == {
+      k: logged.get(k, 0) for k in ("impersonation", "out_of_bounds", "malformed")}
