@@ -293,6 +293,9 @@ def test_real_learners_with_their_own_credentials_finish_the_bf16_run_after_the_
   address, log, cluster = syncer
   for index in range(2):
     cluster.start_learner(index)
+    with open(f"/proc/{cluster.processes[f'learner_{index}'].pid}/environ", "rb") as f:
+      environment = dict(entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry)
+    assert environment[b"DD_SYNCER_TOKEN"].decode() == security.learner_credential(SECRET, index) != SECRET
   codes = cluster.wait(400)
   assert codes == {"syncer": 0, "learner_0": 0, "learner_1": 0}, codes
   records = [json.loads(line) for line in open(os.path.join(cluster.workdir, "metrics.jsonl"), encoding="utf-8")]
