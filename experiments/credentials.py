@@ -49,7 +49,8 @@ def _certificate(subject: str, public_key, issuer: x509.Name, signer, *, ca: boo
   now = datetime.datetime.now(datetime.timezone.utc)
   builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
              .issuer_name(issuer).public_key(public_key).serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(VALID_DAYS))
+             .not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(VALID_DAYS))
              .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True))
   if host:
     try:

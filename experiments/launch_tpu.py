@@ -308,8 +308,8 @@ def _syncer_command(o: Options, remote: str) -> str:
 
 
 def _learner_command(o: Options, remote: str, index: int, address: str) -> str:
-  tls = {"given": ["--config.service.tls_ca=\"$D/tls.crt\""], "generated": ["--config.service.tls_ca=\"$D/tls_ca.pem\""],
-         "none": []}[o.tls]
+  tls = {"given": ["--config.service.tls_ca=\"$D/tls.crt\""],
+         "generated": ["--config.service.tls_ca=\"$D/tls_ca.pem\""], "none": []}[o.tls]
   # Every worker of the slice runs this; --group_coordinator=auto makes them one JAX program.
   return _train(o, remote, f"learner_{index}", "", "--role=learner", f"--learner_id={index}",
                 f"--syncer={shlex.quote(address)}", "--group_coordinator=auto", *tls)
