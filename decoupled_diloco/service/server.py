@@ -21,16 +21,17 @@ and is counted in `SyncerServer.rejections`:
   UNAVAILABLE       no bulk slot free ('busy'; the learner retries)
   DEADLINE_EXCEEDED a stream slower than MIN_RATE_BYTES_PER_SECOND ('too_slow')
 Starvation: Join, Pull and Push ("bulk" calls, which move Θ or a payload) hold one of
-`workers` slots (gRPC has CONTROL_WORKERS threads more), at most PER_CALLER_BULK of them per credential (the run
-secret excepted), taken without waiting; so Heartbeat and PushTicket always find a worker
-and a learner with a stalled stream blocks only itself. Every stream has a whole-call
+`workers` slots (gRPC has CONTROL_WORKERS threads more), at most PER_CALLER_BULK of them per
+credential (the run secret excepted), taken without waiting; so Heartbeat and PushTicket
+always find a worker and a learner with a stalled stream blocks only itself. Every stream has a whole-call
 deadline sized from its bytes (datachannel.transfer_seconds): when it passes the server
 cancels the call. gRPC itself enforces keepalive (no ping floods) and bounds queued calls.
 Messages larger than chunk_bytes + 64 KiB are refused by gRPC itself (RESOURCE_EXHAUSTED
 from gRPC), so no single message can exhaust memory. Those are counted (as 'empty') only
 when gRPC had already started the push handler, whose stream then ends before its header.
 Data-channel pushes are refused the same way, with the same codes and counters, plus
-'truncated' (the connection ended before its payload did).
+'truncated' (the connection ended before its payload did), 'too_slow' (past its transfer
+deadline) and 'evicted' (still without a ticket when too many others came).
 """
 
 import collections
