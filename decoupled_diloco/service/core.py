@@ -56,6 +56,10 @@ class UnknownLearner(LookupError):
   """A call names a learner id outside the run's range."""
 
 
+class Stopped(RuntimeError):
+  """The syncer can no longer make new state durable (its log failed): it serves nothing more."""
+
+
 def _check_float32(delta, learner: int) -> None:
   """An uncompressed pseudo-gradient must arrive as float32, checked on the wire arrays.
 
@@ -75,7 +79,8 @@ class SyncerCore:
   """Thread-safe service state around a `Syncer`; every public method takes the lock."""
 
   def __init__(self, syncer: Syncer, num_learners: int, budget_steps: int, directory: str, *,
-               checkpoint_every_merges: int, lease_seconds: float, metadata: dict, emit=None, on_merge=None):
+               checkpoint_every_merges: int, lease_seconds: float, metadata: dict, emit=None, on_merge=None,
+               truncate_corrupt_log: bool = False):
     self.syncer, self.num_learners, self.budget_steps = syncer, num_learners, budget_steps
     self.checkpoint_every, self.lease_seconds = checkpoint_every_merges, lease_seconds
     self.metadata = metadata  # Static facts saved with every checkpoint (e.g. the config).
@@ -100,6 +105,8 @@ class SyncerCore:
     self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(directory, "checkpoints"), max_to_keep=2)
     self.wal_dir = os.path.join(directory, "wal")
     self.log: wal.Log | None = None
+    self.truncate_corrupt_log = truncate_corrupt_log  # The operator gives up records after a corrupt one.
+    self.failed: Stopped | None = None  # Set once the log failed: fail-stop, the process must exit.
 
   # Start, restore, checkpoint.
   def start(self, now: float) -> int | None:
@@ -121,6 +128,7 @@ class SyncerCore:
       self.acked = {m: meta["acked"].get(str(m), -1) for m in range(self.num_learners)}
       self.steps_done, self.tokens_done, self.done = meta["steps_done"], meta["tokens_done"], meta["done"]
       self.start_time = meta["start_time"]
+      wal.recover(self.wal_dir, self.truncate_corrupt_log)
       self._replay(meta["segment"], step)
       self.log = wal.Log(self.wal_dir, max(wal.segments(self.wal_dir), default=meta["segment"]))
       if self.steps_done >= self.budget_steps and not self.done:  # Crashed between the last push and the end.
@@ -139,14 +147,15 @@ class SyncerCore:
     if self.checkpointer.latest_step() == version:
       return  # The log already holds everything since that checkpoint.
     carried = [(dict(record, carried=True), payload) for _, record, payload in self._unabsorbed]
-    self.log.rotate(version, carried)
+    if self.log.segment != version:  # Else a failed save's retry: segment `version` already starts at Θ_version.
+      self._durably(self.log.rotate, version, carried)
     pending_steps = sum(budget_share(r["header"])[0] for r, _ in carried)
     pending_tokens = sum(budget_share(r["header"])[1] for r, _ in carried)
     meta = {**self.metadata, "versions": list(self.syncer.versions), "segment": version, "done": self.done,
             "acked": {str(m): s for m, s in self.acked.items()}, "start_time": self.start_time,
             "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens}
     self.checkpointer.save(version, self._state_trees(), meta)
-    self.log.drop_before(version)
+    self.log.drop_before(min(self.checkpointer.all_steps()))  # Each kept checkpoint can be replayed from.
     self._merges_since_checkpoint, self._checkpoint_due = 0, False
     logging.info("syncer checkpoint at version %d (%d pushes carried in the log)", version, len(carried))
 
@@ -183,6 +192,25 @@ class SyncerCore:
         elif record["type"] == "told":
           self.told_done.add(record["learner"])
 
+  def _durably(self, write, *args) -> None:
+    """Runs a log write; if it fails, the syncer stops serving (fail-stop) rather than run ahead of its log.
+
+    Nothing the failed write was about has been applied or acknowledged (validate → log →
+    apply → ack), so a restart from the log holds every acknowledged push.
+    """
+    try:
+      write(*args)
+    except wal.LogWriteError as error:
+      self.failed = Stopped(f"the syncer stopped serving: {error}; free the disk, then restart it with "
+                            "--config.resume=True (nothing acknowledged is lost)")
+      logging.error("%s", self.failed)
+      raise self.failed from error
+
+  def _serving(self) -> None:
+    """Raises Stopped once the log has failed: no call may see state the log does not hold."""
+    if self.failed is not None:
+      raise self.failed
+
   # Calls.
   def require_known(self, learner: int) -> None:
     """Raises UnknownLearner for an id outside the run (no state read beyond the run's size)."""
@@ -205,7 +233,7 @@ class SyncerCore:
     """
     if self.done and tells_done and learner not in self.told_done:
       self.told_done.add(learner)
-      self.log.append({"type": "told", "learner": learner})  # A restarted syncer need not wait for it.
+      self._durably(self.log.append, {"type": "told", "learner": learner})  # A restarted syncer need not wait for it.
     others = [speed for m, speed in enumerate(self.speeds.speeds) if m != learner]
     return {"version": self.syncer.version, "versions": list(self.syncer.versions),
             "acked_seq": self.acked[learner], "steps_left": max(0, self.budget_steps - self.steps_done),
@@ -214,12 +242,14 @@ class SyncerCore:
   def join(self, learner: int, now: float) -> tuple[dict, list]:
     """(status, encoded Θ): what a (re)starting learner needs, its last acked seq included."""
     with self.lock:
+      self._serving()
       self._check_learner(learner, now)
       return self.status(learner), wire.encode(self.syncer.params)
 
   def pull(self, learner: int, fragment: int, have_version: int, now: float) -> tuple[dict, list | None]:
     """(status, encoded Θ_fragment, or None when the learner already has its version)."""
     with self.lock:
+      self._serving()
       self._check_learner(learner, now)
       versions = self.syncer.versions
       if not 0 <= fragment < len(versions):
@@ -231,6 +261,7 @@ class SyncerCore:
   def heartbeat(self, learner: int, now: float) -> dict:
     """Renews the lease of a learner that is busy computing."""
     with self.lock:
+      self._serving()
       self._check_learner(learner, now)
       return self.status(learner, tells_done=False)
 
@@ -246,9 +277,19 @@ class SyncerCore:
   def push(self, header: dict, payload: bytes, now: float) -> dict:
     """Applies one push at most once; returns the reply (status + `status()` fields).
 
-    Raises UnknownLearner, wire.WireError or PushRejected (counted, state untouched).
+    Raises UnknownLearner, wire.WireError or PushRejected (counted, state untouched), or
+    Stopped. The payload is decoded before the lock is taken: other calls need not wait for it.
     """
+    try:
+      self.require_known(header["learner"])
+      delta = wire.decode(payload)
+      _check_float32(delta, header["learner"])
+    except (UnknownLearner, wire.WireError, PushRejected):
+      with self.lock:
+        self.counts["rejected"] += 1
+      raise
     with self.lock:
+      self._serving()
       try:
         self._check_learner(header["learner"], now)
         learner, seq = header["learner"], header["seq"]
@@ -259,8 +300,6 @@ class SyncerCore:
           self.counts["late"] += 1
           self.acked[learner] = seq
           return {"status": "late", **self.status(learner)}
-        delta = wire.decode(payload)
-        _check_float32(delta, learner)
         accepted = self._apply(header, delta, payload, now, replay=False)
       except (UnknownLearner, wire.WireError, PushRejected):
         self.counts["rejected"] += 1
@@ -268,7 +307,10 @@ class SyncerCore:
       return {"status": "applied" if accepted else "dropped", **self.status(learner)}
 
   def _apply(self, header: dict, delta, payload, now: float, replay: bool, record_it: bool = True) -> bool:
-    """receive() → log (fsync) → bookkeeping → merges; the ack may follow once this returns.
+    """validate → log (fsync) → receive() → bookkeeping → merges; the ack may follow once this returns.
+
+    A push that fails validation is never logged; one that is logged is applied (replay
+    validated it the first time, so it does not check it again).
 
     The push's metric record carries outer_step = version + 1 before it arrived: the first
     merge that can hold it, so a restart from checkpoint v keeps exactly the records of
@@ -279,10 +321,11 @@ class SyncerCore:
     fragment_version = syncer.versions[header["fragment"]] if 0 <= header["fragment"] < len(syncer.versions) else 0
     push = Push(header["learner"], delta, header["base_version"], header["tokens"], header["local_steps"],
                 header["compute_seconds"], header["fragment"], header["payload_bytes"])
-    accepted, report = syncer.receive(push, now)
     record = {"type": "push", "header": header, "now": now, "outer_step": outer_step}
     if not replay:
-      self.log.append(record, payload)
+      push = syncer.check(push)
+      self._durably(self.log.append, record, payload)
+    accepted, report = syncer.receive(push, now, checked=not replay)
     self.acked[header["learner"]] = max(self.acked[header["learner"]], header["seq"])
     steps, tokens = budget_share(header)
     self.steps_done, self.tokens_done = self.steps_done + steps, self.tokens_done + tokens
@@ -306,7 +349,7 @@ class SyncerCore:
       if report is None:
         continue
       if log and not replay:
-        self.log.append({"type": "merge", "fragment": report.fragment, "now": now})
+        self._durably(self.log.append, {"type": "merge", "fragment": report.fragment, "now": now})
       self._unabsorbed = [entry for entry in self._unabsorbed if entry[0] != report.fragment]
       self._merges_since_checkpoint += 1
       self.emit({"kind": "outer", "outer_step": report.version, "fragment": report.fragment,
@@ -323,7 +366,7 @@ class SyncerCore:
     self._after_merges(self.syncer.flush(now), now, replay=False, log=True)
     self.done = True
     # Logged: the flag survives a crash before the next tick's checkpoint (or if this version has one already).
-    self.log.append({"type": "done", "now": now})
+    self._durably(self.log.append, {"type": "done", "now": now})
     self._checkpoint_due = True
     logging.info("token budget spent at version %d: the run is done", self.syncer.version)
 
@@ -331,6 +374,7 @@ class SyncerCore:
   def tick(self, now: float) -> None:
     """Closes due grace windows, excludes learners whose lease ran out, takes a due checkpoint."""
     with self.lock:
+      self._serving()
       if not self.done:
         self._expire(now)
       if self._checkpoint_due:
@@ -349,7 +393,7 @@ class SyncerCore:
       self._after_merges(self._merge_if_quorum(now), now, replay=False, log=True)
 
   def _log_live(self, learners: list[int]) -> None:
-    self.log.append({"type": "live", "learners": learners})
+    self._durably(self.log.append, {"type": "live", "learners": learners})
     self._set_live(learners)
 
   def _set_live(self, learners: list[int]) -> None:

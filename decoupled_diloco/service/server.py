@@ -40,7 +40,7 @@ HEADER_SLACK = wire.MAX_HEADER_BYTES
 JOIN_SCHEMA = {"learner": int}
 PULL_SCHEMA = {"learner": int, "fragment": int, "have_version": int}
 HEARTBEAT_SCHEMA = {"learner": int}
-_REFUSABLE = (wire.WireError, PushRejected, core_lib.UnknownLearner)
+_REFUSABLE = (wire.WireError, PushRejected, core_lib.UnknownLearner, core_lib.Stopped)
 
 
 class _Refused(Exception):
@@ -59,6 +59,8 @@ def _refusal(error: Exception) -> _Refused:
     return _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "oversized", str(error))
   if isinstance(error, wire.WireError):
     return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", str(error))
+  if isinstance(error, core_lib.Stopped):  # Retryable: the learner waits for the restarted syncer.
+    return _Refused(grpc.StatusCode.UNAVAILABLE, "stopped", str(error))
   if isinstance(error, PushRejected):
     return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "rejected", str(error))
   return _Refused(grpc.StatusCode.NOT_FOUND, "unknown_learner", str(error))

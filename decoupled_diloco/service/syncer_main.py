@@ -90,15 +90,20 @@ def build_core(config, params, workdir: str, recorder: Recorder, evaluator: Eval
 
   def on_merge(version, params, now):
     if core.tokens_done >= schedule["next"]:
-      while schedule["next"] <= core.tokens_done:
-        schedule["next"] += tokens_per_eval
+      schedule["next"] = next_eval(core.tokens_done, tokens_per_eval)
       evaluator.submit(params, clock(core, version, now))
 
   core = core_lib.SyncerCore(syncer, num_learners, runconfig.budget_steps(config), workdir,
                              checkpoint_every_merges=config.service.checkpoint_every_merges,
                              lease_seconds=config.service.lease_seconds, metadata={"config": config.to_dict()},
-                             emit=recorder.write, on_merge=on_merge)
+                             emit=recorder.write, on_merge=on_merge,
+                             truncate_corrupt_log=config.service.truncate_corrupt_log)
   return core
+
+
+def next_eval(tokens_done: int, tokens_per_eval: int) -> int:
+  """The first multiple of the eval interval above `tokens_done`: O(1) however far a push jumped."""
+  return (tokens_done // tokens_per_eval + 1) * tokens_per_eval
 
 
 def clock(core: core_lib.SyncerCore, version: int, now: float) -> dict:
@@ -139,13 +144,17 @@ def run(config, workdir: str) -> dict:
       logging.info("syncer serving %d learners on %s:%d (%s), version %d", core.num_learners, config.service.host,
                    port, "TLS" if credentials else "plaintext", core.syncer.version)
       done_at = None
-      while not stop.wait(TICK_SECONDS):
-        now = time.time()
-        core.tick(now)
-        if core.done:
-          done_at = done_at or now
-          if core.all_told_done() or now - done_at > config.service.linger_seconds:
-            break
+      try:
+        while not stop.wait(TICK_SECONDS):
+          now = time.time()
+          core.tick(now)
+          if core.done:
+            done_at = done_at or now
+            if core.all_told_done() or now - done_at > config.service.linger_seconds:
+              break
+      except core_lib.Stopped as error:  # Fail-stop: the log cannot take new state; serve nothing more.
+        server.stop(grace=0)
+        raise SystemExit(f"error: {error}") from error
       server.stop(grace=1.0)
       core.checkpoint(time.time())  # SIGTERM: keeps the log short; at the end: already saved.
       return _finish(core, evaluator, recorder, server, write_summary=core.done and not _has_summary(writer.path))
