@@ -9,10 +9,12 @@ import time
 import jax
 import pytest
 
-from decoupled_diloco import metrics as metrics_lib, model as model_lib
+from decoupled_diloco import metrics as metrics_lib, model as model_lib, workdir_lock
 from decoupled_diloco.data import sources
+from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import syncer_main, wal
+from experiments.launch_local import LocalCluster
 from tests import service_config
 from tests.test_service_units import _core, _leaves_equal, _push, params  # pylint: disable=unused-import
 
@@ -141,3 +143,34 @@ def test_the_eval_schedule_skips_any_number_of_intervals_at_once(tmp_path):
     evaluator.close()
     core.close()
   assert [r["tokens"] for r in metrics_lib.read_metrics(writer.path) if r["kind"] == "eval"] == [2**62]
+
+
+def _snapshot(directory):
+  """Every file under `directory` (launcher logs aside) with its size and modification time."""
+  return {os.path.join(root, name): (os.stat(os.path.join(root, name)).st_size,
+                                     os.stat(os.path.join(root, name)).st_mtime_ns)
+          for root, _, names in os.walk(directory) if "logs" not in root for name in names}
+
+
+def test_a_second_syncer_on_a_held_workdir_is_refused_naming_the_holder(tmp_path):
+  cluster = LocalCluster("tests/service_config.py", str(tmp_path / "run"), [], 2,
+                         env=dict(os.environ, DD_SYNCER_TOKEN="s" * 32))
+  try:
+    cluster.start_syncer(wait=True)
+    before = _snapshot(cluster.workdir)
+    second = subprocess.run(cluster._command("--role=syncer", "--config.resume=True"),  # pylint: disable=protected-access
+                            capture_output=True, text=True, env=cluster.env, timeout=300)
+    assert second.returncode == 2
+    errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"syncer pid {cluster.processes['syncer'].pid} on host" in errors[0]
+    assert _snapshot(cluster.workdir) == before  # Nothing written: the log and checkpoints are the first one's.
+  finally:
+    cluster.stop()
+
+
+def test_a_held_learner_folder_refuses_a_replacement_and_is_free_once_released(tmp_path):
+  first = workdir_lock.DirectoryLock(str(tmp_path), "learner.0.lock", "learner 1")
+  with pytest.raises(ConfigError, match=rf"in use by learner 1 pid {os.getpid()} on host"):
+    workdir_lock.DirectoryLock(str(tmp_path), "learner.0.lock", "learner 1")
+  first.release()
+  workdir_lock.DirectoryLock(str(tmp_path), "learner.0.lock", "learner 1").release()

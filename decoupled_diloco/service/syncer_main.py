@@ -19,11 +19,12 @@ import jax
 
 from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import compression, fragments, metrics as metrics_lib, model as model_lib, outer
+from decoupled_diloco import workdir_lock
 from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.service import core as core_lib
-from decoupled_diloco.service import runconfig, security
+from decoupled_diloco.service import runconfig, security, wal
 from decoupled_diloco.service import server as server_lib
 from decoupled_diloco.syncer import Settings, Syncer
 
@@ -117,11 +118,20 @@ def run(config, workdir: str) -> dict:
   runconfig.validate(config)
   token = security.load_token(config.service.token_file)
   credentials = security.server_credentials(config.service.tls_cert, config.service.tls_key)
-  os.makedirs(workdir, exist_ok=True)
+  lock = workdir_lock.DirectoryLock(workdir, "syncer.lock", "syncer")  # One syncer per workdir, before any write.
+  try:
+    checkpoints = os.path.join(workdir, "checkpoints")
+    if os.path.isdir(checkpoints) and os.listdir(checkpoints) and not config.resume:
+      raise ConfigError(f"workdir {workdir} already holds a syncer run: pass --config.resume=True to continue it "
+                        "(launch_local does on restarts), or pick a new --workdir")
+    return _serve(config, workdir, token, credentials)
+  finally:
+    lock.release()
+
+
+def _serve(config, workdir: str, token: str, credentials) -> dict:
+  """The syncer's life in a workdir it holds: restore, serve, finish."""
   checkpoints = os.path.join(workdir, "checkpoints")
-  if os.path.isdir(checkpoints) and os.listdir(checkpoints) and not config.resume:
-    raise ConfigError(f"workdir {workdir} already holds a syncer run: pass --config.resume=True to continue it "
-                      "(launch_local does on restarts), or pick a new --workdir")
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   model, params, _ = model_lib.build_model(config.model, config.seed)
@@ -131,7 +141,10 @@ def run(config, workdir: str) -> dict:
     evaluator = Evaluator(config, model, corpus, recorder)
     core = build_core(config, params, workdir, recorder, evaluator)
     try:
-      core.start(time.time())
+      try:
+        core.start(time.time())
+      except wal.CorruptLog as error:
+        raise ConfigError(str(error)) from error
       core.syncer.warm_up()
       server = server_lib.SyncerServer(
           core, token, host=config.service.host, port=config.service.port, chunk_bytes=config.service.chunk_bytes,
