@@ -9,6 +9,7 @@ import time
 import jax
 import pytest
 
+from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import metrics as metrics_lib, model as model_lib, workdir_lock
 from decoupled_diloco.data import sources
 from decoupled_diloco.errors import ConfigError
@@ -174,3 +175,88 @@ def test_a_held_learner_folder_refuses_a_replacement_and_is_free_once_released(t
     workdir_lock.DirectoryLock(str(tmp_path), "learner.0.lock", "learner 1")
   first.release()
   workdir_lock.DirectoryLock(str(tmp_path), "learner.0.lock", "learner 1").release()
+
+
+def _checkpointed_core(params, directory):
+  """A core with checkpoints at versions 1 and 2 and one more merge (3) plus a pending push in the log."""
+  core = _core(params, directory, quorum=2, every=1)
+  for seq in range(3):
+    _push(core, params, 0, seq)
+    _push(core, params, 1, seq, value=0.02)
+    if seq < 2:
+      core.tick(time.time())
+  _push(core, params, 0, 3)
+  assert core.checkpointer.all_steps() == [1, 2] and core.syncer.version == 3
+  return core
+
+
+def _flip_params(directory, step):
+  """Flips 64 bytes in the middle of the largest file holding checkpoint `step`'s params."""
+  files = [os.path.join(root, name) for root, _, names in os.walk(directory / "checkpoints" / str(step) / "params")
+           for name in names]
+  target = max(files, key=os.path.getsize)
+  with open(target, "r+b") as f:
+    f.seek(os.path.getsize(target) // 2)
+    data = f.read(64)
+    f.seek(os.path.getsize(target) // 2)
+    f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_plus_the_log(params, tmp_path):
+  core = _checkpointed_core(params, tmp_path)
+  before, acked, steps = jax.device_get(core.syncer.params), dict(core.acked), core.steps_done
+  core.log.close()  # SIGKILL.
+  core.checkpointer.close()
+  _flip_params(tmp_path, 2)
+  again = _core(params, tmp_path, quorum=2, every=1)
+  assert (again.syncer.version, again.acked, again.steps_done) == (3, acked, steps)
+  assert _leaves_equal(before, again.syncer.params) and len(again.syncer.pending) == 1
+  assert again.checkpointer.all_steps() == [1] and os.path.isdir(tmp_path / "checkpoints" / "2.corrupt")
+  again.close()
+
+
+def test_no_usable_checkpoint_refuses_to_start_naming_each(params, tmp_path):
+  core = _checkpointed_core(params, tmp_path)
+  core.close()
+  _flip_params(tmp_path, 1)
+  _flip_params(tmp_path, 2)
+  with pytest.raises(checkpoint_lib.CorruptCheckpoint, match=r"no usable syncer checkpoint \(step 2: .*step 1: "):
+    _core(params, tmp_path)
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]  # Nothing moved when nothing is usable.
+
+
+def test_a_crash_between_log_rotation_and_checkpoint_save_loses_nothing(params, tmp_path):
+  core = _core(params, tmp_path, quorum=2, every=1)
+  _push(core, params, 0, 0)
+  _push(core, params, 1, 0)  # Merge: version 1, checkpoint due.
+  _push(core, params, 0, 1)  # Pending: carried into the new segment.
+  core.log.rotate(1, [(dict(r, carried=True), p) for _, r, p in core._unabsorbed])  # pylint: disable=protected-access
+  _push(core, params, 1, 1)  # Merge: version 2, logged in segment 1; then SIGKILL before checkpoint 1 is saved.
+  before, acked = jax.device_get(core.syncer.params), dict(core.acked)
+  core.log.close()
+  core.checkpointer.close()
+  again = _core(params, tmp_path, quorum=2, every=1)
+  assert (again.syncer.version, again.acked) == (2, acked) and _leaves_equal(before, again.syncer.params)
+  again.close()
+
+
+def test_a_full_checkpoint_disk_keeps_the_syncer_serving_and_retries(params, tiny_disk):
+  core = _core(params, tiny_disk, quorum=2, every=1)
+  _push(core, params, 0, 0)
+  _push(core, params, 1, 0)  # Version 1: a checkpoint is due.
+  filler = _fill(str(tiny_disk), 150 << 10)  # Room for log records, not for a checkpoint.
+  core.tick(time.time())
+  assert core.checkpointer.all_steps() == [0]  # The save failed...
+  assert _push(core, params, 0, 1)["status"] == "applied"  # ...and the syncer serves on from its log.
+  os.remove(filler)
+  core.tick(time.time())
+  assert core.checkpointer.all_steps() == [0]  # Not retried at once...
+  core.tick(time.time() + core_lib.CHECKPOINT_RETRY_SECONDS)
+  assert core.checkpointer.all_steps() == [0, 1]  # ...but once the retry is due.
+  before, acked = jax.device_get(core.syncer.params), dict(core.acked)
+  core.log.close()
+  core.checkpointer.close()
+  again = _core(params, tiny_disk, quorum=2, every=1)
+  assert (again.syncer.version, again.acked, len(again.syncer.pending)) == (1, acked, 1)
+  assert _leaves_equal(before, again.syncer.params)
+  again.close()

@@ -38,6 +38,7 @@ from decoupled_diloco import policy as policy_lib
 from decoupled_diloco.service import wal, wire
 from decoupled_diloco.syncer import MergeReport, Push, PushRejected, Syncer, SyncerState
 
+CHECKPOINT_RETRY_SECONDS = 10.0  # Between attempts after a checkpoint save failed (e.g. a full disk).
 PUSH_SCHEMA = {"learner": int, "seq": int, "base_version": int, "fragment": int, "tokens": int, "local_steps": int,
                "compute_seconds": float, "payload_bytes": int}
 
@@ -101,6 +102,7 @@ class SyncerCore:
     self._unabsorbed: list[tuple[int, dict, bytes]] = []
     self._merges_since_checkpoint = 0
     self._checkpoint_due = False  # A checkpoint for the next tick (periodic, or the run's end).
+    self._checkpoint_retry_at = 0.0  # After a failed save, not before this time.
     self._fragment_cache: dict[int, tuple[int, list]] = {}  # fragment -> (its version, encoded Θ_p)
     self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(directory, "checkpoints"), max_to_keep=2)
     self.wal_dir = os.path.join(directory, "wal")
@@ -122,8 +124,7 @@ class SyncerCore:
         self.log = wal.Log(self.wal_dir, 0)
         self._checkpoint(now)
         return None
-      abstract = checkpoint_lib.abstract_like(self._state_trees())
-      state, meta = self.checkpointer.restore(step, abstract)
+      step, state, meta = self._restore_usable()
       self.syncer.restore(SyncerState(state["params"], state["opt_state"], tuple(meta["versions"])))
       self.acked = {m: meta["acked"].get(str(m), -1) for m in range(self.num_learners)}
       self.steps_done, self.tokens_done, self.done = meta["steps_done"], meta["tokens_done"], meta["done"]
@@ -137,6 +138,31 @@ class SyncerCore:
                    self.syncer.version, self.steps_done, self.budget_steps)
       return step
 
+  def _restore_usable(self) -> tuple[int, dict, dict]:
+    """(step, state, metadata) of the newest checkpoint that restores, matches its digests and has its log.
+
+    An unusable newer one is moved aside (`<step>.corrupt`): the one before it plus the log
+    (kept back to the oldest checkpoint) reach the same state. None usable: CorruptCheckpoint.
+    """
+    abstract = checkpoint_lib.abstract_like(self._state_trees())
+    problems = {}
+    for step in reversed(self.checkpointer.all_steps()):
+      try:
+        state, meta = self.checkpointer.restore(step, abstract)
+        if meta["segment"] not in wal.segments(self.wal_dir):
+          raise checkpoint_lib.CorruptCheckpoint(f"its log segment {meta['segment']} is missing from {self.wal_dir}")
+      except Exception as error:  # pylint: disable=broad-except  # Damaged files fail orbax in many ways.
+        problems[step] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        logging.error("syncer checkpoint %d is not usable (%s); trying the one before it plus the log", step,
+                      problems[step])
+        continue
+      for bad in problems:  # Moved only now: an older one restored, so the layout is not what failed.
+        logging.error("syncer checkpoint %d moved to %s", bad, self.checkpointer.quarantine(bad))
+      return step, state, meta
+    raise checkpoint_lib.CorruptCheckpoint("no usable syncer checkpoint (" + "; ".join(
+        f"step {step}: {problem}" for step, problem in problems.items()) + f"): restore {self.checkpointer.directory} "
+                                           "from a backup, or start a new --workdir")
+
   def _state_trees(self) -> dict:
     state = self.syncer.state
     return {"params": state.params, "opt_state": state.opt_state}
@@ -147,14 +173,20 @@ class SyncerCore:
     if self.checkpointer.latest_step() == version:
       return  # The log already holds everything since that checkpoint.
     carried = [(dict(record, carried=True), payload) for _, record, payload in self._unabsorbed]
-    if self.log.segment != version:  # Else a failed save's retry: segment `version` already starts at Θ_version.
-      self._durably(self.log.rotate, version, carried)
+    self._durably(self.log.rotate, version, carried)
     pending_steps = sum(budget_share(r["header"])[0] for r, _ in carried)
     pending_tokens = sum(budget_share(r["header"])[1] for r, _ in carried)
     meta = {**self.metadata, "versions": list(self.syncer.versions), "segment": version, "done": self.done,
             "acked": {str(m): s for m, s in self.acked.items()}, "start_time": self.start_time,
             "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens}
-    self.checkpointer.save(version, self._state_trees(), meta)
+    try:
+      self.checkpointer.save(version, self._state_trees(), meta)
+    except (OSError, ValueError) as error:  # A full disk (orbax reports tensorstore's I/O errors as ValueError):
+      # the log holds everything, so serve on and retry.
+      self._checkpoint_retry_at = now + CHECKPOINT_RETRY_SECONDS
+      logging.error("syncer checkpoint at version %d failed (%s): serving on from the log, retrying in %.0fs",
+                    version, error, CHECKPOINT_RETRY_SECONDS)
+      return
     self.log.drop_before(min(self.checkpointer.all_steps()))  # Each kept checkpoint can be replayed from.
     self._merges_since_checkpoint, self._checkpoint_due = 0, False
     logging.info("syncer checkpoint at version %d (%d pushes carried in the log)", version, len(carried))
@@ -377,7 +409,7 @@ class SyncerCore:
       self._serving()
       if not self.done:
         self._expire(now)
-      if self._checkpoint_due:
+      if self._checkpoint_due and now >= self._checkpoint_retry_at:
         self._checkpoint(now)
 
   def _expire(self, now: float) -> None:

@@ -181,13 +181,17 @@ class Log:
   def rotate(self, segment: int, records: list[tuple[dict, bytes]]) -> None:
     """Starts segment `segment` holding `records` (what the next checkpoint does not cover).
 
-    The new segment is complete and durable before the caller writes the checkpoint that
-    points at it; older segments stay until `drop_before` runs after that checkpoint.
+    The new segment is written aside and renamed into place, complete and durable, before
+    the caller writes the checkpoint that points at it: a crash leaves either the old file
+    (a retry may rewrite the same segment) or the whole new one. Older segments stay until
+    `drop_before` runs after that checkpoint.
     """
     self._file.close()
-    self._open(segment, keep=False)
+    path = segment_path(self.directory, segment)
+    self._file, self._offset, self.segment = open(f"{path}.tmp", "w+b"), 0, segment
     for record, payload in records:
       self.append(record, payload)
+    os.replace(f"{path}.tmp", path)
     _fsync_directory(self.directory)
 
   def drop_before(self, segment: int) -> None:
