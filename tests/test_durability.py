@@ -153,18 +153,27 @@ def _snapshot(directory):
           for root, _, names in os.walk(directory) if "logs" not in root for name in names}
 
 
-def test_a_second_syncer_on_a_held_workdir_is_refused_naming_the_holder(tmp_path):
+def _refused(cluster, *args) -> str:
+  """Starts a syncer that must be refused: exit 2 and one `error:` line, returned."""
+  command = cluster._command("--role=syncer", "--config.resume=True", *args)  # pylint: disable=protected-access
+  process = subprocess.run(command, capture_output=True, text=True, env=cluster.env, timeout=300)
+  errors = [line for line in process.stderr.splitlines() if line.startswith("error:")]
+  assert process.returncode == 2 and len(errors) == 1, process.stderr[-2000:]
+  assert "Traceback" not in process.stderr
+  return errors[0]
+
+
+def test_a_held_workdir_and_a_changed_model_are_refused_in_one_line(tmp_path):
   cluster = LocalCluster("tests/service_config.py", str(tmp_path / "run"), [], 2,
                          env=dict(os.environ, DD_SYNCER_TOKEN="s" * 32))
   try:
     cluster.start_syncer(wait=True)
     before = _snapshot(cluster.workdir)
-    second = subprocess.run(cluster._command("--role=syncer", "--config.resume=True"),  # pylint: disable=protected-access
-                            capture_output=True, text=True, env=cluster.env, timeout=300)
-    assert second.returncode == 2
-    errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and f"syncer pid {cluster.processes['syncer'].pid} on host" in errors[0]
+    assert f"syncer pid {cluster.processes['syncer'].pid} on host" in _refused(cluster)
     assert _snapshot(cluster.workdir) == before  # Nothing written: the log and checkpoints are the first one's.
+    cluster.kill("syncer")  # SIGKILL: the kernel releases its lock.
+    error = _refused(cluster, "--config.model.d_model=64")
+    assert "model.d_model is 64" in error and "checkpointed with 32" in error
   finally:
     cluster.stop()
 
@@ -259,4 +268,24 @@ def test_a_full_checkpoint_disk_keeps_the_syncer_serving_and_retries(params, tin
   again = _core(params, tiny_disk, quorum=2, every=1)
   assert (again.syncer.version, again.acked, len(again.syncer.pending)) == (1, acked, 1)
   assert _leaves_equal(before, again.syncer.params)
+  again.close()
+
+
+def test_push_counters_and_refused_calls_survive_a_restart(params, tmp_path):
+  core = _core(params, tmp_path, quorum=2, every=1)
+  _push(core, params, 0, 0)
+  _push(core, params, 1, 0)  # Merge: version 1.
+  _push(core, params, 1, 0)  # Duplicate.
+  with pytest.raises(core_lib.PushRejected):
+    _push(core, params, 0, 1, value=float("nan"))
+  core.refused["unauthenticated"] += 2  # As the server counts refused calls.
+  _push(core, params, 0, 1)  # Pending: carried into the checkpoint's log segment...
+  core.tick(time.time())  # ...checkpoint 1...
+  _push(core, params, 0, 2, base=0)  # ...and one after it, in the log only.
+  counts = dict(core.counts)
+  assert counts["applied"] == 4 and counts["duplicates"] == 1 and counts["rejected"] == 1
+  core.log.close()  # SIGKILL.
+  core.checkpointer.close()
+  again = _core(params, tmp_path, quorum=2, every=1)
+  assert again.counts == counts and again.refused == {"unauthenticated": 2}
   again.close()

@@ -24,6 +24,7 @@ Replay is exact except for the grace window's duration estimates (not checkpoint
 (and lease changes) are logged too, so the same pushes are applied, in the same order.
 """
 
+import collections
 import dataclasses
 import os
 import threading
@@ -97,6 +98,7 @@ class SyncerCore:
     self.told_done: set[int] = set()
     self.speeds = policy_lib.SpeedTracker([0.0] * num_learners)  # Steps per second (0 = no push yet).
     self.counts = {"applied": 0, "dropped": 0, "duplicates": 0, "late": 0, "rejected": 0, "excluded": 0}
+    self.refused = collections.Counter()  # Refused calls by reason: the server counts into it.
     # (fragment, log record, payload) of pushes since their fragment's last merge (pending or
     # dropped): what a checkpoint carries over into the next log segment.
     self._unabsorbed: list[tuple[int, dict, bytes]] = []
@@ -129,6 +131,8 @@ class SyncerCore:
       self.acked = {m: meta["acked"].get(str(m), -1) for m in range(self.num_learners)}
       self.steps_done, self.tokens_done, self.done = meta["steps_done"], meta["tokens_done"], meta["done"]
       self.start_time = meta["start_time"]
+      self.counts.update(meta.get("counts", {}))  # Replay adds the pushes applied after the checkpoint.
+      self.refused.update(meta.get("refused", {}))
       wal.recover(self.wal_dir, self.truncate_corrupt_log)
       self._replay(meta["segment"], step)
       self.log = wal.Log(self.wal_dir, max(wal.segments(self.wal_dir), default=meta["segment"]))
@@ -178,7 +182,8 @@ class SyncerCore:
     pending_tokens = sum(budget_share(r["header"])[1] for r, _ in carried)
     meta = {**self.metadata, "versions": list(self.syncer.versions), "segment": version, "done": self.done,
             "acked": {str(m): s for m, s in self.acked.items()}, "start_time": self.start_time,
-            "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens}
+            "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens,
+            "counts": self.counts, "refused": dict(self.refused)}
     try:
       self.checkpointer.save(version, self._state_trees(), meta)
     except (OSError, ValueError) as error:  # A full disk (orbax reports tensorstore's I/O errors as ValueError):
@@ -214,7 +219,8 @@ class SyncerCore:
             continue
           applied.add(key)
           self._apply(header, wire.decode(payload), payload, record["now"], replay=True,
-                      record_it=not record.get("carried") or record["outer_step"] > step)
+                      record_it=not record.get("carried") or record["outer_step"] > step,
+                      count_it=not record.get("carried"))
         elif record["type"] == "merge":
           self._after_merges([self.syncer.merge(record["now"], record["fragment"])], record["now"], replay=True)
         elif record["type"] == "live":
@@ -338,7 +344,8 @@ class SyncerCore:
         raise
       return {"status": "applied" if accepted else "dropped", **self.status(learner)}
 
-  def _apply(self, header: dict, delta, payload, now: float, replay: bool, record_it: bool = True) -> bool:
+  def _apply(self, header: dict, delta, payload, now: float, replay: bool, record_it: bool = True,
+             count_it: bool = True) -> bool:
     """validate → log (fsync) → receive() → bookkeeping → merges; the ack may follow once this returns.
 
     A push that fails validation is never logged; one that is logged is applied (replay
@@ -363,7 +370,8 @@ class SyncerCore:
     self.steps_done, self.tokens_done = self.steps_done + steps, self.tokens_done + tokens
     if header["local_steps"] > 0 and header["compute_seconds"] > 0:
       self.speeds.observe(header["learner"], header["compute_seconds"] / header["local_steps"])
-    self.counts["applied" if accepted else "dropped"] += 1
+    if count_it:  # A carried push is in the checkpoint's counts already.
+      self.counts["applied" if accepted else "dropped"] += 1
     self._unabsorbed.append((header["fragment"], record, payload))  # Dropped ones too: their records.
     if record_it:
       self.emit({"kind": "push", "outer_step": outer_step, "learner": header["learner"], "seq": header["seq"],

@@ -169,6 +169,7 @@ def _serve(config, workdir: str, token: str, credentials) -> dict:
           workers=2 * core.num_learners + 4, data_port=config.service.data_port,
           data_tls=security.server_tls_context(config.service.tls_cert, config.service.tls_key),
           data_timeout_seconds=config.service.rpc_timeout_seconds)
+      server.rejections = core.refused  # Checkpointed with the core: refusals survive restarts.
       port = server.start()
       runconfig.write_address(workdir, f"{config.service.host}:{port}")
       logging.info("syncer serving %d learners on %s:%d (%s), version %d", core.num_learners, config.service.host,
