@@ -289,3 +289,28 @@ def test_push_counters_and_refused_calls_survive_a_restart(params, tmp_path):
   again = _core(params, tmp_path, quorum=2, every=1)
   assert again.counts == counts and again.refused == {"unauthenticated": 2}
   again.close()
+
+
+def test_a_stale_learner_incarnation_is_refused_once_a_newer_one_joined_and_after_a_restart(params, tmp_path):
+  core = _core(params, tmp_path, quorum=2, every=1)
+  first, _ = core.join(0, time.time())
+  assert first["incarnation"] == 1
+  assert _push(core, params, 0, 0, incarnation=1)["status"] == "applied"
+  second, _ = core.join(0, time.time())  # A replacement process of learner 0 (its predecessor is frozen).
+  assert second["incarnation"] == 2 and second["acked_seq"] == 0
+  with pytest.raises(core_lib.PushRejected, match="incarnation 1, but incarnation 2 of learner 0 has joined"):
+    _push(core, params, 0, 1, incarnation=1)  # The predecessor wakes up.
+  assert core.acked[0] == 0 and core.counts["rejected"] == 1
+  assert _push(core, params, 0, 1, incarnation=2)["status"] == "applied"
+  core.log.close()  # SIGKILL: the incarnation is in the log.
+  core.checkpointer.close()
+  again = _core(params, tmp_path, quorum=2, every=1)
+  with pytest.raises(core_lib.PushRejected, match="incarnation 1"):
+    _push(again, params, 0, 2, incarnation=1)
+  assert _push(again, params, 1, 0)["status"] == "applied"  # A merge...
+  again.tick(time.time())  # ...and a checkpoint, whose log segment no longer holds the join.
+  assert again.checkpointer.latest_step() == 1
+  again.close()
+  third = _core(params, tmp_path, quorum=2, every=1)
+  assert third.status(0, tells_done=False)["incarnation"] == 2
+  third.close()

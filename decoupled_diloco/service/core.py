@@ -41,7 +41,7 @@ from decoupled_diloco.syncer import MergeReport, Push, PushRejected, Syncer, Syn
 
 CHECKPOINT_RETRY_SECONDS = 10.0  # Between attempts after a checkpoint save failed (e.g. a full disk).
 PUSH_SCHEMA = {"learner": int, "seq": int, "base_version": int, "fragment": int, "tokens": int, "local_steps": int,
-               "compute_seconds": float, "payload_bytes": int}
+               "compute_seconds": float, "payload_bytes": int, "incarnation": int}
 
 
 def budget_share(header: dict) -> tuple[int, int]:
@@ -91,6 +91,8 @@ class SyncerCore:
     self.lock = threading.RLock()
     self.quorum_setting = syncer.settings.quorum
     self.acked = {m: -1 for m in range(num_learners)}
+    # Each Join starts a new incarnation of that learner; pushes from older ones are refused.
+    self.incarnations = {m: 0 for m in range(num_learners)}
     self.steps_done = self.tokens_done = 0
     self.done = False
     self.start_time: float | None = None
@@ -129,6 +131,7 @@ class SyncerCore:
       step, state, meta = self._restore_usable()
       self.syncer.restore(SyncerState(state["params"], state["opt_state"], tuple(meta["versions"])))
       self.acked = {m: meta["acked"].get(str(m), -1) for m in range(self.num_learners)}
+      self.incarnations.update({int(m): n for m, n in meta.get("incarnations", {}).items()})
       self.steps_done, self.tokens_done, self.done = meta["steps_done"], meta["tokens_done"], meta["done"]
       self.start_time = meta["start_time"]
       self.counts.update(meta.get("counts", {}))  # Replay adds the pushes applied after the checkpoint.
@@ -183,7 +186,8 @@ class SyncerCore:
     meta = {**self.metadata, "versions": list(self.syncer.versions), "segment": version, "done": self.done,
             "acked": {str(m): s for m, s in self.acked.items()}, "start_time": self.start_time,
             "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens,
-            "counts": self.counts, "refused": dict(self.refused)}
+            "counts": self.counts, "refused": dict(self.refused),
+            "incarnations": {str(m): n for m, n in self.incarnations.items()}}
     try:
       self.checkpointer.save(version, self._state_trees(), meta)
     except (OSError, ValueError) as error:  # A full disk (orbax reports tensorstore's I/O errors as ValueError):
@@ -229,6 +233,8 @@ class SyncerCore:
           self.done = True
         elif record["type"] == "told":
           self.told_done.add(record["learner"])
+        elif record["type"] == "join":
+          self.incarnations[record["learner"]] = record["incarnation"]
 
   def _durably(self, write, *args) -> None:
     """Runs a log write; if it fails, the syncer stops serving (fail-stop) rather than run ahead of its log.
@@ -275,13 +281,20 @@ class SyncerCore:
     others = [speed for m, speed in enumerate(self.speeds.speeds) if m != learner]
     return {"version": self.syncer.version, "versions": list(self.syncer.versions),
             "acked_seq": self.acked[learner], "steps_left": max(0, self.budget_steps - self.steps_done),
-            "done": self.done, "max_speed": max(others, default=0.0)}
+            "done": self.done, "max_speed": max(others, default=0.0), "incarnation": self.incarnations[learner]}
 
   def join(self, learner: int, now: float) -> tuple[dict, list]:
-    """(status, encoded Θ): what a (re)starting learner needs, its last acked seq included."""
+    """(status, encoded Θ): what a (re)starting learner needs, its last acked seq and new incarnation included.
+
+    The incarnation is logged before the reply: from then on, pushes of the learner's
+    earlier processes (a frozen predecessor that wakes up) are refused.
+    """
     with self.lock:
       self._serving()
       self._check_learner(learner, now)
+      incarnation = self.incarnations[learner] + 1
+      self._durably(self.log.append, {"type": "join", "learner": learner, "incarnation": incarnation})
+      self.incarnations[learner] = incarnation
       return self.status(learner), wire.encode(self.syncer.params)
 
   def pull(self, learner: int, fragment: int, have_version: int, now: float) -> tuple[dict, list | None]:
@@ -331,6 +344,10 @@ class SyncerCore:
       try:
         self._check_learner(header["learner"], now)
         learner, seq = header["learner"], header["seq"]
+        if header["incarnation"] != self.incarnations[learner]:
+          raise PushRejected(f"push from learner {learner} rejected: it comes from incarnation {header['incarnation']}, "
+                             f"but incarnation {self.incarnations[learner]} of learner {learner} has joined since "
+                             "(a replaced process: stop it)")
         if seq <= self.acked[learner]:
           self.counts["duplicates"] += 1
           return {"status": "duplicate", **self.status(learner)}

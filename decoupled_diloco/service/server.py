@@ -8,7 +8,7 @@ Methods of service `decoupled_diloco.Syncer` (bytes in, bytes out; see wire.py):
   PushTicket unary -> unary   push header                  -> {ticket, port}: send the payload on the
                                                               data channel instead (datachannel.py)
   Heartbeat unary -> unary    {learner}                    -> status header
-A status header is {version, versions, acked_seq, steps_left, done, max_speed, payload_bytes}; a push
+A status header is {version, versions, acked_seq, steps_left, done, max_speed, incarnation, payload_bytes}; a push
 reply's `status` is 'applied', 'dropped' (over-stale), 'duplicate' (already acked) or
 'late' (after the run ended). Every refusal is a gRPC status with a message saying why,
 and is counted in `SyncerServer.rejections`:
