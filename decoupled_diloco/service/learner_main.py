@@ -307,6 +307,8 @@ class LearnerProcess:
       self._write(record)
     if self.compiled:
       self.speed.observe(0, (time.perf_counter() - begin) / steps)
+    else:  # Start-up and compilation end here: what a (re)started learner costs before it trains at speed.
+      self._write({"kind": "first_round", "outer_step": learner.base_versions[0], "unix_time": time.time()})
     self.compiled = True
     return self._push(fragment, begin)
 
