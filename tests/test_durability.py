@@ -1,8 +1,15 @@
-"""The syncer's durability under real faults: a full disk, torn and corrupt log records, an eval schedule
-that a huge push cannot stall. Faults are real: a tiny tmpfs (ENOSPC), bytes flipped on disk."""
+"""The syncer's durability under real faults (docs/service-durability.md).
 
+Faults are real: a tiny tmpfs (ENOSPC) for the log and the checkpoints, bits flipped in log
+segments and checkpoint files, crashes (SIGKILL of processes, or a core dropped without its
+shutdown), a second syncer process on a held workdir, a stale learner incarnation, a push that
+claims 2**62 tokens, and (slow) the chaos benchmark killing learners and the syncer.
+"""
+
+import json
 import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -314,3 +321,17 @@ def test_a_stale_learner_incarnation_is_refused_once_a_newer_one_joined_and_afte
   third = _core(params, tmp_path, quorum=2, every=1)
   assert third.status(0, tells_done=False)["incarnation"] == 2
   third.close()
+
+
+@pytest.mark.slow
+def test_the_chaos_benchmark_loses_nothing_when_learners_and_the_syncer_are_killed(tmp_path):
+  process = subprocess.run([sys.executable, "-m", "experiments.benchmarks.chaos", "--size=tiny", "--seeds=1",
+                            f"--workdir={tmp_path}"], capture_output=True, text=True, timeout=900,
+                           env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+  assert process.returncode == 0, process.stderr[-3000:]
+  figures = json.loads(process.stdout.strip().splitlines()[-1])
+  assert figures["kills"]["learner"] >= 1 and figures["kills"]["syncer"] == 1, figures
+  assert figures["acked_lost"] == 0 and figures["applied_twice"] == 0, figures
+  assert 0 < figures["syncer_recovery_seconds"]["max"] < 300, figures
+  # A learner restarted near the budget's end may find the run over: then it has no rejoin time.
+  assert all(figures["rejoin_seconds"].get(k, 1) > 0 for k in ("max", "startup_max")), figures

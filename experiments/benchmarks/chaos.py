@@ -45,7 +45,7 @@ _PLAN = flags.DEFINE_list("plan", ["learner", "syncer", "learner"], "Kinds of th
 # schedule's seed: which learner dies; default 0) apply too.
 flags.FLAGS.set_default("workdir", os.path.join(tempfile.gettempdir(), "dd_chaos"))
 
-# What users run with the service, at two sizes; the kill schedule is sized to each run's length.
+# What users run with the service, at two sizes; kills start after 8 merges, `every` seconds apart.
 _COMMON = ("--config.mode=decoupled", "--config.learners.devices=(1,1)", "--config.outer.optimizer=delayed_nesterov",
            "--config.syncer.quorum=1", "--config.policy.kind=dylu", "--config.policy.speed_source=measured",
            "--config.eval_every=100000", "--config.service.checkpoint_every_merges=4",
@@ -53,12 +53,12 @@ _COMMON = ("--config.mode=decoupled", "--config.learners.devices=(1,1)", "--conf
 _SIZES = {
     "demo": {"overrides": ("--config.learners.batch_size=(16,16)",
                            "--config.outer_steps=12", "--config.inner_steps=20"),
-             "every": 10.0, "min_uptime": 25.0, "timeout": 900.0},
+             "every": 10.0, "min_uptime": 30.0, "timeout": 900.0},
     "tiny": {"overrides": ("--config.model.seq_len=16", "--config.model.d_model=32",
                            "--config.model.num_layers=1", "--config.model.num_heads=2", "--config.model.d_ff=64",
                            "--config.learners.batch_size=(4,4)", "--config.outer_steps=60",
                            "--config.inner_steps=20", "--config.data.synthetic.num_tokens=30000"),
-             "every": 6.0, "min_uptime": 15.0, "timeout": 600.0},
+             "every": 6.0, "min_uptime": 20.0, "timeout": 600.0},
 }
 
 
@@ -73,6 +73,22 @@ class TimedCluster(LocalCluster):
     began = time.time()
     super().restart(name)  # A syncer's returns once it serves (start_syncer waits for its address).
     self.restarts.append((name, began, time.time()))
+
+
+class AfterMerges(Chaos):
+  """Chaos whose clock starts once the syncer merged `merges` times: kills hit a run in progress, and a
+  killed syncer has checkpoints and a log to restore and replay (however slowly processes start)."""
+
+  def __init__(self, *args, merges: int, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.merges = merges
+
+  def step(self, cluster: LocalCluster, now: float) -> None:
+    if self.next_kill is None:
+      path = os.path.join(cluster.workdir, "metrics.jsonl")
+      if not os.path.exists(path) or len(_records(path, "outer")) < self.merges:
+        return
+    super().step(cluster, now)
 
 
 def _run(workdir: str, overrides: list[str], size: dict, chaos: Chaos | None) -> TimedCluster:
@@ -150,8 +166,8 @@ def main(argv: list[str]) -> None:
     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
   losses = [_final_loss(_run(os.path.join(root, f"undisturbed_{seed}"), [f"--config.seed={seed}"], size,
                              None).workdir) for seed in range(_SEEDS.value)]
-  chaos = Chaos(flags.FLAGS.chaos_seed or 0, size["every"], delay=2.0, include_syncer=True,
-                min_uptime=size["min_uptime"], plan=tuple(_PLAN.value))
+  chaos = AfterMerges(flags.FLAGS.chaos_seed or 0, size["every"], delay=2.0, include_syncer=True,
+                      min_uptime=size["min_uptime"], plan=tuple(_PLAN.value), merges=8)
   chaotic = _run(os.path.join(root, "chaos"), ["--config.seed=0"], size, chaos)
   kills = collections.Counter("syncer" if name == "syncer" else "learner" for _, event, name in chaos.events
                               if event == "kill")
