@@ -111,7 +111,8 @@ def test_a_corrupt_record_stops_start_up_unless_the_operator_truncates(tmp_path,
     f.write(bytes([byte[0] ^ 0x10]))  # One flipped bit.
   bad = offsets[3] if where == "last_body" else offsets[1]
   size = os.path.getsize(path)
-  with pytest.raises(wal.CorruptLog, match=rf"{os.path.basename(path)}: record.* at offset {bad}.*truncate_corrupt_log"):
+  name = os.path.basename(path)
+  with pytest.raises(wal.CorruptLog, match=rf"{name}: record.* at offset {bad}.*truncate_corrupt_log"):
     wal.Log(str(tmp_path), 0)
   with pytest.raises(wal.CorruptLog):
     wal.read_segment(path)

@@ -345,9 +345,9 @@ class SyncerCore:
         self._check_learner(header["learner"], now)
         learner, seq = header["learner"], header["seq"]
         if header["incarnation"] != self.incarnations[learner]:
-          raise PushRejected(f"push from learner {learner} rejected: it comes from incarnation {header['incarnation']}, "
-                             f"but incarnation {self.incarnations[learner]} of learner {learner} has joined since "
-                             "(a replaced process: stop it)")
+          raise PushRejected(f"push from learner {learner} rejected: it comes from incarnation "
+                             f"{header['incarnation']}, but incarnation {self.incarnations[learner]} of learner "
+                             f"{learner} has joined since (a replaced process: stop it)")
         if seq <= self.acked[learner]:
           self.counts["duplicates"] += 1
           return {"status": "duplicate", **self.status(learner)}
