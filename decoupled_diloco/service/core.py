@@ -4,12 +4,15 @@
 networked syncer needs, behind one lock (gRPC handlers run on a thread pool):
   * exactly-once pushes: each carries (learner, seq); a seq at or below the learner's
     acknowledged one is answered 'duplicate' and not applied again;
-  * durability: an applied push is in the write-ahead log (fsync'ed) before it is acked,
-    and every `checkpoint_every_merges` merges an orbax checkpoint (Θ, outer state,
-    versions, acked seqs, budget) starts a new log segment; a restart restores the latest
+  * durability: validate → log (fsync) → apply → ack, and every `checkpoint_every_merges`
+    merges a verified orbax checkpoint (Θ, outer state, versions, acked seqs, incarnations,
+    budget, counters) starts a new log segment; a restart restores the newest usable
     checkpoint and replays the log, so nothing acked is lost and versions never go back.
     The log already makes an ack durable, so checkpoints (periodic and the final one) are
-    taken by `tick`, never on the way to a learner's reply;
+    taken by `tick`, never on the way to a learner's reply; a failed checkpoint is retried,
+    a failed log append stops the service (fail-stop: `Stopped`);
+  * fencing: each Join starts a new incarnation of its learner, and pushes of older ones
+    are refused;
   * leases: a learner silent for `lease_seconds` leaves the quorum (so the others are not
     held up by the dead) and rejoins with its next call;
   * the run's budget: outer_steps × inner_steps × M inner steps, counted from pushes (with
