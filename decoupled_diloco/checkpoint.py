@@ -16,6 +16,10 @@ A `ShapeDtypeStruct` without a sharding is rejected, because silently placing it
 default device would put one learner's state on another learner's devices.
 `abstract_like(tree)` builds such an abstract tree from a concrete one.
 
+Integrity: every array a process can read whole is hashed into the metadata at save time
+(`CHECKSUMS_KEY`) and checked on restore, so flipped bytes on disk raise
+`CorruptCheckpoint` instead of coming back as finite but wrong parameters.
+
 Crash safety: orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to
 `<step>` only once every item is on disk, and `latest_step` only sees finished steps.
 Saves here are synchronous, so when `save` returns the step is complete. Leftover tmp
@@ -25,7 +29,9 @@ directories of a crashed run are deleted by orbax in the background once the nex
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -36,6 +42,31 @@ PyTree = Any
 
 # The composite item that holds the JSON metadata; no state entry may use this name.
 METADATA_ITEM = "metadata"
+# The metadata key that holds the arrays' digests (callers never see it).
+CHECKSUMS_KEY = "_checksums"
+
+
+class CorruptCheckpoint(ValueError):
+  """A checkpoint's arrays do not match the digests written with them."""
+
+
+def digests(state: dict[str, PyTree]) -> dict[str, dict[str, str]]:
+  """{item: {leaf path: blake2b of its bytes, dtype and shape}} for every leaf this process holds whole.
+
+  Why not all leaves: a learner group's state is sharded over several processes, none of
+  which can read every shard; orbax's own per-chunk checks are all there is for those.
+  """
+  out = {}
+  for name, tree in state.items():
+    out[name] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+      if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        continue
+      array = np.ascontiguousarray(jax.device_get(leaf))
+      digest = hashlib.blake2b(f"{array.dtype}{array.shape}".encode(), digest_size=16)
+      digest.update(array.data if array.size else b"")
+      out[name][jax.tree_util.keystr(path)] = digest.hexdigest()
+  return out
 
 
 def abstract_like(tree: PyTree) -> PyTree:
@@ -109,9 +140,14 @@ class Checkpointer:
     """
     _check_names(state)
     items = {name: ocp.args.StandardSave(tree) for name, tree in state.items()}
-    items[METADATA_ITEM] = ocp.args.JsonSave(metadata)
-    self._manager.save(step, args=ocp.args.Composite(**items))
-    self._manager.wait_until_finished()
+    items[METADATA_ITEM] = ocp.args.JsonSave({**metadata, CHECKSUMS_KEY: digests(state)})
+    try:
+      self._manager.save(step, args=ocp.args.Composite(**items))
+      self._manager.wait_until_finished()
+    except Exception:
+      # A failed save (e.g. a full disk) leaves its tmp dir behind: free that space now, not at the next start.
+      shutil.rmtree(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp"), ignore_errors=True)
+      raise
 
   def all_steps(self) -> list[int]:
     """Finished steps on disk, oldest first."""
@@ -135,7 +171,16 @@ class Checkpointer:
     items[METADATA_ITEM] = ocp.args.JsonRestore()
     restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     state = {name: restored[name] for name in abstract_state}
-    return state, restored[METADATA_ITEM]
+    metadata = dict(restored[METADATA_ITEM])
+    expected = metadata.pop(CHECKSUMS_KEY, None)  # None: written before checkpoints carried digests.
+    if expected is not None:
+      got = digests(state)
+      for name, leaves in got.items():
+        for path, digest in leaves.items():
+          if expected.get(name, {}).get(path, digest) != digest:
+            raise CorruptCheckpoint(f"checkpoint step {step} in {self.directory} is corrupt: {name}{path} does "
+                                    "not match the digest written with it")
+    return state, metadata
 
   def restore_metadata(self, step: int) -> dict:
     """Only the metadata of `step`, e.g. to read the config before building state."""
@@ -143,7 +188,20 @@ class Checkpointer:
     restored = self._manager.restore(
         step, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
     )
-    return restored[METADATA_ITEM]
+    return {k: v for k, v in restored[METADATA_ITEM].items() if k != CHECKSUMS_KEY}
+
+  def quarantine(self, step: int) -> str:
+    """Moves an unusable step aside (kept for inspection, no longer a step); returns where it went.
+
+    Why not delete: an operator may want the bytes; why not leave it: a later save of the
+    same step, and `latest_step`, must not meet it.
+    """
+    self._check_step(step)
+    source = os.path.join(self.directory, str(step))
+    target = f"{source}.corrupt"
+    os.rename(source, target)
+    self._manager.reload()
+    return target
 
   def _check_step(self, step: int) -> None:
     """Names the available steps instead of surfacing a deep orbax path error."""

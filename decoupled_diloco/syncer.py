@@ -244,11 +244,11 @@ class Syncer:
       delta = jax.tree.unflatten(structure, leaves)
     return dataclasses.replace(push, delta=self.to_host(delta))
 
-  def receive(self, push: Push, now: float) -> tuple[bool, MergeReport | None]:
-    """Takes a push at time `now`: (accepted, report of the merge it triggered, if any).
+  def check(self, push: Push) -> Push:
+    """The push decoded onto the syncer's device and validated; raises PushRejected (counted).
 
-    Rejected pushes raise PushRejected before anything changes; over-stale ones are
-    dropped and counted.
+    Separate from `receive` so that a service can validate a push, log it, then apply it:
+    a refused push must never reach its write-ahead log.
     """
     # Explicit move onto the syncer's device (and decoding) first: a merge must never
     # meet a leaf that lives elsewhere after the push was accepted.
@@ -263,6 +263,16 @@ class Syncer:
     except PushRejected:
       self.counts["rejected"] += 1
       raise
+    return push
+
+  def receive(self, push: Push, now: float, checked: bool = False) -> tuple[bool, MergeReport | None]:
+    """Takes a push at time `now`: (accepted, report of the merge it triggered, if any).
+
+    Rejected pushes raise PushRejected before anything changes; over-stale ones are
+    dropped and counted. `checked`: the push is what `check` returned (not checked twice).
+    """
+    if not checked:
+      push = self.check(push)
     fragment = self.fragments[push.fragment]
     if 0 <= self.settings.max_staleness < fragment.version - push.base_version:
       self.counts["dropped"] += 1

@@ -209,12 +209,18 @@ def _free_port(host: str) -> int:
 
 class Chaos:
   """A seeded schedule: every `every` seconds SIGKILL one process that has been up `min_uptime`
-  seconds, restart it `delay` s later; at most `max_kills` kills (0 = no limit)."""
+  seconds, restart it `delay` s later; at most `max_kills` kills (0 = no limit).
+
+  `plan`: the kinds of the successive victims ('learner' or 'syncer'), e.g. to be sure a
+  benchmark kills both; with a plan, the kills are the plan's (`include_syncer` and
+  `max_kills` follow from it) and which learner dies is still the seeded choice.
+  """
 
   def __init__(self, seed: int, every: float, delay: float, include_syncer: bool, min_uptime: float = 0.0,
-               max_kills: int = 0):
-    self.rng, self.every, self.delay, self.include_syncer = random.Random(seed), every, delay, include_syncer
-    self.min_uptime, self.max_kills = min_uptime, max_kills
+               max_kills: int = 0, plan: tuple[str, ...] = ()):
+    self.rng, self.every, self.delay, self.plan = random.Random(seed), every, delay, tuple(plan)
+    self.include_syncer = include_syncer or "syncer" in self.plan
+    self.min_uptime, self.max_kills = min_uptime, len(self.plan) or max_kills
     self.next_kill: float | None = None
     self.down: dict[str, float] = {}  # name -> when to restart it
     self.abandoned: set[str] = set()  # Killed, and not restarted because the run ended meanwhile.
@@ -241,6 +247,8 @@ class Chaos:
     self.next_kill = now + self.every
     candidates = [n for n in sorted(cluster.running()) if n != "syncer" or self.include_syncer]
     candidates = [n for n in candidates if n not in self.down and now - cluster.started_at[n] >= self.min_uptime]
+    if self.plan:
+      candidates = [n for n in candidates if (n == "syncer") == (self.plan[kills] == "syncer")]
     if candidates:
       victim = self.rng.choice(candidates)
       cluster.kill(victim)

@@ -32,7 +32,7 @@ def params():
 
 def _header(**fields):
   base = {"learner": 0, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 64, "local_steps": 4,
-          "compute_seconds": 0.1, "payload_bytes": 0}
+          "compute_seconds": 0.1, "payload_bytes": 0, "incarnation": 0}
   return {**base, **fields}
 
 
@@ -49,10 +49,10 @@ def _delta(params, value=0.01):
   return jax.tree.map(lambda x: np.full(x.shape, value, np.float32), params)
 
 
-def _push(core, params, learner, seq, value=0.01, base=None):
+def _push(core, params, learner, seq, value=0.01, base=None, incarnation=0):
   payload = bytearray(b"".join(wire.encode(_delta(params, value))))
   header = _header(learner=learner, seq=seq, base_version=core.syncer.version if base is None else base,
-                   payload_bytes=len(payload))
+                   payload_bytes=len(payload), incarnation=incarnation)
   return core.push(header, payload, time.time())
 
 

@@ -29,7 +29,7 @@ from decoupled_diloco.service import datachannel, security, server, wire
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
              grpc.StatusCode.CANCELLED)
 STATUS_SCHEMA = {"version": int, "versions": list, "acked_seq": int, "steps_left": int, "done": bool,
-                 "max_speed": float, "payload_bytes": int}
+                 "max_speed": float, "payload_bytes": int, "incarnation": int}
 PUSH_REPLY_SCHEMA = {**{k: v for k, v in STATUS_SCHEMA.items() if k != "payload_bytes"}, "status": str}
 HEARTBEAT_REPLY_SCHEMA = {k: v for k, v in STATUS_SCHEMA.items() if k != "payload_bytes"}
 TICKET_SCHEMA = {"ticket": str, "port": int}
@@ -76,6 +76,7 @@ class SyncerClient:
     self._data_channel_paused_until = 0.0  # time.monotonic() before which pushes stream (see the module doc).
     self.host = target.rsplit(":", 1)[0].strip("[]")  # The data channel is on the syncer's host.
     self._metadata = ((security.TOKEN_METADATA_KEY, token),)
+    self.incarnation = 0  # This process's incarnation of the learner, from its Join: every push carries it.
     method = f"/{server.SERVICE}/"
     self._join = self._channel.unary_stream(method + "Join")
     self._pull = self._channel.unary_stream(method + "Pull")
@@ -109,8 +110,10 @@ class SyncerClient:
   def join(self) -> tuple[dict, object]:
     """(status, Θ): the current global params, version and this learner's last acked seq."""
     request = wire.pack_header({"learner": self.learner})
-    return self._retrying(lambda: self._read_stream(
+    status, theta = self._retrying(lambda: self._read_stream(
         self._join(request, timeout=self.timeout, metadata=self._metadata)))
+    self.incarnation = status["incarnation"]
+    return status, theta
 
   def pull(self, have_version: int, fragment: int = 0) -> tuple[dict, object]:
     """(status, Θ_fragment), or (status, None) when `have_version` of it is still current."""
@@ -131,7 +134,8 @@ class SyncerClient:
     parts = wire.encode(delta)
     header = wire.pack_header({"learner": self.learner, "seq": seq, "base_version": base_version,
                                "fragment": fragment, "tokens": tokens, "local_steps": local_steps,
-                               "compute_seconds": float(compute_seconds), "payload_bytes": wire.encoded_size(parts)})
+                               "compute_seconds": float(compute_seconds), "payload_bytes": wire.encoded_size(parts),
+                               "incarnation": self.incarnation})
 
     def messages():
       yield header

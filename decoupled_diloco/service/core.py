@@ -4,12 +4,15 @@
 networked syncer needs, behind one lock (gRPC handlers run on a thread pool):
   * exactly-once pushes: each carries (learner, seq); a seq at or below the learner's
     acknowledged one is answered 'duplicate' and not applied again;
-  * durability: an applied push is in the write-ahead log (fsync'ed) before it is acked,
-    and every `checkpoint_every_merges` merges an orbax checkpoint (Θ, outer state,
-    versions, acked seqs, budget) starts a new log segment; a restart restores the latest
+  * durability: validate → log (fsync) → apply → ack, and every `checkpoint_every_merges`
+    merges a verified orbax checkpoint (Θ, outer state, versions, acked seqs, incarnations,
+    budget, counters) starts a new log segment; a restart restores the newest usable
     checkpoint and replays the log, so nothing acked is lost and versions never go back.
     The log already makes an ack durable, so checkpoints (periodic and the final one) are
-    taken by `tick`, never on the way to a learner's reply;
+    taken by `tick`, never on the way to a learner's reply; a failed checkpoint is retried,
+    a failed log append stops the service (fail-stop: `Stopped`);
+  * fencing: each Join starts a new incarnation of its learner, and pushes of older ones
+    are refused;
   * leases: a learner silent for `lease_seconds` leaves the quorum (so the others are not
     held up by the dead) and rejoins with its next call;
   * the run's budget: outer_steps × inner_steps × M inner steps, counted from pushes (with
@@ -24,6 +27,7 @@ Replay is exact except for the grace window's duration estimates (not checkpoint
 (and lease changes) are logged too, so the same pushes are applied, in the same order.
 """
 
+import collections
 import dataclasses
 import os
 import threading
@@ -39,8 +43,9 @@ from decoupled_diloco.service import limits as limits_lib
 from decoupled_diloco.service import wal, wire
 from decoupled_diloco.syncer import MergeReport, Push, PushRejected, Syncer, SyncerState
 
+CHECKPOINT_RETRY_SECONDS = 10.0  # Between attempts after a checkpoint save failed (e.g. a full disk).
 PUSH_SCHEMA = {"learner": int, "seq": int, "base_version": int, "fragment": int, "tokens": int, "local_steps": int,
-               "compute_seconds": float, "payload_bytes": int}
+               "compute_seconds": float, "payload_bytes": int, "incarnation": int}
 
 
 def budget_share(header: dict) -> tuple[int, int]:
@@ -55,6 +60,10 @@ def budget_share(header: dict) -> tuple[int, int]:
 
 class UnknownLearner(LookupError):
   """A call names a learner id outside the run's range."""
+
+
+class Stopped(RuntimeError):
+  """The syncer can no longer make new state durable (its log failed): it serves nothing more."""
 
 
 def _check_float32(delta, learner: int) -> None:
@@ -77,7 +86,8 @@ class SyncerCore:
 
   def __init__(self, syncer: Syncer, num_learners: int, budget_steps: int, directory: str, *,
                checkpoint_every_merges: int, lease_seconds: float, metadata: dict, emit=None, on_merge=None,
-               limits: limits_lib.PushLimits | None = None, downlink_format: str = "fp32"):
+               limits: limits_lib.PushLimits | None = None, downlink_format: str = "fp32",
+               truncate_corrupt_log: bool = False):
     self.syncer, self.num_learners, self.budget_steps = syncer, num_learners, budget_steps
     self.checkpoint_every, self.lease_seconds = checkpoint_every_merges, lease_seconds
     self.metadata = metadata  # Static facts saved with every checkpoint (e.g. the config).
@@ -88,6 +98,8 @@ class SyncerCore:
     self.lock = threading.RLock()
     self.quorum_setting = syncer.settings.quorum
     self.acked = {m: -1 for m in range(num_learners)}
+    # Each Join starts a new incarnation of that learner; pushes from older ones are refused.
+    self.incarnations = {m: 0 for m in range(num_learners)}
     self.steps_done = self.tokens_done = 0
     self.done = False
     self.start_time: float | None = None
@@ -95,15 +107,19 @@ class SyncerCore:
     self.told_done: set[int] = set()
     self.speeds = policy_lib.SpeedTracker([0.0] * num_learners)  # Steps per second (0 = no push yet).
     self.counts = {"applied": 0, "dropped": 0, "duplicates": 0, "late": 0, "rejected": 0, "excluded": 0}
+    self.refused = collections.Counter()  # Refused calls by reason: the server counts into it.
     # (fragment, log record, payload) of pushes since their fragment's last merge (pending or
     # dropped): what a checkpoint carries over into the next log segment.
     self._unabsorbed: list[tuple[int, dict, bytes]] = []
     self._merges_since_checkpoint = 0
     self._checkpoint_due = False  # A checkpoint for the next tick (periodic, or the run's end).
+    self._checkpoint_retry_at = 0.0  # After a failed save, not before this time.
     self._fragment_cache: dict[int, tuple[int, list]] = {}  # fragment -> (its version, encoded Θ_p)
     self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(directory, "checkpoints"), max_to_keep=2)
     self.wal_dir = os.path.join(directory, "wal")
     self.log: wal.Log | None = None
+    self.truncate_corrupt_log = truncate_corrupt_log  # The operator gives up records after a corrupt one.
+    self.failed: Stopped | None = None  # Set once the log failed: fail-stop, the process must exit.
 
   # Start, restore, checkpoint.
   def start(self, now: float) -> int | None:
@@ -119,12 +135,15 @@ class SyncerCore:
         self.log = wal.Log(self.wal_dir, 0)
         self._checkpoint(now)
         return None
-      abstract = checkpoint_lib.abstract_like(self._state_trees())
-      state, meta = self.checkpointer.restore(step, abstract)
+      step, state, meta = self._restore_usable()
       self.syncer.restore(SyncerState(state["params"], state["opt_state"], tuple(meta["versions"])))
       self.acked = {m: meta["acked"].get(str(m), -1) for m in range(self.num_learners)}
+      self.incarnations.update({int(m): n for m, n in meta.get("incarnations", {}).items()})
       self.steps_done, self.tokens_done, self.done = meta["steps_done"], meta["tokens_done"], meta["done"]
       self.start_time = meta["start_time"]
+      self.counts.update(meta.get("counts", {}))  # Replay adds the pushes applied after the checkpoint.
+      self.refused.update(meta.get("refused", {}))
+      wal.recover(self.wal_dir, self.truncate_corrupt_log)
       self._replay(meta["segment"], step)
       self.log = wal.Log(self.wal_dir, max(wal.segments(self.wal_dir), default=meta["segment"]))
       if self.steps_done >= self.budget_steps and not self.done:  # Crashed between the last push and the end.
@@ -132,6 +151,31 @@ class SyncerCore:
       logging.info("syncer restored checkpoint %d and replayed its log: version %d, %d of %d steps done", step,
                    self.syncer.version, self.steps_done, self.budget_steps)
       return step
+
+  def _restore_usable(self) -> tuple[int, dict, dict]:
+    """(step, state, metadata) of the newest checkpoint that restores, matches its digests and has its log.
+
+    An unusable newer one is moved aside (`<step>.corrupt`): the one before it plus the log
+    (kept back to the oldest checkpoint) reach the same state. None usable: CorruptCheckpoint.
+    """
+    abstract = checkpoint_lib.abstract_like(self._state_trees())
+    problems = {}
+    for step in reversed(self.checkpointer.all_steps()):
+      try:
+        state, meta = self.checkpointer.restore(step, abstract)
+        if meta["segment"] not in wal.segments(self.wal_dir):
+          raise checkpoint_lib.CorruptCheckpoint(f"its log segment {meta['segment']} is missing from {self.wal_dir}")
+      except Exception as error:  # pylint: disable=broad-except  # Damaged files fail orbax in many ways.
+        problems[step] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        logging.error("syncer checkpoint %d is not usable (%s); trying the one before it plus the log", step,
+                      problems[step])
+        continue
+      for bad in problems:  # Moved only now: an older one restored, so the layout is not what failed.
+        logging.error("syncer checkpoint %d moved to %s", bad, self.checkpointer.quarantine(bad))
+      return step, state, meta
+    raise checkpoint_lib.CorruptCheckpoint("no usable syncer checkpoint (" + "; ".join(
+        f"step {step}: {problem}" for step, problem in problems.items()) + f"): restore {self.checkpointer.directory} "
+                                           "from a backup, or start a new --workdir")
 
   def _state_trees(self) -> dict:
     state = self.syncer.state
@@ -143,14 +187,23 @@ class SyncerCore:
     if self.checkpointer.latest_step() == version:
       return  # The log already holds everything since that checkpoint.
     carried = [(dict(record, carried=True), payload) for _, record, payload in self._unabsorbed]
-    self.log.rotate(version, carried)
+    self._durably(self.log.rotate, version, carried)
     pending_steps = sum(budget_share(r["header"])[0] for r, _ in carried)
     pending_tokens = sum(budget_share(r["header"])[1] for r, _ in carried)
     meta = {**self.metadata, "versions": list(self.syncer.versions), "segment": version, "done": self.done,
             "acked": {str(m): s for m, s in self.acked.items()}, "start_time": self.start_time,
-            "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens}
-    self.checkpointer.save(version, self._state_trees(), meta)
-    self.log.drop_before(version)
+            "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens,
+            "counts": self.counts, "refused": dict(self.refused),
+            "incarnations": {str(m): n for m, n in self.incarnations.items()}}
+    try:
+      self.checkpointer.save(version, self._state_trees(), meta)
+    except (OSError, ValueError) as error:  # A full disk (orbax reports tensorstore's I/O errors as ValueError):
+      # the log holds everything, so serve on and retry.
+      self._checkpoint_retry_at = now + CHECKPOINT_RETRY_SECONDS
+      logging.error("syncer checkpoint at version %d failed (%s): serving on from the log, retrying in %.0fs",
+                    version, error, CHECKPOINT_RETRY_SECONDS)
+      return
+    self.log.drop_before(min(self.checkpointer.all_steps()))  # Each kept checkpoint can be replayed from.
     self._merges_since_checkpoint, self._checkpoint_due = 0, False
     logging.info("syncer checkpoint at version %d (%d pushes carried in the log)", version, len(carried))
 
@@ -177,7 +230,8 @@ class SyncerCore:
             continue
           applied.add(key)
           self._apply(header, wire.decode(payload), payload, record["now"], replay=True,
-                      record_it=not record.get("carried") or record["outer_step"] > step)
+                      record_it=not record.get("carried") or record["outer_step"] > step,
+                      count_it=not record.get("carried"))
         elif record["type"] == "merge":
           self._after_merges([self.syncer.merge(record["now"], record["fragment"])], record["now"], replay=True)
         elif record["type"] == "live":
@@ -186,6 +240,27 @@ class SyncerCore:
           self.done = True
         elif record["type"] == "told":
           self.told_done.add(record["learner"])
+        elif record["type"] == "join":
+          self.incarnations[record["learner"]] = record["incarnation"]
+
+  def _durably(self, write, *args) -> None:
+    """Runs a log write; if it fails, the syncer stops serving (fail-stop) rather than run ahead of its log.
+
+    Nothing the failed write was about has been applied or acknowledged (validate → log →
+    apply → ack), so a restart from the log holds every acknowledged push.
+    """
+    try:
+      write(*args)
+    except wal.LogWriteError as error:
+      self.failed = Stopped(f"the syncer stopped serving: {error}; free the disk, then restart it with "
+                            "--config.resume=True (nothing acknowledged is lost)")
+      logging.error("%s", self.failed)
+      raise self.failed from error
+
+  def _serving(self) -> None:
+    """Raises Stopped once the log has failed: no call may see state the log does not hold."""
+    if self.failed is not None:
+      raise self.failed
 
   # Calls.
   def require_known(self, learner: int) -> None:
@@ -225,21 +300,30 @@ class SyncerCore:
     """
     if self.done and tells_done and learner not in self.told_done:
       self.told_done.add(learner)
-      self.log.append({"type": "told", "learner": learner})  # A restarted syncer need not wait for it.
+      self._durably(self.log.append, {"type": "told", "learner": learner})  # A restarted syncer need not wait for it.
     others = [speed for m, speed in enumerate(self.speeds.speeds) if m != learner]
     return {"version": self.syncer.version, "versions": list(self.syncer.versions),
             "acked_seq": self.acked[learner], "steps_left": max(0, self.budget_steps - self.steps_done),
-            "done": self.done, "max_speed": max(others, default=0.0)}
+            "done": self.done, "max_speed": max(others, default=0.0), "incarnation": self.incarnations[learner]}
 
   def join(self, learner: int, now: float) -> tuple[dict, list]:
-    """(status, encoded Θ): what a (re)starting learner needs, its last acked seq included."""
+    """(status, encoded Θ): what a (re)starting learner needs, its last acked seq and new incarnation included.
+
+    The incarnation is logged before the reply: from then on, pushes of the learner's
+    earlier processes (a frozen predecessor that wakes up) are refused.
+    """
     with self.lock:
+      self._serving()
       self._check_learner(learner, now)
+      incarnation = self.incarnations[learner] + 1
+      self._durably(self.log.append, {"type": "join", "learner": learner, "incarnation": incarnation})
+      self.incarnations[learner] = incarnation
       return self.status(learner), wire.encode(self._downlink(self.syncer.params))
 
   def pull(self, learner: int, fragment: int, have_version: int, now: float) -> tuple[dict, list | None]:
     """(status, encoded Θ_fragment, or None when the learner already has its version)."""
     with self.lock:
+      self._serving()
       self._check_learner(learner, now)
       versions = self.syncer.versions
       if not 0 <= fragment < len(versions):
@@ -251,6 +335,7 @@ class SyncerCore:
   def heartbeat(self, learner: int, now: float) -> dict:
     """Renews the lease of a learner that is busy computing."""
     with self.lock:
+      self._serving()
       self._check_learner(learner, now)
       return self.status(learner, tells_done=False)
 
@@ -273,12 +358,26 @@ class SyncerCore:
     """Applies one push at most once; returns the reply (status + `status()` fields).
 
     Raises UnknownLearner, limits.OutOfBounds, wire.WireError or PushRejected (counted, state
-    untouched): a refused push neither renews its learner's lease nor brings it back into the quorum.
+    untouched; a refused push neither renews its learner's lease nor brings it back into the quorum),
+    or Stopped. The payload is decoded before the lock is taken: other calls need not wait for it.
     """
+    try:
+      self.require_known(header["learner"])
+      delta = wire.decode(payload)
+      _check_float32(delta, header["learner"])
+    except (UnknownLearner, wire.WireError, PushRejected):
+      with self.lock:
+        self.counts["rejected"] += 1
+      raise
     with self.lock:
+      self._serving()
       try:
         learner, seq = header["learner"], header["seq"]
         self.check_bounds(header)
+        if header["incarnation"] != self.incarnations[learner]:
+          raise PushRejected(f"push from learner {learner} rejected: it comes from incarnation "
+                             f"{header['incarnation']}, but incarnation {self.incarnations[learner]} of learner "
+                             f"{learner} has joined since (a replaced process: stop it)")
         if seq <= self.acked[learner] or self.done:
           self._check_learner(learner, now)
           if seq <= self.acked[learner]:
@@ -287,8 +386,6 @@ class SyncerCore:
           self.counts["late"] += 1
           self.acked[learner] = seq
           return {"status": "late", **self.status(learner)}
-        delta = wire.decode(payload)
-        _check_float32(delta, learner)
         excluded_live = self._readmit(learner)  # Receive needs it in the quorum; undone if refused.
         try:
           accepted = self._apply(header, delta, payload, now, replay=False)
@@ -302,8 +399,12 @@ class SyncerCore:
         raise
       return {"status": "applied" if accepted else "dropped", **self.status(learner)}
 
-  def _apply(self, header: dict, delta, payload, now: float, replay: bool, record_it: bool = True) -> bool:
-    """receive() → log (fsync) → bookkeeping → merges; the ack may follow once this returns.
+  def _apply(self, header: dict, delta, payload, now: float, replay: bool, record_it: bool = True,
+             count_it: bool = True) -> bool:
+    """validate → log (fsync) → receive() → bookkeeping → merges; the ack may follow once this returns.
+
+    A push that fails validation is never logged; one that is logged is applied (replay
+    validated it the first time, so it does not check it again).
 
     The push's metric record carries outer_step = version + 1 before it arrived: the first
     merge that can hold it, so a restart from checkpoint v keeps exactly the records of
@@ -314,16 +415,18 @@ class SyncerCore:
     fragment_version = syncer.versions[header["fragment"]] if 0 <= header["fragment"] < len(syncer.versions) else 0
     push = Push(header["learner"], delta, header["base_version"], header["tokens"], header["local_steps"],
                 header["compute_seconds"], header["fragment"], header["payload_bytes"])
-    accepted, report = syncer.receive(push, now)
     record = {"type": "push", "header": header, "now": now, "outer_step": outer_step}
     if not replay:
-      self.log.append(record, payload)
+      push = syncer.check(push)
+      self._durably(self.log.append, record, payload)
+    accepted, report = syncer.receive(push, now, checked=not replay)
     self.acked[header["learner"]] = max(self.acked[header["learner"]], header["seq"])
     steps, tokens = budget_share(header)
     self.steps_done, self.tokens_done = self.steps_done + steps, self.tokens_done + tokens
     if header["local_steps"] > 0 and header["compute_seconds"] > 0:
       self.speeds.observe(header["learner"], header["compute_seconds"] / header["local_steps"])
-    self.counts["applied" if accepted else "dropped"] += 1
+    if count_it:  # A carried push is in the checkpoint's counts already.
+      self.counts["applied" if accepted else "dropped"] += 1
     self._unabsorbed.append((header["fragment"], record, payload))  # Dropped ones too: their records.
     if record_it:
       self.emit({"kind": "push", "outer_step": outer_step, "learner": header["learner"], "seq": header["seq"],
@@ -341,7 +444,7 @@ class SyncerCore:
       if report is None:
         continue
       if log and not replay:
-        self.log.append({"type": "merge", "fragment": report.fragment, "now": now})
+        self._durably(self.log.append, {"type": "merge", "fragment": report.fragment, "now": now})
       self._unabsorbed = [entry for entry in self._unabsorbed if entry[0] != report.fragment]
       self._merges_since_checkpoint += 1
       self.emit({"kind": "outer", "outer_step": report.version, "fragment": report.fragment,
@@ -358,7 +461,7 @@ class SyncerCore:
     self._after_merges(self.syncer.flush(now), now, replay=False, log=True)
     self.done = True
     # Logged: the flag survives a crash before the next tick's checkpoint (or if this version has one already).
-    self.log.append({"type": "done", "now": now})
+    self._durably(self.log.append, {"type": "done", "now": now})
     self._checkpoint_due = True
     logging.info("token budget spent at version %d: the run is done", self.syncer.version)
 
@@ -366,9 +469,10 @@ class SyncerCore:
   def tick(self, now: float) -> None:
     """Closes due grace windows, excludes learners whose lease ran out, takes a due checkpoint."""
     with self.lock:
+      self._serving()
       if not self.done:
         self._expire(now)
-      if self._checkpoint_due:
+      if self._checkpoint_due and now >= self._checkpoint_retry_at:
         self._checkpoint(now)
 
   def _expire(self, now: float) -> None:
@@ -384,7 +488,7 @@ class SyncerCore:
       self._after_merges(self._merge_if_quorum(now), now, replay=False, log=True)
 
   def _log_live(self, learners: list[int]) -> None:
-    self.log.append({"type": "live", "learners": learners})
+    self._durably(self.log.append, {"type": "live", "learners": learners})
     self._set_live(learners)
 
   def _set_live(self, learners: list[int]) -> None:

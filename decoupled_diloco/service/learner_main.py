@@ -43,6 +43,7 @@ from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import compression, experiment, fragments, hardware, inner, mesh, metrics as metrics_lib
 from decoupled_diloco import model as model_lib
 from decoupled_diloco import policy as policy_lib
+from decoupled_diloco import workdir_lock
 from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
 from decoupled_diloco.errors import ConfigError
@@ -136,6 +137,8 @@ class LearnerProcess:
     self.locals = {}  # fragment -> its host params when last pushed (the anchor if no new Θ_p comes back)
     self.compute_since_push = [0.0] * self.learner.num_fragments  # A push's compute_seconds, per fragment.
     self.directory = os.path.join(workdir, f"learner_{index}")
+    # Before anything in it is touched: a frozen predecessor's save in progress stays its own.
+    self.lock = workdir_lock.DirectoryLock(self.directory, f"learner.{jax.process_index()}.lock", f"learner {index}")
     self.writer = metrics_lib.MetricsWriter(self.directory) if self.group.leader else None
     self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(self.directory, "checkpoints"), max_to_keep=1)
     self.exchanges = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="exchange")
@@ -304,6 +307,8 @@ class LearnerProcess:
       self._write(record)
     if self.compiled:
       self.speed.observe(0, (time.perf_counter() - begin) / steps)
+    else:  # Start-up and compilation end here: what a (re)started learner costs before it trains at speed.
+      self._write({"kind": "first_round", "outer_step": learner.base_versions[0], "unix_time": time.time()})
     self.compiled = True
     return self._push(fragment, begin)
 
@@ -338,6 +343,7 @@ class LearnerProcess:
       self.client.close()
       self.writer.close()
     self.checkpointer.close()
+    self.lock.release()
 
 
 def run(config, workdir: str, index: int, target: str) -> dict:

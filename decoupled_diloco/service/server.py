@@ -8,7 +8,7 @@ Methods of service `decoupled_diloco.Syncer` (bytes in, bytes out; see wire.py):
   PushTicket unary -> unary   push header                  -> {ticket, port}: send the payload on the
                                                               data channel instead (datachannel.py)
   Heartbeat unary -> unary    {learner}                    -> status header
-A status header is {version, versions, acked_seq, steps_left, done, max_speed, payload_bytes}; a push
+A status header is {version, versions, acked_seq, steps_left, done, max_speed, incarnation, payload_bytes}; a push
 reply's `status` is 'applied', 'dropped' (over-stale), 'duplicate' (already acked) or
 'late' (after the run ended). Every refusal is a gRPC status with a message saying why,
 and is counted in `SyncerServer.rejections`:
@@ -52,7 +52,7 @@ HEADER_SLACK = wire.MAX_HEADER_BYTES
 JOIN_SCHEMA = {"learner": int}
 PULL_SCHEMA = {"learner": int, "fragment": int, "have_version": int}
 HEARTBEAT_SCHEMA = {"learner": int}
-_REFUSABLE = (wire.WireError, PushRejected, core_lib.UnknownLearner, limits.OutOfBounds)
+_REFUSABLE = (wire.WireError, PushRejected, core_lib.UnknownLearner, limits.OutOfBounds, core_lib.Stopped)
 CONTROL_WORKERS = 4  # gRPC workers that bulk calls can never take: heartbeats and tickets never queue.
 LOG_BURST = 20  # Refusals of one reason logged one by one per minute; the rest are summed up.
 PER_CALLER_BULK = 2  # Bulk calls one learner credential may have open (a push and a pull, or a join).
@@ -76,6 +76,8 @@ def _refusal(error: Exception) -> _Refused:
     return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", str(error))
   if isinstance(error, limits.OutOfBounds):
     return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "out_of_bounds", str(error))
+  if isinstance(error, core_lib.Stopped):  # Retryable: the learner waits for the restarted syncer.
+    return _Refused(grpc.StatusCode.UNAVAILABLE, "stopped", str(error))
   if isinstance(error, PushRejected):
     return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "rejected", str(error))
   return _Refused(grpc.StatusCode.NOT_FOUND, "unknown_learner", str(error))

@@ -19,11 +19,12 @@ import jax
 
 from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import compression, fragments, metrics as metrics_lib, model as model_lib, outer
+from decoupled_diloco import workdir_lock
 from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.service import core as core_lib
-from decoupled_diloco.service import limits, runconfig, security
+from decoupled_diloco.service import limits, runconfig, security, wal
 from decoupled_diloco.service import server as server_lib
 from decoupled_diloco.syncer import Settings, Syncer
 
@@ -31,15 +32,30 @@ TICK_SECONDS = 0.2
 
 
 class Recorder:
-  """A MetricsWriter shared by gRPC handler threads and the eval thread."""
+  """A MetricsWriter shared by gRPC handler threads and the eval thread.
 
-  def __init__(self, writer: metrics_lib.MetricsWriter):
-    self.writer, self.lock = writer, threading.Lock()
+  Records written before `attach` (the log's replay) wait in memory: which records the
+  file keeps depends on the checkpoint the restart could use, known only after restoring.
+  """
+
+  def __init__(self, writer: metrics_lib.MetricsWriter | None = None):
+    self.writer, self.lock, self._waiting = writer, threading.Lock(), []
+
+  def attach(self, writer: metrics_lib.MetricsWriter) -> None:
+    """Starts writing into `writer`, the waiting records first."""
+    with self.lock:
+      self.writer = writer
+      for record in self._waiting:
+        writer.write(record)
+      self._waiting.clear()
 
   def write(self, record: dict) -> None:
     """Appends one record (thread-safe)."""
     with self.lock:
-      self.writer.write(record)
+      if self.writer is None:
+        self._waiting.append(record)
+      else:
+        self.writer.write(record)
 
 
 class Evaluator:
@@ -90,8 +106,7 @@ def build_core(config, params, workdir: str, recorder: Recorder, evaluator: Eval
 
   def on_merge(version, params, now):
     if core.tokens_done >= schedule["next"]:
-      while schedule["next"] <= core.tokens_done:
-        schedule["next"] += tokens_per_eval
+      schedule["next"] = next_eval(core.tokens_done, tokens_per_eval)
       evaluator.submit(params, clock(core, version, now))
 
   core = core_lib.SyncerCore(syncer, num_learners, runconfig.budget_steps(config), workdir,
@@ -99,8 +114,14 @@ def build_core(config, params, workdir: str, recorder: Recorder, evaluator: Eval
                              lease_seconds=config.service.lease_seconds, metadata={"config": config.to_dict()},
                              emit=recorder.write, on_merge=on_merge,
                              limits=limits.PushLimits.from_config(config, runconfig.budget_steps(config)),
-                             downlink_format=config.compression.downlink_format)
+                             downlink_format=config.compression.downlink_format,
+                             truncate_corrupt_log=config.service.truncate_corrupt_log)
   return core
+
+
+def next_eval(tokens_done: int, tokens_per_eval: int) -> int:
+  """The first multiple of the eval interval above `tokens_done`: O(1) however far a push jumped."""
+  return (tokens_done // tokens_per_eval + 1) * tokens_per_eval
 
 
 def clock(core: core_lib.SyncerCore, version: int, now: float) -> dict:
@@ -114,21 +135,35 @@ def run(config, workdir: str) -> dict:
   runconfig.validate(config)
   token = security.load_token(config.service.token_file)
   credentials = security.server_credentials(config.service.tls_cert, config.service.tls_key)
-  os.makedirs(workdir, exist_ok=True)
-  checkpoints = os.path.join(workdir, "checkpoints")
-  if os.path.isdir(checkpoints) and os.listdir(checkpoints) and not config.resume:
-    raise ConfigError(f"workdir {workdir} already holds a syncer run: pass --config.resume=True to continue it "
-                      "(launch_local does on restarts), or pick a new --workdir")
+  lock = workdir_lock.DirectoryLock(workdir, "syncer.lock", "syncer")  # One syncer per workdir, before any write.
+  try:
+    checkpoints = os.path.join(workdir, "checkpoints")
+    if os.path.isdir(checkpoints) and os.listdir(checkpoints) and not config.resume:
+      raise ConfigError(f"workdir {workdir} already holds a syncer run: pass --config.resume=True to continue it "
+                        "(launch_local does on restarts), or pick a new --workdir")
+    return _serve(config, workdir, token, credentials)
+  finally:
+    lock.release()
+
+
+def _serve(config, workdir: str, token: str, credentials) -> dict:
+  """The syncer's life in a workdir it holds: restore, serve, finish."""
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   model, params, _ = model_lib.build_model(config.model, config.seed)
   corpus = sources.load_corpus(config.data, config.model.seq_len)
-  with metrics_lib.MetricsWriter(workdir, resume_from_step=_resume_step(checkpoints)) as writer:
-    recorder = Recorder(writer)
-    evaluator = Evaluator(config, model, corpus, recorder)
-    core = build_core(config, params, workdir, recorder, evaluator)
+  check_same_layout(config, os.path.join(workdir, "checkpoints"))
+  recorder = Recorder()
+  evaluator = Evaluator(config, model, corpus, recorder)
+  core = build_core(config, params, workdir, recorder, evaluator)
+  try:
     try:
-      core.start(time.time())
+      step = core.start(time.time())
+    except (wal.CorruptLog, checkpoint_lib.CorruptCheckpoint) as error:
+      raise ConfigError(str(error)) from error
+    # Records after the checkpoint the restart resumed from were replayed from the log: drop them first.
+    with metrics_lib.MetricsWriter(workdir, resume_from_step=-1 if step is None else step) as writer:
+      recorder.attach(writer)
       core.syncer.warm_up()
       server = server_lib.SyncerServer(
           core, token, host=config.service.host, port=config.service.port, chunk_bytes=config.service.chunk_bytes,
@@ -136,32 +171,69 @@ def run(config, workdir: str) -> dict:
           workers=2 * core.num_learners + 4, data_port=config.service.data_port,
           data_tls=security.server_tls_context(config.service.tls_cert, config.service.tls_key),
           data_timeout_seconds=config.service.rpc_timeout_seconds)
+      server.rejections = core.refused  # Checkpointed with the core: refusals survive restarts.
       port = server.start()
       runconfig.write_address(workdir, f"{config.service.host}:{port}")
       logging.info("syncer serving %d learners on %s:%d (%s), version %d", core.num_learners, config.service.host,
                    port, "TLS" if credentials else "plaintext", core.syncer.version)
       done_at = None
-      while not stop.wait(TICK_SECONDS):
-        now = time.time()
-        core.tick(now)
-        if core.done:
-          done_at = done_at or now
-          if core.all_told_done() or now - done_at > config.service.linger_seconds:
-            break
+      try:
+        while not stop.wait(TICK_SECONDS):
+          now = time.time()
+          core.tick(now)
+          if core.done:
+            done_at = done_at or now
+            if core.all_told_done() or now - done_at > config.service.linger_seconds:
+              break
+      except core_lib.Stopped as error:  # Fail-stop: the log cannot take new state; serve nothing more.
+        server.stop(grace=0)
+        raise SystemExit(f"error: {error}") from error
       server.stop(grace=1.0)
       core.checkpoint(time.time())  # SIGTERM: keeps the log short; at the end: already saved.
       return _finish(core, evaluator, recorder, server, write_summary=core.done and not _has_summary(writer.path))
-    finally:
-      core.close()
+  finally:
+    core.close()
 
 
-def _resume_step(checkpoints: str) -> int:
-  """Records after the checkpoint a restart resumes from are replayed from the log: drop them first."""
+# Config sections that fix the layout of the syncer's checkpointed state.
+_LAYOUT = ("model", "streaming.num_fragments", "streaming.strategy", "outer.optimizer", "learners.devices")
+
+
+def check_same_layout(config, checkpoints: str) -> None:
+  """Refuses (ConfigError naming the field) to resume a run whose state layout the config changed.
+
+  Why before restoring: orbax would fail deep inside with advice (partial restore) that is
+  wrong here; the field that changed is what the operator needs to know.
+  """
   if not os.path.isdir(checkpoints):
-    return -1
+    return
   with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
-    step = checkpointer.latest_step()
-  return -1 if step is None else step
+    for step in reversed(checkpointer.all_steps()):
+      try:
+        saved = checkpointer.restore_metadata(step).get("config")
+      except Exception:  # pylint: disable=broad-except  # A damaged one: the core's fallback reports it.
+        continue
+      if saved is not None:
+        break
+    else:
+      return
+  now = config.to_dict()
+  for field in _LAYOUT:
+    old, new = saved, now
+    for key in field.split("."):
+      old, new = old.get(key), new.get(key)
+    for name, old_value, new_value in _differences(field, old, new):
+      raise ConfigError(f"{name} is {new_value!r} but the run in {os.path.dirname(checkpoints)} was checkpointed "
+                        f"with {old_value!r}: resume with the same {name}, or start a new --workdir")
+
+
+def _differences(name: str, old, new):
+  """(dotted name, old, new) of every leaf that differs between two config values (JSON round trip aside)."""
+  if isinstance(old, dict) and isinstance(new, dict):
+    for key in sorted(set(old) | set(new)):
+      yield from _differences(f"{name}.{key}", old.get(key), new.get(key))
+  elif (list(old) if isinstance(old, (list, tuple)) else old) != (list(new) if isinstance(new, (list, tuple)) else new):
+    yield name, old, new
 
 
 def _has_summary(path: str) -> bool:

@@ -7,10 +7,18 @@ acknowledged update is lost, none is applied twice (replay skips sequence number
 checkpoint already holds), and versions never go back.
 
 Layout: `<dir>/<segment:012d>.log`, one segment per checkpoint; a record is
-  u64 meta length | u64 payload length | u32 crc32(meta + payload) | meta (msgpack map) | payload
+  u32 magic | u64 meta length | u64 payload length | u32 crc32(meta + payload) | u32 crc32(the frame so far)
+  | meta (msgpack map) | payload
 appended and fsync'ed; the payload (a push's bytes as received) is written from its own
-buffer. A crash mid-append leaves a torn last record, which was never acknowledged:
-`read_segment` stops there and `Log` truncates it before appending.
+buffer. The frame's own checksum makes its lengths trustworthy, which is what tells the
+two kinds of damage apart:
+  * a torn tail: the LAST record is incomplete (a crash mid-append; it was never
+    acknowledged). Recovered: `Log` truncates it, with a log line;
+  * corruption: any other bad record (a flipped bit mid-segment, or in a complete last
+    record that was acknowledged). `CorruptLog` names segment and offset and start-up
+    stops, unless the operator asks to truncate there (`truncate_corrupt=True`).
+A failed append (ENOSPC, EIO) truncates the segment back to its last good record and
+raises `LogWriteError`: the caller must stop serving (nothing unlogged was applied).
 """
 
 import os
@@ -18,10 +26,20 @@ import struct
 import zlib
 from collections.abc import Iterator
 
+from absl import logging
 import msgpack
 
-_FRAME = struct.Struct("<QQI")
+_MAGIC = 0xD1C0_0001
+_FRAME = struct.Struct("<IQQII")  # magic, meta length, payload length, body crc, frame crc.
 _SUFFIX = ".log"
+
+
+class CorruptLog(RuntimeError):
+  """A damaged record that is not a torn tail: acknowledged records may sit behind it."""
+
+
+class LogWriteError(OSError):
+  """An append failed (and was rolled back): the log can no longer make new state durable."""
 
 
 def segment_path(directory: str, segment: int) -> str:
@@ -37,24 +55,81 @@ def segments(directory: str) -> list[int]:
                 if name.endswith(_SUFFIX) and name[:-len(_SUFFIX)].isdigit())
 
 
-def _records(path: str) -> Iterator[tuple[int, dict, memoryview]]:
-  """(end offset, record, payload) of every intact record; stops at the first torn or corrupt one."""
-  with open(path, "rb") as f:
-    data = memoryview(f.read())
+def _frame(meta: bytes, payload: memoryview) -> bytes:
+  """The frame of one record, its own checksum last."""
+  head = struct.pack("<IQQI", _MAGIC, len(meta), payload.nbytes, zlib.crc32(payload, zlib.crc32(meta)))
+  return head + struct.pack("<I", zlib.crc32(head))
+
+
+def _scan(data: memoryview, path: str) -> Iterator[tuple[int, dict, memoryview]]:
+  """(end offset, record, payload) of every intact record, then raises CorruptLog or returns at a torn tail."""
   position = 0
-  while position + _FRAME.size <= len(data):
-    meta_length, payload_length, crc = _FRAME.unpack_from(data, position)
+  while position < len(data):
+    if len(data) - position < _FRAME.size:
+      return  # Torn: not even a whole frame.
+    magic, meta_length, payload_length, crc, frame_crc = _FRAME.unpack_from(data, position)
+    if magic != _MAGIC or zlib.crc32(data[position:position + _FRAME.size - 4]) != frame_crc or not meta_length:
+      if not any(data[position:]):
+        return  # Zeros after a power loss extended the file: nothing of that record reached the disk.
+      raise CorruptLog(f"{path}: record frame at offset {position} is damaged")
     start = position + _FRAME.size
     end = start + meta_length + payload_length
-    if end > len(data) or zlib.crc32(data[start:end]) != crc:
-      return
+    if end > len(data):
+      return  # Torn: the last record is incomplete.
+    if zlib.crc32(data[start:end]) != crc:
+      raise CorruptLog(f"{path}: record at offset {position} fails its checksum")
+    try:
+      record = msgpack.unpackb(data[start:start + meta_length], raw=False)
+    except ValueError as error:
+      raise CorruptLog(f"{path}: record at offset {position} does not decode ({error})") from error
     position = end
-    yield position, msgpack.unpackb(data[start:start + meta_length], raw=False), data[start + meta_length:end]
+    yield position, record, data[start + meta_length:end]
+
+
+def _read(path: str) -> memoryview:
+  with open(path, "rb") as f:
+    return memoryview(f.read())
 
 
 def read_segment(path: str) -> list[tuple[dict, memoryview]]:
-  """(record, payload) of every intact record of one segment, in append order."""
-  return [(record, payload) for _, record, payload in _records(path)]
+  """(record, payload) of every intact record of one segment, in append order.
+
+  Raises CorruptLog on damage other than a torn tail (`Log` has truncated that already).
+  """
+  return [(record, payload) for _, record, payload in _scan(_read(path), path)]
+
+
+def recover(directory: str, truncate_corrupt: bool) -> None:
+  """Cuts every segment back to its intact records (see `intact_length`) before a replay reads them."""
+  for segment in segments(directory):
+    path = segment_path(directory, segment)
+    valid = intact_length(path, truncate_corrupt)
+    if valid < os.path.getsize(path):
+      os.truncate(path, valid)
+
+
+def intact_length(path: str, truncate_corrupt: bool = False) -> int:
+  """Bytes of `path` that hold intact records: where the next append goes.
+
+  A torn tail is logged and left out; corruption raises CorruptLog, unless `truncate_corrupt`
+  (the operator's explicit choice to give up every record from the damage on).
+  """
+  data = _read(path)
+  valid = 0
+  try:
+    for valid, _, _ in _scan(data, path):
+      pass
+  except CorruptLog as error:
+    if not truncate_corrupt:
+      raise CorruptLog(f"{error}; records after it would be lost: refusing to start. Restore the file, or pass "
+                       "--config.service.truncate_corrupt_log=True to drop every record from there on") from None
+    logging.error("%s: truncating at offset %d as asked (truncate_corrupt_log), %d bytes dropped", error, valid,
+                  len(data) - valid)
+    return valid
+  if valid < len(data):
+    logging.warning("%s: dropping a torn last record at offset %d (%d bytes, never acknowledged)", path, valid,
+                    len(data) - valid)
+  return valid
 
 
 class Log:
@@ -62,44 +137,65 @@ class Log:
 
   def __init__(self, directory: str, segment: int):
     os.makedirs(directory, exist_ok=True)
-    self.directory, self.segment = directory, segment
-    path = segment_path(directory, segment)
-    valid = 0
-    if os.path.exists(path):
-      for valid, _, _ in _records(path):
-        pass
-    self._file = open(path, "ab")
-    self._file.truncate(valid)  # Drop a torn tail so new records follow the last intact one.
-    self._file.seek(valid)
+    self.directory = directory
+    self._open(segment, keep=True)
+
+  def _open(self, segment: int, keep: bool) -> None:
+    """Opens `segment` for appending after its intact records (`keep`) or empty."""
+    path = segment_path(self.directory, segment)
+    self._offset = intact_length(path) if keep and os.path.exists(path) else 0
+    self._file = open(path, "r+b" if os.path.exists(path) else "w+b")
+    self._file.truncate(self._offset)  # Drop a torn tail so new records follow the last intact one.
+    self._file.seek(self._offset)
+    self.segment = segment
 
   def append(self, record: dict, payload=b"") -> None:
-    """Writes and fsyncs one record (a dict of msgpack-able values) and its payload bytes."""
+    """Writes and fsyncs one record (a dict of msgpack-able values) and its payload bytes.
+
+    On failure the segment is cut back to its last good record and LogWriteError raised:
+    the record is not in the log, and the caller must not act on it.
+    """
     meta = msgpack.packb(record, use_bin_type=True)
     payload = memoryview(payload).cast("B")
-    self._file.write(_FRAME.pack(len(meta), payload.nbytes, zlib.crc32(payload, zlib.crc32(meta))))
-    self._file.write(meta)
-    self._file.write(payload)
-    self._file.flush()
-    os.fsync(self._file.fileno())
+    try:
+      self._file.write(_frame(meta, payload))
+      self._file.write(meta)
+      self._file.write(payload)
+      self._file.flush()
+      os.fsync(self._file.fileno())
+    except OSError as error:
+      self._roll_back()
+      raise LogWriteError(error.errno, f"write-ahead log append to {self._file.name} failed ({error})") from error
+    self._offset += _FRAME.size + len(meta) + payload.nbytes
+
+  def _roll_back(self) -> None:
+    """Cuts a failed append off (best effort: a torn tail is recovered at the next start anyway)."""
+    try:
+      self._file.seek(self._offset)
+      self._file.truncate(self._offset)
+      self._file.flush()
+      os.fsync(self._file.fileno())
+    except OSError as error:
+      logging.error("could not roll back the failed append (%s); the next start drops its torn tail", error)
 
   def rotate(self, segment: int, records: list[tuple[dict, bytes]]) -> None:
     """Starts segment `segment` holding `records` (what the next checkpoint does not cover).
 
-    The new segment is complete and durable before the caller writes the checkpoint that
-    points at it; older segments stay until `drop_before` runs after that checkpoint.
+    The new segment is written aside and renamed into place, complete and durable, before
+    the caller writes the checkpoint that points at it: a crash leaves either the old file
+    (a retry may rewrite the same segment) or the whole new one. Older segments stay until
+    `drop_before` runs after that checkpoint.
     """
     self._file.close()
     path = segment_path(self.directory, segment)
-    if os.path.exists(path):
-      os.remove(path)
-    self.segment = segment
-    self._file = open(path, "ab")
+    self._file, self._offset, self.segment = open(f"{path}.tmp", "w+b"), 0, segment
     for record, payload in records:
       self.append(record, payload)
+    os.replace(f"{path}.tmp", path)
     _fsync_directory(self.directory)
 
   def drop_before(self, segment: int) -> None:
-    """Deletes segments older than `segment` (a checkpoint now covers them)."""
+    """Deletes segments older than `segment` (the oldest checkpoint kept covers them)."""
     for old in segments(self.directory):
       if old < segment:
         os.remove(segment_path(self.directory, old))

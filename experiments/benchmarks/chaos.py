@@ -1,0 +1,190 @@
+r"""Chaos benchmark: SIGKILL learners and the syncer at seeded times; nothing acknowledged is lost.
+
+  python -m experiments.benchmarks.chaos               # the demo's model, ~10 min on 2 idle cores
+  python -m experiments.benchmarks.chaos --size=tiny   # the end-to-end test's size
+
+Real processes on loopback (experiments.launch_local) run what users run with the service:
+Delayed Nesterov, quorum 1, DyLU with measured speeds, a syncer that checkpoints every few
+merges. `--seeds` undisturbed runs (config seeds 0..n-1), then one run of seed 0 under a
+seeded schedule that kills learners and the syncer after the first merges, so a restarted
+syncer restores a checkpoint and replays its log. The last line is one JSON object:
+
+  kills             {learner, syncer}: SIGKILLs that happened.
+  acked_lost        pushes a learner saw acknowledged ('applied', 'dropped', 'duplicate') that the final
+                    syncer's records (after every replay) lack.
+  applied_twice     (learner, seq) pairs in those records more than once.
+  loss_ratio        final eval loss with chaos / without (seed 0, same token budget).
+  undisturbed_spread  (max - min) / mean of the undisturbed runs' final eval losses.
+  rejoin_seconds    from a learner's restart to the syncer's first accepted push of it: p50 and max, and
+                    split at the learner's first finished round into start-up (process start, imports,
+                    Join, compilation) and the rest (`after_startup_*`, target <= one round of H steps).
+  round_seconds     the undisturbed seed-0 run's median time between a learner's pushes (one round).
+  syncer_recovery_seconds  from a syncer's restart to serving again (its address published): p50, max.
+  replayed_pushes   pushes the restarted syncers re-applied from their logs (> 0: replay was exercised).
+"""
+
+import collections
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+from decoupled_diloco import checkpoint as checkpoint_lib
+from decoupled_diloco import metrics as metrics_lib
+from experiments.benchmarks import common
+from experiments.launch_local import Chaos, LocalCluster
+
+_SIZE = flags.DEFINE_enum("size", "demo", ["demo", "tiny"], "Model and budget: the demo's, or the test's.")
+_SEEDS = flags.DEFINE_integer("seeds", 3, "Undisturbed runs (config seeds 0..n-1) for the spread.")
+_PLAN = flags.DEFINE_list("plan", ["learner", "syncer", "learner"], "Kinds of the successive victims.")
+# launch_local's --workdir (where the runs go; each run's folder is replaced) and --chaos_seed (the
+# schedule's seed: which learner dies; default 0) apply too.
+flags.FLAGS.set_default("workdir", os.path.join(tempfile.gettempdir(), "dd_chaos"))
+
+# What users run with the service, at two sizes; kills start after 8 merges, `every` seconds apart.
+_COMMON = ("--config.mode=decoupled", "--config.learners.devices=(1,1)", "--config.outer.optimizer=delayed_nesterov",
+           "--config.syncer.quorum=1", "--config.policy.kind=dylu", "--config.policy.speed_source=measured",
+           "--config.eval_every=100000", "--config.service.checkpoint_every_merges=4",
+           "--config.service.lease_seconds=10.0", "--config.service.retry_seconds=300.0")
+_SIZES = {
+    "demo": {"overrides": ("--config.learners.batch_size=(16,16)",
+                           "--config.outer_steps=12", "--config.inner_steps=20"),
+             "every": 10.0, "min_uptime": 30.0, "timeout": 900.0},
+    "tiny": {"overrides": ("--config.model.seq_len=16", "--config.model.d_model=32",
+                           "--config.model.num_layers=1", "--config.model.num_heads=2", "--config.model.d_ff=64",
+                           "--config.learners.batch_size=(4,4)", "--config.outer_steps=60",
+                           "--config.inner_steps=20", "--config.data.synthetic.num_tokens=30000"),
+             "every": 6.0, "min_uptime": 20.0, "timeout": 600.0},
+}
+
+
+class TimedCluster(LocalCluster):
+  """A LocalCluster that notes when each restart began and, for the syncer, when it served again."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.restarts: list[tuple[str, float, float]] = []  # (name, began, returned) in time.time()
+
+  def restart(self, name: str) -> None:
+    began = time.time()
+    super().restart(name)  # A syncer's returns once it serves (start_syncer waits for its address).
+    self.restarts.append((name, began, time.time()))
+
+
+class AfterMerges(Chaos):
+  """Chaos whose clock starts once the syncer merged `merges` times: kills hit a run in progress, and a
+  killed syncer has checkpoints and a log to restore and replay (however slowly processes start)."""
+
+  def __init__(self, *args, merges: int, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.merges = merges
+
+  def step(self, cluster: LocalCluster, now: float) -> None:
+    if self.next_kill is None:
+      path = os.path.join(cluster.workdir, "metrics.jsonl")
+      if not os.path.exists(path) or len(_records(path, "outer")) < self.merges:
+        return
+    super().step(cluster, now)
+
+
+def _run(workdir: str, overrides: list[str], size: dict, chaos: Chaos | None) -> TimedCluster:
+  """One run to the end of its budget; raises if a process failed for another reason than a kill."""
+  cluster = TimedCluster("configs/demo.py", workdir, [*_COMMON, *size["overrides"], *overrides], 2)
+  cluster.start()
+  codes = cluster.wait(size["timeout"], chaos)
+  ended_by_chaos = (chaos.abandoned if chaos else set()) | cluster.stopped_after_end
+  failed = {name: code for name, code in codes.items() if code and name not in ended_by_chaos}
+  if failed:
+    raise RuntimeError(f"processes failed: {failed}; see {workdir}/logs")
+  return cluster
+
+
+def _records(path: str, kind: str) -> list[dict]:
+  return [r for r in metrics_lib.read_metrics(path) if r["kind"] == kind] if os.path.exists(path) else []
+
+
+def _final_loss(workdir: str) -> float:
+  summary, = _records(os.path.join(workdir, "metrics.jsonl"), "summary")
+  return summary["eval_loss"]
+
+
+def exactly_once(workdir: str, learners: int) -> tuple[int, int]:
+  """(acked_lost, applied_twice): learners' acknowledged pushes against the final syncer's push records."""
+  held = collections.Counter((r["learner"], r["seq"]) for r in _records(os.path.join(workdir, "metrics.jsonl"), "push"))
+  acked = {(m, r["seq"]) for m in range(learners)
+           for r in _records(os.path.join(workdir, f"learner_{m}", "metrics.jsonl"), "ack")
+           if r["status"] in ("applied", "dropped", "duplicate")}
+  return sum(key not in held for key in acked), sum(count > 1 for count in held.values())
+
+
+def _spread(values: list[float]) -> dict:
+  return {"p50": round(statistics.median(values), 2), "max": round(max(values), 2)} if values else {}
+
+
+def rejoin_seconds(cluster: TimedCluster) -> dict:
+  """From each learner restart to the syncer's first accepted push of it, split at its first finished round."""
+  checkpoints = os.path.join(cluster.workdir, "checkpoints")
+  with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
+    start_time = checkpointer.restore_metadata(checkpointer.latest_step())["start_time"]
+  pushes = [r for r in _records(os.path.join(cluster.workdir, "metrics.jsonl"), "push") if r["accepted"]]
+  total, startup = [], []
+  for name, began, _ in cluster.restarts:
+    if name == "syncer":
+      continue
+    learner = int(name.split("_")[1])
+    accepted = [start_time + r["wall_time"] for r in pushes if r["learner"] == learner
+                and start_time + r["wall_time"] > began]
+    rounds = [r["unix_time"] for r in _records(os.path.join(cluster.workdir, name, "metrics.jsonl"), "first_round")
+              if r["unix_time"] > began]
+    if accepted and rounds:  # Else restarted into a run that was over.
+      total.append(min(accepted) - began)
+      startup.append(min(rounds) - began)
+  rest = [t - s for t, s in zip(total, startup)]
+  return {**_spread(total), **{f"startup_{k}": v for k, v in _spread(startup).items()},
+          **{f"after_startup_{k}": v for k, v in _spread(rest).items()}}
+
+
+def round_seconds(workdir: str) -> float:
+  """Median seconds between two pushes of one learner: the length of a round of H steps."""
+  pushes = _records(os.path.join(workdir, "metrics.jsonl"), "push")
+  gaps = []
+  for learner in {r["learner"] for r in pushes}:
+    times = sorted(r["wall_time"] for r in pushes if r["learner"] == learner)
+    gaps += [b - a for a, b in zip(times, times[1:])]
+  return round(statistics.median(gaps), 2) if gaps else 0.0
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  size = _SIZES[_SIZE.value]
+  root = flags.FLAGS.workdir
+  for name in [*(f"undisturbed_{seed}" for seed in range(_SEEDS.value)), "chaos"]:
+    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+  losses = [_final_loss(_run(os.path.join(root, f"undisturbed_{seed}"), [f"--config.seed={seed}"], size,
+                             None).workdir) for seed in range(_SEEDS.value)]
+  chaos = AfterMerges(flags.FLAGS.chaos_seed or 0, size["every"], delay=2.0, include_syncer=True,
+                      min_uptime=size["min_uptime"], plan=tuple(_PLAN.value), merges=8)
+  chaotic = _run(os.path.join(root, "chaos"), ["--config.seed=0"], size, chaos)
+  kills = collections.Counter("syncer" if name == "syncer" else "learner" for _, event, name in chaos.events
+                              if event == "kill")
+  lost, twice = exactly_once(chaotic.workdir, 2)
+  replayed = sum(r.get("replayed", 0) for r in _records(os.path.join(chaotic.workdir, "metrics.jsonl"), "push"))
+  common.emit({
+      "kills": {"learner": kills["learner"], "syncer": kills["syncer"]},
+      "acked_lost": lost, "applied_twice": twice,
+      "loss_ratio": round(_final_loss(chaotic.workdir) / losses[0], 4),
+      "undisturbed_spread": round((max(losses) - min(losses)) / statistics.mean(losses), 4),
+      "rejoin_seconds": rejoin_seconds(chaotic),
+      "round_seconds": round_seconds(os.path.join(root, "undisturbed_0")),
+      "syncer_recovery_seconds": _spread([done - began for name, began, done in chaotic.restarts
+                                          if name == "syncer"]),
+      "replayed_pushes": replayed, "size": _SIZE.value, "seeds": _SEEDS.value,
+  })
+
+
+if __name__ == "__main__":
+  app.run(main)
