@@ -75,14 +75,14 @@ class InnerLoop:
     return jax.device_put(leaf, sharding)
 
   def put_batch(self, batch):
-    """Places a host batch split over the data axis."""
+    """Places a host batch split over the batch axes (data × fsdp)."""
     return jax.device_put(batch, self.batch_sharding)
 
 
 def build_inner_loop(model: LanguageModel, optimizer: optax.GradientTransformation, mesh: Mesh,
-                     params_shape, param_axes, fsdp: bool) -> InnerLoop:
-  """Compiles a group's init/train/eval steps with explicit shardings on its mesh."""
-  param_shardings = mesh_lib.param_shardings(mesh, params_shape, param_axes, fsdp)
+                     params_shape, param_axes) -> InnerLoop:
+  """Compiles a group's init/train/eval steps with explicit shardings on its mesh (its layout)."""
+  param_shardings = mesh_lib.param_shardings(mesh, params_shape, param_axes)
   scalar = mesh_lib.replicated(mesh)
   batch = mesh_lib.batch_sharding(mesh)
 
