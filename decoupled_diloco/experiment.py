@@ -86,6 +86,7 @@ def validate(config) -> None:
     _require(count >= 1 and batch >= 1 and batch % count == 0,
              f"learner group {group}: batch_size {batch} is not divisible by its {count} devices: "
              "make each learners.batch_size a positive multiple of its learners.devices")
+    inner.validate_microbatches(config.inner.microbatches, batch, count, group)
   _require(config.eval_batch_size % devices[0] == 0,
            f"eval_batch_size {config.eval_batch_size} is not divisible by group 0's {devices[0]} devices: "
            "make it a multiple")
@@ -182,7 +183,7 @@ def build(config, devices=None) -> Experiment:
   for index, (group_devices, batch_size) in enumerate(zip(groups, config.learners.batch_size)):
     optimizer = inner.inner_optimizer(config.inner, schedule_steps[index])
     loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(group_devices), params_shape, param_axes,
-                                  config.learners.fsdp)
+                                  config.learners.fsdp, config.inner.microbatches)
     shard = batches_lib.LearnerBatches(corpus.train, config.model.seq_len, batch_size=batch_size,
                                        learner_index=index, num_learners=len(groups),
                                        split=config.data.split, seed=config.seed)
