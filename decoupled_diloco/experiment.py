@@ -89,6 +89,7 @@ def validate(config) -> None:
     _require(batch >= 1 and batch % layout.batch_shards == 0,
              f"learner group {group}: batch_size {batch} is not divisible by its {layout.batch_shards} batch shards "
              f"(data × fsdp of {layout}): make each learners.batch_size a positive multiple of them")
+    inner.validate_microbatches(config.inner.microbatches, batch, layout.batch_shards, group)
   _require(config.eval_batch_size % layouts[0].batch_shards == 0,
            f"eval_batch_size {config.eval_batch_size} is not divisible by group 0's {layouts[0].batch_shards} batch "
            "shards (data × fsdp): make it a multiple")
@@ -186,7 +187,7 @@ def build(config, devices=None) -> Experiment:
   for index, (group_devices, batch_size) in enumerate(zip(groups, config.learners.batch_size)):
     optimizer = inner.inner_optimizer(config.inner, schedule_steps[index])
     loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(group_devices, layouts[index]), params_shape,
-                                  param_axes)
+                                  param_axes, config.inner.microbatches)
     shard = batches_lib.LearnerBatches(corpus.train, config.model.seq_len, batch_size=batch_size,
                                        learner_index=index, num_learners=len(groups),
                                        split=config.data.split, seed=config.seed)

@@ -151,6 +151,42 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 
+# Logical activation axes -> mesh axes, in order of preference. Mesh axes the group's mesh lacks
+# are skipped, so one table serves a 1-D data mesh and data/fsdp/tensor layouts alike. The batch
+# goes over every batch-parallel axis (data and FSDP shard the same sequences); heads, MLP hidden
+# units and vocabulary logits over the tensor axis; the residual stream (embed) and the sequence
+# (length) stay whole, so a block's matmuls never compute partial sums for the global batch.
+ACTIVATION_RULES = {
+    "batch": BATCH_AXES,
+    "length": (),
+    "embed": (),
+    "heads": (TENSOR_AXIS,),
+    "kv": (),
+    "mlp": (TENSOR_AXIS,),
+    "vocab": (TENSOR_AXIS,),
+}
+
+
+def activation_spec(shape: Sequence[int], logical_axes: Sequence[str | None], mesh_shape: dict) -> PartitionSpec:
+  """PartitionSpec of an activation from its logical axes under ACTIVATION_RULES.
+
+  A dimension takes the rule's mesh axes that exist in `mesh_shape` (axis name -> size) while
+  their product divides it, so uneven shapes (4 KV heads on 8 tensor chips) fall back to fewer
+  axes instead of padding; an axis already used by an earlier dimension is not reused.
+  """
+  used: set[str] = set()
+  spec: list = []
+  for extent, name in zip(shape, logical_axes):
+    axes, size = [], 1
+    for axis in ACTIVATION_RULES.get(name, ()) if name else ():
+      if axis in mesh_shape and axis not in used and extent % (size * mesh_shape[axis]) == 0:
+        axes.append(axis)
+        size *= mesh_shape[axis]
+    used.update(axes)
+    spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+  return PartitionSpec(*spec)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   """Scalars and metrics live on every device of the group."""
   return NamedSharding(mesh, PartitionSpec())

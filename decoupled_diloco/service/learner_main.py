@@ -70,7 +70,7 @@ def build_learner(config, index: int) -> tuple[Learner, list[float]]:
   layout = mesh.layouts_from_config(config.learners)[index]
   loop = inner.build_inner_loop(model, inner.inner_optimizer(config.inner, schedule_steps),
                                 mesh.group_mesh(devices[:count], layout), jax.eval_shape(lambda p: p, params),
-                                param_axes)
+                                param_axes, config.inner.microbatches)
   shard = batches_lib.LearnerBatches(corpus.train, config.model.seq_len, batch_size=batch_sizes[index],
                                      learner_index=index, num_learners=len(batch_sizes), split=config.data.split,
                                      seed=config.seed)
