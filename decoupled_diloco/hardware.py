@@ -21,6 +21,7 @@ class Accelerator:
   """Public per-chip specs: what the step-time model and the memory plan measure a chip against."""
   peak_bf16_flops: float  # Dense bf16 peak FLOP/s of one chip (one JAX device).
   hbm_bytes: float        # High-bandwidth memory of one chip, in bytes (GB = 1e9 as vendors quote).
+  backend: str = "tpu"    # JAX backend it runs under: picks attention='auto''s kernel in the plan.
 
 
 # One table for every reader (simulated clock, experiments.plan, launchers): TPU chips and GPUs.
@@ -29,8 +30,8 @@ ACCELERATORS = {
     "v5e": Accelerator(197e12, 16e9),
     "v5p": Accelerator(459e12, 95e9),
     "v6e": Accelerator(918e12, 32e9),
-    "h100": Accelerator(989e12, 80e9),   # H100 SXM, dense bf16.
-    "h200": Accelerator(989e12, 141e9),  # H200 SXM: H100's compute, more and faster HBM.
+    "h100": Accelerator(989e12, 80e9, "gpu"),   # H100 SXM, dense bf16.
+    "h200": Accelerator(989e12, 141e9, "gpu"),  # H200 SXM: H100's compute, more and faster HBM.
 }
 CHIP_PEAK_FLOPS = {name: spec.peak_bf16_flops for name, spec in ACCELERATORS.items()}
 RELATIVE = "relative"

@@ -3,9 +3,12 @@
 Pure arithmetic over abstract shapes (nothing large is allocated), used by `experiments.plan`:
 - Memory per chip of one learner group: params, AdamW moments and gradients (float32, laid out
   by the group's mesh layout), plus the activations the backward pass keeps. Those are counted
-  from the model itself: the residuals `jax.vjp` saves for one device's share of the batch
-  (its remat policy included), plus, under remat, one layer's recomputed activations.
+  from the model itself: the residuals `jax.vjp` saves (its remat policy included), split into
+  what grows with the batch (taken at one chip's share of it) and weight copies (sharded like
+  the params), plus, under remat, one layer's recomputed activations.
   Tensor parallelism divides the residual dimensions it shards (heads, MLP width, vocabulary).
+  Attention is traced as the target chip runs it: a flash kernel (splash on TPU; cuDNN's on GPU,
+  whose saved tensors are splash's: q, k, v, output, log-sum-exp) keeps no [T, T] scores.
   XLA's CPU memory analysis, shown beside it, ignores remat's savings.
 - Time: a step's training FLOPs at the chip's bf16 peak and the profile's MFU.
 - Communication: a fragment's push (compressed pseudo-gradient) and pull (Θ_p) over the
@@ -20,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from decoupled_diloco import compression, experiment, fragments, hardware, mesh, model as model_lib, outer
+from decoupled_diloco.model import attention
 
 # Share of a chip's HBM kept free for XLA's scratch, fragmentation and the runtime (v6e: 28 of 32 GB usable).
 RESERVED_HBM_FRACTION = 0.125
@@ -93,12 +97,11 @@ def _axes_leaves(param_axes):
 
 def _tensor_sharded_dims(model_cfg) -> set[int]:
   """Residual extents that tensor parallelism splits: head counts, MLP width, vocabulary."""
-  return {model_cfg.num_heads, getattr(model_cfg, "num_kv_heads", 0) or model_cfg.num_heads,
-          model_cfg.d_ff, model_cfg.vocab_size}
+  return {model_cfg.num_heads, model_cfg.num_kv_heads or model_cfg.num_heads, model_cfg.d_ff, model_cfg.vocab_size}
 
 
 def residual_bytes(model_cfg, local_batch: int, tensor: int = 1) -> int:
-  """Bytes `jax.vjp` of the loss saves for `local_batch` sequences on one chip, params excluded.
+  """Bytes `jax.vjp` of the loss saves for `local_batch` sequences, params themselves excluded.
 
   Traced abstractly. Under tensor parallelism each residual's first non-batch dimension that
   is a head count, the MLP width or the vocabulary (and divides by `tensor`) is split.
@@ -125,30 +128,50 @@ def residual_bytes(model_cfg, local_batch: int, tensor: int = 1) -> int:
   return total
 
 
-def activation_bytes(model_cfg, local_batch: int, tensor: int = 1) -> int:
+def _saved_per_chip(model_cfg, local_batch: int, layout: mesh.Layout) -> int:
+  """Residual bytes on one chip: the part that grows with the batch (activations) at the chip's
+  share of it, plus the part that does not (weight copies: casts, stacked layers), sharded as
+  the params are. The two parts come from tracing 1 and 2 sequences."""
+  one, two = (residual_bytes(model_cfg, b, layout.tensor) for b in (1, 2))
+  per_sequence = two - one
+  return (one - per_sequence) // layout.fsdp + local_batch * per_sequence
+
+
+def activation_bytes(model_cfg, local_batch: int, layout: mesh.Layout) -> int:
   """Saved residuals at the configured remat, plus one layer's full residuals when remat recomputes them."""
-  saved = residual_bytes(model_cfg, local_batch, tensor)
-  if getattr(model_cfg, "remat", "none") == "none":
+  saved = _saved_per_chip(model_cfg, local_batch, layout)
+  if model_cfg.remat == "none":
     return saved
   plain = copy.deepcopy(model_cfg)
-  plain.remat = "none"
-  plain.num_layers = 1
-  one = residual_bytes(plain, local_batch, tensor)
+  plain.remat, plain.num_layers = "none", 1
+  one = _saved_per_chip(plain, local_batch, layout)
   plain.num_layers = 2
-  return saved + residual_bytes(plain, local_batch, tensor) - one
+  return saved + _saved_per_chip(plain, local_batch, layout) - one
+
+
+def target_model_config(model_cfg, chip: str):
+  """The model config as the chip would trace it: attention='auto' and 'dot_product' resolved for
+  its backend, flash kernels traced as splash (which traces abstractly on any backend)."""
+  backend = hardware.ACCELERATORS[chip].backend
+  kernel = attention.resolve_implementation(model_cfg.attention, backend)
+  if kernel == "dot_product" and backend == "gpu":
+    kernel = "splash"  # cuDNN flash attention: the same residuals as splash.
+  target = copy.deepcopy(model_cfg)
+  target.attention = kernel
+  return target
 
 
 def memory_plan(config, group: int) -> MemoryPlan:
   """Analytic bytes per chip of learner group `group` on its chip (learners.hardware[group])."""
-  layout = group_layouts(config)[group]
+  layout, chip = group_layouts(config)[group], chip_of(config, group)
   _, params_shape, param_axes = model_lib.abstract_params(config.model)
   per_state = state_bytes(params_shape, param_axes, layout)
-  microbatches = getattr(config.inner, "microbatches", 1) or 1
+  microbatches = config.inner.microbatches
   local_batch = config.learners.batch_size[group] // layout.batch_shards // microbatches
   gradients = per_state * (2 if microbatches > 1 else 1)  # An accumulator beside each microbatch's grads.
   return MemoryPlan(per_state, 2 * per_state, gradients,
-                    activation_bytes(config.model, max(local_batch, 1), layout.tensor),
-                    hardware.ACCELERATORS[chip_of(config, group)].hbm_bytes)
+                    activation_bytes(target_model_config(config.model, chip), max(local_batch, 1), layout),
+                    hardware.ACCELERATORS[chip].hbm_bytes)
 
 
 def chip_of(config, group: int) -> str:

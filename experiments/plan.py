@@ -12,6 +12,7 @@ When a group does not fit its chip's HBM it ends with one `error:` line naming t
 shortfall and the knob to turn, and exits with status 2 (as it does on bad input).
 """
 
+import copy
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ from ml_collections import config_flags
 
 from decoupled_diloco import experiment, hardware, inner, mesh, model as model_lib, plan
 from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.model import attention
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (a configs/*.py).", lock_config=True)
 _XLA = flags.DEFINE_bool("xla", True, "Also compile each group's inner step abstractly on virtual CPU devices "
@@ -44,10 +46,14 @@ def fail(message: str) -> None:
 def compile_group(config, group: int) -> dict:
   """XLA's figures for `group`'s inner step, compiled abstractly on this process's virtual devices."""
   layout = mesh.layouts_from_config(config.learners)[group]
-  model, params_shape, param_axes = model_lib.abstract_params(config.model)
+  model_cfg = copy.deepcopy(config.model)
+  model_cfg.attention = attention.resolve_implementation(model_cfg.attention, "cpu")
+  if model_cfg.attention == "splash":
+    model_cfg.attention = "xla"  # Pallas TPU kernels do not compile for CPU; XLA's figure then holds [T, T] scores.
+  model, params_shape, param_axes = model_lib.abstract_params(model_cfg)
   optimizer = inner.inner_optimizer(config.inner, config.outer_steps * config.inner_steps)
   loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:layout.devices], layout),
-                                params_shape, param_axes)
+                                params_shape, param_axes, config.inner.microbatches)
   state = jax.eval_shape(lambda p: inner.TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)), params_shape)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, loop.state_shardings)
   batch = jax.ShapeDtypeStruct((config.learners.batch_size[group], config.model.seq_len + 1), jnp.int32,
@@ -87,12 +93,10 @@ def knob(config, group: int, memory) -> str:
   """What to turn when a group does not fit: the biggest lever for what fills the chip."""
   layout = plan.group_layouts(config)[group]
   if memory.activations >= memory.peak / 2:
-    if getattr(config.model, "remat", "none") == "none" and "remat" in config.model:
+    if config.model.remat == "none":
       return "turn on remat (--config.model.remat=full)"
-    if "microbatches" in config.inner:
-      return (f"split the batch into microbatches (--config.inner.microbatches="
-              f"{2 * max(config.inner.microbatches, 1)}) or lower learners.batch_size[{group}]")
-    return f"lower learners.batch_size[{group}] or add batch shards (data/fsdp) to learners.layouts[{group}]"
+    return (f"split the batch into microbatches (--config.inner.microbatches={2 * config.inner.microbatches}), "
+            f"lower learners.batch_size[{group}] or add batch shards (data/fsdp) to learners.layouts[{group}]")
   return f"shard the state over more chips: raise fsdp (or tensor) in learners.layouts[{group}] (now {layout})"
 
 
@@ -101,9 +105,10 @@ def print_group(config, group: int, xla: dict | None):
   layout = plan.group_layouts(config)[group]
   chip, memory = plan.chip_of(config, group), plan.memory_plan(config, group)
   batch, seq = config.learners.batch_size[group], config.model.seq_len
-  remat = getattr(config.model, "remat", "none")
+  remat, traced = config.model.remat, plan.target_model_config(config.model, chip).attention
   print(f"group {group}: {chip} x {layout.devices} chips, layout {layout}, batch {batch} x {seq} tokens "
-        f"({batch // layout.batch_shards} sequences per batch shard), remat {remat}")
+        f"({batch // layout.batch_shards} sequences per batch shard, {config.inner.microbatches} microbatch(es)), "
+        f"remat {remat}, attention traced as {traced}")
   print(f"  memory per chip           analytic       XLA (CPU compile)")
   for name in ("params", "optimizer", "gradients", "activations"):
     print(f"    {name:<20} {_gb(getattr(memory, name))}")
