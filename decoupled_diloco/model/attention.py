@@ -8,7 +8,8 @@ Implementations (model.attention), all computing the same function:
                  XLA elsewhere.
   'splash'       JAX's Pallas TPU splash-attention kernel (jax.experimental.pallas.ops.tpu): a
                  block-sparse flash kernel that skips the masked half and never stores T x T.
-                 Runs on TPU; on CPU only in Pallas interpret mode (tests), far too slow to train.
+                 Compiled on TPU; on other backends it runs in Pallas interpret mode, which the
+                 tests use to check it against 'xla' on CPU, and which is far too slow to train.
   'auto'         splash on TPU, dot_product on GPU, xla on CPU.
 Grouped-query attention: num_kv_heads key/value heads, each shared by num_heads / num_kv_heads
 query heads (num_kv_heads = num_heads is plain multi-head attention).
@@ -97,13 +98,15 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) -> 
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, d)
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool = False) -> jax.Array:
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   """Pallas TPU splash attention; under a mesh, one kernel per shard of the batch (shard_map).
+
+  Off TPU the kernel runs in Pallas interpret mode (same arithmetic, emulated), for tests.
 
   A Pallas call has no partitioning rule, so without shard_map XLA would gather the global
   batch onto every chip; the batch shards are independent sequences, so no exchange is needed.
   """
-  local = functools.partial(_splash_local, interpret=interpret)
+  local = functools.partial(_splash_local, interpret=jax.default_backend() != 'tpu')
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return local(q, k, v)

@@ -57,6 +57,9 @@ def validate_config(model_cfg: Any) -> None:
     _refuse(f'model.rope_theta is {cfg.rope_theta!r}: set it > 0 (10000 is standard)')
   if cfg.loss_chunk < 0 or (cfg.loss_chunk and cfg.seq_len % cfg.loss_chunk):
     _refuse(f'model.loss_chunk is {cfg.loss_chunk}: use 0 (no chunking) or a divisor of seq_len {cfg.seq_len}')
+  if cfg.attention == 'splash' and cfg.seq_len % 128:
+    _refuse(f'model.attention=splash needs seq_len a multiple of 128 (its block), got {cfg.seq_len}: '
+            "use --config.model.attention=xla or 'dot_product'")
   memories = {m.kind for m in jax.devices()[0].addressable_memories()}
   if cfg.remat == 'offload' and 'pinned_host' not in memories:
     _refuse(f'model.remat=offload needs pinned host memory, which {jax.default_backend()} lacks: '
