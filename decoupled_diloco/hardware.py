@@ -3,7 +3,7 @@
 The virtual-clock runtime advances each learner by the time its hardware would need,
 while the math runs on whatever devices are present. A step costs
     flops_per_token · tokens_per_step / (chips · peak bf16 FLOP/s · MFU)
-on a TPU profile, or reference_step_seconds / speed on a relative-speed profile, times
+on a chip profile (TPU or GPU, `ACCELERATORS`), or reference_step_seconds / speed on a relative-speed profile, times
 an optional seeded log-normal jitter (mean 1) for stragglers.
 """
 

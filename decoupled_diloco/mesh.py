@@ -6,7 +6,8 @@ devices here) and lays it out as a 3-D mesh of axes `data` × `fsdp` × `tensor`
 - the batch is split over `data` × `fsdp` (plain data parallelism on both);
 - parameters (and with them the AdamW moments) shard their first `embed` dimension over
   `fsdp` (ZeRO-3 style) and their first `heads`, `mlp` or `vocab` dimension over `tensor`
-  (Megatron-style model parallelism); a dimension the axis does not divide stays whole.
+  (Megatron-style model parallelism); a dimension the axis does not divide stays whole;
+- activations follow ACTIVATION_RULES (batch over data × fsdp; heads, MLP and vocab over tensor).
 Arrays never move between groups implicitly: the runtime moves them with `jax.device_put`
 to the target group's shardings, so pushes and pulls work between any two layouts.
 """
