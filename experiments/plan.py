@@ -126,7 +126,8 @@ def print_group(config, group: int, xla: dict | None):
         f"({plan.RESERVED_HBM_FRACTION:.1%} reserved): {verdict}")
   comm = plan.comm_plan(config, group)
   flops = experiment.flops_per_step(config)[group]
-  xla_flops = f" (XLA per chip: {xla['flops']:.3g})" if xla else ""
+  scanned = "; a scanned layer's body counted once" if config.model.scan_layers else ""
+  xla_flops = f" (XLA's cost analysis per chip: {xla['flops']:.3g}{scanned})" if xla else ""
   print(f"  compute: {flops:.3g} FLOPs per step, {flops / layout.devices:.3g} per chip{xla_flops}; "
         f"{_time(comm.step_seconds)} per step at MFU {config.learners.mfu}; "
         f"{batch * seq / comm.step_seconds / layout.devices:,.0f} tokens/s per chip")
