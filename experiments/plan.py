@@ -77,7 +77,9 @@ def compile_in_subprocess(group: int, devices: int) -> dict:
   done = subprocess.run([sys.executable, "-m", "experiments.plan", *argv, f"--compile_group={group}"], env=env,
                         capture_output=True, text=True, check=False)
   if done.returncode:
-    raise RuntimeError(f"compiling group {group} failed: {done.stderr.strip().splitlines()[-1:]}")
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    fail(f"compiling group {group} on {devices} virtual CPU devices failed ({last}): fix that, or plan without "
+         "XLA's figures with --xla=false")
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
