@@ -56,8 +56,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.learners.devices = (2, 2, 2, 2)  # Devices per learner group; groups get disjoint device slices.
   config.learners.batch_size = (16, 16, 16, 16)  # Sequences per inner step per group (divisible by its devices).
   config.learners.fsdp = False  # Also shard params and AdamW moments over each group's devices (when layouts is ()).
-  config.learners.layouts = ()  # Per-group mesh 'data=A,fsdp=B,tensor=C' (product = its devices), e.g. ('fsdp=8,tensor=2', 'data=4,fsdp=4'); () = from fsdp.
-  config.learners.hardware = ()  # Per-group chip ('v4', 'v5e', 'v5p', 'v6e', 'h100', 'h200') or 'relative'; () = all 'relative'.
+  config.learners.layouts = ()  # Per-group mesh, e.g. ('fsdp=8,tensor=2', 'data=4,fsdp=4') (docs/plan.md); () = from fsdp.
+  config.learners.hardware = ()  # Per-group chip ('v4', 'v5e', 'v5p', 'v6e', 'h100', 'h200') or 'relative'; () = all relative.
   config.learners.chips = ()  # Per-group chips of the simulated slice; () = the group's device count.
   config.learners.speed = ()  # Per-group relative speed for 'relative' hardware; () = all 1.0.
   config.learners.mfu = 0.4  # Model FLOPs utilisation of every simulated TPU slice.

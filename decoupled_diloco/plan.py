@@ -79,11 +79,6 @@ class CommPlan:
     return math.ceil(self.transfer_seconds / self.step_seconds) if self.step_seconds else 0
 
 
-def group_layouts(config) -> list[mesh.Layout]:
-  """Each group's layout, as the run would build it."""
-  return mesh.layouts_from_config(config.learners)
-
-
 def state_bytes(params_shape, param_axes, layout: mesh.Layout) -> int:
   """float32 bytes one chip holds of one params-shaped tree under `layout`."""
   sizes = dict(zip(mesh.MESH_AXES, layout.shape))
@@ -163,7 +158,7 @@ def target_model_config(model_cfg, chip: str):
 
 def memory_plan(config, group: int) -> MemoryPlan:
   """Analytic bytes per chip of learner group `group` on its chip (learners.hardware[group])."""
-  layout, chip = group_layouts(config)[group], chip_of(config, group)
+  layout, chip = mesh.layouts_from_config(config.learners)[group], chip_of(config, group)
   _, params_shape, param_axes = model_lib.abstract_params(config.model)
   per_state = state_bytes(params_shape, param_axes, layout)
   microbatches = config.inner.microbatches
@@ -185,7 +180,7 @@ def step_seconds(config, group: int) -> float:
   return profile.mean_step_seconds(experiment.flops_per_step(config)[group])
 
 
-def _link(config, group: int) -> tuple[float, float]:
+def link(config, group: int) -> tuple[float, float]:
   """(Gbit/s, one-way latency s) of the group's link to the syncer; 0 Gbit/s = unlimited."""
   sim = config.sim
   gbps = sim.learner_link_gbps[group] if sim.learner_link_gbps else sim.link_gbps
@@ -206,7 +201,7 @@ def comm_plan(config, group: int, fmt: str | None = None, num_fragments: int | N
     pushes[fragment] += compression.wire_bytes(codec, [leaf.shape])
     pulls[fragment] += math.prod(leaf.shape) * downlink
   largest = max(range(p), key=lambda f: pushes[f] + pulls[f])
-  gbps, latency = _link(config, group)
+  gbps, latency = link(config, group)
   wire = (pushes[largest] + pulls[largest]) * 8 / (gbps * 1e9) if gbps else 0.0
   return CommPlan(pushes[largest], pulls[largest], wire + 2 * latency, step_seconds(config, group),
                   config.inner_steps, p, config.streaming.overlap_steps)

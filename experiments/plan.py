@@ -93,7 +93,7 @@ def _time(seconds: float) -> str:
 
 def knob(config, group: int, memory) -> str:
   """What to turn when a group does not fit: the biggest lever for what fills the chip."""
-  layout = plan.group_layouts(config)[group]
+  layout = mesh.layouts_from_config(config.learners)[group]
   if memory.activations >= memory.peak / 2:
     if config.model.remat == "none":
       return "turn on remat (--config.model.remat=full)"
@@ -104,7 +104,7 @@ def knob(config, group: int, memory) -> str:
 
 def print_group(config, group: int, xla: dict | None):
   """One group's memory, compute and exchange; returns its MemoryPlan and the peak that decides the fit."""
-  layout = plan.group_layouts(config)[group]
+  layout = mesh.layouts_from_config(config.learners)[group]
   chip, memory = plan.chip_of(config, group), plan.memory_plan(config, group)
   batch, seq = config.learners.batch_size[group], config.model.seq_len
   remat, traced = config.model.remat, plan.target_model_config(config.model, chip).attention
@@ -133,7 +133,7 @@ def print_group(config, group: int, xla: dict | None):
   print(f"  compute: {flops:.3g} FLOPs per step, {flops / layout.devices:.3g} per chip{xla_flops}; "
         f"{_time(comm.step_seconds)} per step at MFU {config.learners.mfu}; "
         f"{batch * seq / comm.step_seconds / layout.devices:,.0f} tokens/s per chip")
-  gbps, latency = plan._link(config, group)  # pylint: disable=protected-access
+  gbps, latency = plan.link(config, group)
   link = f"{gbps:g} Gbit/s + {latency * 1e3:g} ms" if gbps else "unlimited bandwidth"
   print(f"  exchange per fragment (P={comm.num_fragments}, {config.compression.format} up, "
         f"{config.compression.downlink_format} down, link {link}): push {comm.push_bytes / GB:.2f} GB + pull "
