@@ -24,6 +24,17 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.num_heads = 4  # Attention heads (must divide d_model).
   config.model.d_ff = 256  # MLP hidden width.
   config.model.dtype = "float32"  # Compute dtype ('float32' or 'bfloat16'); params stay float32.
+  # Architecture options (docs/scale.md); the defaults are the GPT-2-style model.
+  config.model.position = "learned"  # 'learned' position table or 'rope' (rotary; no position params).
+  config.model.rope_theta = 10_000.0  # RoPE base wavelength (position='rope' only).
+  config.model.mlp = "gelu"  # 'gelu' (two matrices) or 'swiglu' (gated, three matrices; Llama/Gemma).
+  config.model.num_kv_heads = 0  # Key/value heads for grouped-query attention; 0 = num_heads (plain multi-head).
+  config.model.tie_embeddings = False  # Output projection = token embedding transposed (no lm_head params).
+  # How it runs (same function, different memory/compile time/speed):
+  config.model.attention = "xla"  # 'xla' (einsums), 'dot_product' (jax.nn; cuDNN on GPU), 'splash' (Pallas TPU), 'auto' per backend.
+  config.model.remat = "none"  # Per-block rematerialisation: 'none', 'full', 'dots_saveable', 'minimal' or 'offload' (to host).
+  config.model.scan_layers = False  # One compiled block scanned over the layers: compile time flat in depth.
+  config.model.loss_chunk = 0  # Tokens per cross-entropy chunk, so [B, T, vocab] f32 logits never exist (0 = one chunk).
 
   config.data = ml_collections.ConfigDict()
   config.data.source = "synthetic"  # 'synthetic' (embedded, known optimum), 'text_file' or 'tfds'.
@@ -44,8 +55,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.learners = ml_collections.ConfigDict()
   config.learners.devices = (2, 2, 2, 2)  # Devices per learner group; groups get disjoint device slices.
   config.learners.batch_size = (16, 16, 16, 16)  # Sequences per inner step per group (divisible by its devices).
-  config.learners.fsdp = False  # Also shard params and AdamW moments over each group's devices.
-  config.learners.hardware = ()  # Per-group chip ('v4', 'v5e', 'v5p', 'v6e') or 'relative'; () = all 'relative'.
+  config.learners.fsdp = False  # Also shard params and AdamW moments over each group's devices (when layouts is ()).
+  config.learners.layouts = ()  # Per-group mesh, e.g. ('fsdp=8,tensor=2', 'data=4,fsdp=4') (docs/plan.md); () = from fsdp.
+  config.learners.hardware = ()  # Per-group chip ('v4', 'v5e', 'v5p', 'v6e', 'h100', 'h200') or 'relative'; () = all relative.
   config.learners.chips = ()  # Per-group chips of the simulated slice; () = the group's device count.
   config.learners.speed = ()  # Per-group relative speed for 'relative' hardware; () = all 1.0.
   config.learners.mfu = 0.4  # Model FLOPs utilisation of every simulated TPU slice.
@@ -60,6 +72,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.inner.clip_norm = 1.0  # Global gradient-norm clip.
   config.inner.b1 = 0.9  # AdamW beta1.
   config.inner.b2 = 0.95  # AdamW beta2.
+  config.inner.microbatches = 1  # Gradient accumulation: split each step's batch into k microbatches (batch % (k x devices) == 0).
 
   config.outer = ml_collections.ConfigDict()
   config.outer.optimizer = "sgd"  # 'sgd' (with momentum / Nesterov) or 'adam'.

@@ -1,17 +1,25 @@
-r"""A ~1B-parameter DiLoCo run over two TPU slices (v5p-128 and v6e-64 class), FSDP inside each.
+r"""A ~1B-parameter run over two TPU generations: a v5p-128 slice (64 chips) and a v6e-64 slice (64 chips).
 
-Validated on CPU by the tests (shapes only, nothing allocated); run it on a Cloud TPU VM
-that sees 128 chips, on C4 through TFDS:
+Each group has its own layout: the v5p slice (95 GB per chip) runs data × FSDP, the v6e slice
+(32 GB per chip) FSDP × tensor, both with per-block remat and scanned layers. Check that every
+group fits and whether the exchange hides under compute, on any machine (no TPU needed):
 
-  python -m experiments.train --config=configs/tpu_1b.py --workdir=gs://BUCKET/dd_1b
+  python -m experiments.plan --config=configs/tpu_1b.py
+
+Run it (one learner process per slice, the syncer on the first slice's worker 0), on C4 via TFDS:
+
+  python -m experiments.launch_tpu --config=configs/tpu_1b.py --slices=v5p-128@us-east5-a,v6e-64@us-east1-d \
+      --project=my-project --run_name=dd-1b --dry_run
 """
 
 from configs import default
 
 
 def get_config():
-  """DiLoCo paper defaults (H=500, inner lr 4e-4, warmup 1000) at ~1B params."""
+  """DiLoCo paper defaults (H=500, inner lr 4e-4, warmup 1000) at ~1B params, v5p + v6e."""
   config = default.get_config()
+  config.mode = "decoupled"
+  config.runtime = "service"  # One learner process per slice (experiments.launch_tpu starts them).
   config.outer_steps = 200
   config.inner_steps = 500  # H = 500 as in DiLoCo.
   config.model.seq_len = 2048
@@ -20,12 +28,22 @@ def get_config():
   config.model.num_heads = 16
   config.model.d_ff = 8192
   config.model.dtype = "bfloat16"
+  config.model.remat = "full"  # Keeps each block's input only: activations fit a v6e chip.
+  config.model.scan_layers = True  # Compile time flat in depth.
+  config.model.attention = "auto"  # Splash (flash) attention on TPU.
   config.data.source = "tfds"
   config.data.tfds_name = "c4/en"
   config.data.max_bytes = 8_000_000_000  # Reads the first ~8 GB of C4 into host memory.
-  config.learners.devices = (64, 64)  # Two slices of 64 chips each.
+  config.learners.devices = (64, 64)  # v5p-128 (64 chips) and v6e-64 (64 chips).
+  config.learners.hardware = ("v5p", "v6e")
+  config.learners.layouts = ("data=2,fsdp=32", "fsdp=32,tensor=2")
   config.learners.batch_size = (256, 256)  # 512 sequences x 2048 tokens per inner step in total.
-  config.learners.fsdp = True
+  config.learners.mfu = 0.4
+  config.sim.link_gbps = 25.0  # Data-center network between a slice and the syncer.
+  config.sim.link_latency_seconds = 0.05
+  config.streaming.num_fragments = 4  # Streaming: a quarter of the model syncs every H/4 steps...
+  config.streaming.overlap_steps = 5  # ...and may land 5 steps late (tau) while training goes on.
+  config.compression.format = "bf16"
   config.inner.lr = 4e-4
   config.inner.warmup_steps = 1000
   config.eval_batch_size = 256

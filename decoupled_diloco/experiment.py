@@ -82,13 +82,17 @@ def validate(config) -> None:
   _require(len(devices) == len(batch_sizes),
            f"learners.devices has {len(devices)} groups but learners.batch_size has {len(batch_sizes)}: "
            "give one batch size per group")
-  for group, (count, batch) in enumerate(zip(devices, batch_sizes)):
-    _require(count >= 1 and batch >= 1 and batch % count == 0,
-             f"learner group {group}: batch_size {batch} is not divisible by its {count} devices: "
-             "make each learners.batch_size a positive multiple of its learners.devices")
-  _require(config.eval_batch_size % devices[0] == 0,
-           f"eval_batch_size {config.eval_batch_size} is not divisible by group 0's {devices[0]} devices: "
-           "make it a multiple")
+  _require(all(count >= 1 for count in devices), f"learners.devices={devices} has a group with < 1 device: "
+           "give every group at least 1")
+  layouts = mesh.layouts_from_config(config.learners)
+  for group, (layout, batch) in enumerate(zip(layouts, batch_sizes)):
+    _require(batch >= 1 and batch % layout.batch_shards == 0,
+             f"learner group {group}: batch_size {batch} is not divisible by its {layout.batch_shards} batch shards "
+             f"(data × fsdp of {layout}): make each learners.batch_size a positive multiple of them")
+    inner.validate_microbatches(config.inner.microbatches, batch, layout.batch_shards, group)
+  _require(config.eval_batch_size % layouts[0].batch_shards == 0,
+           f"eval_batch_size {config.eval_batch_size} is not divisible by group 0's {layouts[0].batch_shards} batch "
+           "shards (data × fsdp): make it a multiple")
   _require(config.mode != "ddp" or len(devices) == 1,
            f"mode='ddp' trains one group but learners.devices={devices}: use one group, e.g. (8,)")
   _require(config.data.split in ("iid", "noniid"),
@@ -167,6 +171,7 @@ def build(config, devices=None) -> Experiment:
   validate(config)
   devices = jax.devices() if devices is None else devices
   groups = mesh.partition_devices(devices, config.learners.devices)
+  layouts = mesh.layouts_from_config(config.learners)
   corpus = sources.load_corpus(config.data, config.model.seq_len)
   model, params, param_axes = model_lib.build_model(config.model, config.seed)
   params_shape = jax.eval_shape(lambda p: p, params)
@@ -181,8 +186,8 @@ def build(config, devices=None) -> Experiment:
                 if config.mode != "ddp" else ())
   for index, (group_devices, batch_size) in enumerate(zip(groups, config.learners.batch_size)):
     optimizer = inner.inner_optimizer(config.inner, schedule_steps[index])
-    loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(group_devices), params_shape, param_axes,
-                                  config.learners.fsdp)
+    loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(group_devices, layouts[index]), params_shape,
+                                  param_axes, config.inner.microbatches)
     shard = batches_lib.LearnerBatches(corpus.train, config.model.seq_len, batch_size=batch_size,
                                        learner_index=index, num_learners=len(groups),
                                        split=config.data.split, seed=config.seed)

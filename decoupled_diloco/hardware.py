@@ -3,7 +3,7 @@
 The virtual-clock runtime advances each learner by the time its hardware would need,
 while the math runs on whatever devices are present. A step costs
     flops_per_token · tokens_per_step / (chips · peak bf16 FLOP/s · MFU)
-on a TPU profile, or reference_step_seconds / speed on a relative-speed profile, times
+on a chip profile (TPU or GPU, `ACCELERATORS`), or reference_step_seconds / speed on a relative-speed profile, times
 an optional seeded log-normal jitter (mean 1) for stragglers.
 """
 
@@ -14,9 +14,26 @@ import numpy as np
 
 from decoupled_diloco.errors import ConfigError
 
-# Public per-chip specs (ARCHITECTURE.md §3): peak bf16 FLOP/s and HBM.
-CHIP_PEAK_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
-CHIP_HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+  """Public per-chip specs: what the step-time model and the memory plan measure a chip against."""
+  peak_bf16_flops: float  # Dense bf16 peak FLOP/s of one chip (one JAX device).
+  hbm_bytes: float        # High-bandwidth memory of one chip, in bytes (GB = 1e9 as vendors quote).
+  backend: str = "tpu"    # JAX backend it runs under: picks attention='auto''s kernel in the plan.
+
+
+# One table for every reader (simulated clock, experiments.plan, launchers): TPU chips and GPUs.
+ACCELERATORS = {
+    "v4": Accelerator(275e12, 32e9),
+    "v5e": Accelerator(197e12, 16e9),
+    "v5p": Accelerator(459e12, 95e9),
+    "v6e": Accelerator(918e12, 32e9),
+    "h100": Accelerator(989e12, 80e9, "gpu"),   # H100 SXM, dense bf16.
+    "h200": Accelerator(989e12, 141e9, "gpu"),  # H200 SXM: H100's compute, more and faster HBM.
+}
+CHIP_PEAK_FLOPS = {name: spec.peak_bf16_flops for name, spec in ACCELERATORS.items()}
 RELATIVE = "relative"
 
 

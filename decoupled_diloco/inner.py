@@ -15,6 +15,7 @@ import optax
 from jax.sharding import Mesh
 
 from decoupled_diloco import mesh as mesh_lib
+from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.model import LanguageModel
 
 
@@ -39,9 +40,38 @@ def inner_optimizer(inner_cfg, total_steps: int) -> optax.GradientTransformation
                   mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params)))
 
 
-def train_step(model: LanguageModel, optimizer: optax.GradientTransformation, state: TrainState, batch):
-  """One AdamW step on the mean next-token loss of `batch`."""
-  loss, grads = jax.value_and_grad(model.loss)(state.params, batch)
+def validate_microbatches(microbatches, batch_size: int, devices: int, group: int) -> None:
+  """Each microbatch must split evenly over the group's devices, or the step would pad or gather."""
+  if not isinstance(microbatches, int) or microbatches < 1 or batch_size % (microbatches * devices):
+    raise ConfigError(f"inner.microbatches={microbatches!r} does not split learner group {group}'s batch_size "
+                      f"{batch_size} into equal microbatches over its {devices} devices: use a positive int k "
+                      f"with batch_size divisible by k * {devices}")
+
+
+def loss_and_grads(model: LanguageModel, params, batch, microbatches: int = 1):
+  """Mean loss and its gradient over `batch`, computed `microbatches` rows-groups at a time.
+
+  Gradient accumulation: activations are held for one microbatch only, and the mean of equal
+  microbatches' means is the batch mean, so k > 1 trains the same model as one big batch (to
+  float rounding). Microbatch j takes rows j, j+k, j+2k, ...: every device keeps a share of
+  each microbatch, so no rows move between devices.
+  """
+  if microbatches == 1:
+    return jax.value_and_grad(model.loss)(params, batch)
+  micro = batch.reshape(batch.shape[0] // microbatches, microbatches, *batch.shape[1:]).swapaxes(0, 1)
+
+  def accumulate(total, rows):
+    return jax.tree.map(jnp.add, total, jax.value_and_grad(model.loss)(params, rows)), None
+
+  zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+  (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+  return jax.tree.map(lambda x: x / microbatches, (loss, grads))
+
+
+def train_step(model: LanguageModel, optimizer: optax.GradientTransformation, state: TrainState, batch,
+               microbatches: int = 1):
+  """One AdamW step on the mean next-token loss of `batch` (accumulated over microbatches)."""
+  loss, grads = loss_and_grads(model, state.params, batch, microbatches)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
@@ -75,14 +105,18 @@ class InnerLoop:
     return jax.device_put(leaf, sharding)
 
   def put_batch(self, batch):
-    """Places a host batch split over the data axis."""
+    """Places a host batch split over the batch axes (data × fsdp)."""
     return jax.device_put(batch, self.batch_sharding)
 
 
 def build_inner_loop(model: LanguageModel, optimizer: optax.GradientTransformation, mesh: Mesh,
-                     params_shape, param_axes, fsdp: bool) -> InnerLoop:
-  """Compiles a group's init/train/eval steps with explicit shardings on its mesh."""
-  param_shardings = mesh_lib.param_shardings(mesh, params_shape, param_axes, fsdp)
+                     params_shape, param_axes, microbatches: int = 1) -> InnerLoop:
+  """Compiles a group's init/train/eval steps with explicit shardings on its mesh (its layout).
+
+  The steps trace under the mesh (as an abstract mesh), so the model's activation constraints
+  pin the residual stream to the batch axes instead of leaving layout to propagation.
+  """
+  param_shardings = mesh_lib.param_shardings(mesh, params_shape, param_axes)
   scalar = mesh_lib.replicated(mesh)
   batch = mesh_lib.batch_sharding(mesh)
 
@@ -96,10 +130,16 @@ def build_inner_loop(model: LanguageModel, optimizer: optax.GradientTransformati
   state_shardings = TrainState(scalar, param_shardings, opt_shardings)
 
   jit_init = jax.jit(init, in_shardings=(param_shardings,), out_shardings=state_shardings)
-  jit_step = jax.jit(lambda s, b: train_step(model, optimizer, s, b),
+  def under_mesh(fn):
+    def traced(*args):
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return fn(*args)
+    return traced
+
+  jit_step = jax.jit(under_mesh(lambda s, b: train_step(model, optimizer, s, b, microbatches)),
                      in_shardings=(state_shardings, batch), out_shardings=(state_shardings, scalar),
                      donate_argnums=0)
-  jit_loss = jax.jit(model.loss, in_shardings=(param_shardings, batch), out_shardings=scalar)
+  jit_loss = jax.jit(under_mesh(model.loss), in_shardings=(param_shardings, batch), out_shardings=scalar)
   loop = InnerLoop(mesh, param_shardings, state_shardings, batch, None, jit_step, jit_loss)
   return dataclasses.replace(loop, init=lambda params: jit_init(loop.put_params(params)))
 

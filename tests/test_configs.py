@@ -31,4 +31,12 @@ def test_tpu_config_is_about_one_billion_parameters_without_allocating():
   config = importlib.import_module("configs.tpu_1b").get_config()
   _, shapes, _ = model_lib.abstract_params(config.model)
   assert 0.9e9 < model_lib.count_params(shapes) < 1.2e9
-  assert config.learners.fsdp and sum(config.learners.devices) == 128
+  assert config.learners.hardware == ("v5p", "v6e") and len(set(config.learners.layouts)) == 2
+  assert sum(config.learners.devices) == 128
+
+
+def test_tpu_8b_config_is_about_eight_billion_parameters_with_a_subword_vocabulary():
+  config = importlib.import_module("configs.tpu_8b").get_config()
+  _, shapes, _ = model_lib.abstract_params(config.model)
+  assert 7.5e9 < model_lib.count_params(shapes) < 8.5e9 and config.model.vocab_size >= 32_000
+  assert config.mode == "decoupled" and config.learners.hardware == ("v5p", "v6e")

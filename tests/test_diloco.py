@@ -44,7 +44,8 @@ def test_sharded_step_equals_single_device_step(num_devices, fsdp):
   batch = np.random.default_rng(0).integers(0, 256, (8, config.model.seq_len + 1), dtype=np.int32)
 
   def three_steps(devices, shard):
-    loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(devices), shapes, axes, shard)
+    layout = mesh.Layout(fsdp=len(devices)) if shard else mesh.Layout(data=len(devices))
+    loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(devices, layout), shapes, axes)
     state = loop.init(params)
     for _ in range(3):
       state, _ = loop.step(state, loop.put_batch(batch))
@@ -56,7 +57,7 @@ def test_sharded_step_equals_single_device_step(num_devices, fsdp):
   chex.assert_trees_all_close(_params(sharded.opt_state), _params(single.opt_state), atol=1e-5)
   if fsdp:
     kernel = sharded.params["block_0"]["mlp"]["wi"]["kernel"]
-    assert kernel.sharding.spec == jax.sharding.PartitionSpec("data", None)
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
     assert len(kernel.addressable_shards) == num_devices
     assert kernel.addressable_shards[0].data.shape[0] == kernel.shape[0] // num_devices
 

@@ -68,9 +68,10 @@ def build_learner(config, index: int) -> tuple[Learner, list[float]]:
   flops = experiment.flops_per_step(config)
   profiles = hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
   schedule_steps = experiment.expected_steps(config, profiles, flops)[index]
+  layout = mesh.layouts_from_config(config.learners)[index]
   loop = inner.build_inner_loop(model, inner.inner_optimizer(config.inner, schedule_steps),
-                                mesh.group_mesh(devices[:count]), jax.eval_shape(lambda p: p, params), param_axes,
-                                config.learners.fsdp)
+                                mesh.group_mesh(devices[:count], layout), jax.eval_shape(lambda p: p, params),
+                                param_axes, config.inner.microbatches)
   shard = batches_lib.LearnerBatches(corpus.train, config.model.seq_len, batch_size=batch_sizes[index],
                                      learner_index=index, num_learners=len(batch_sizes), split=config.data.split,
                                      seed=config.seed)

@@ -1,0 +1,142 @@
+"""Causal self-attention: rotary positions, grouped-query heads and interchangeable kernels.
+
+Implementations (model.attention), all computing the same function:
+  'xla'          einsums + softmax in float32; the causal mask is a [T, T] additive bias made from
+                 iotas, never a [B, H, T, T] tensor; the [B, H, T, T] probabilities are saved for
+                 the backward pass, so memory grows with T^2 (fine at short T, on CPU).
+  'dot_product'  jax.nn.dot_product_attention with is_causal: cuDNN flash attention on GPU,
+                 XLA elsewhere.
+  'splash'       JAX's Pallas TPU splash-attention kernel (jax.experimental.pallas.ops.tpu): a
+                 block-sparse flash kernel that skips the masked half and never stores T x T.
+                 Compiled on TPU; on other backends it runs in Pallas interpret mode, which the
+                 tests use to check it against 'xla' on CPU, and which is far too slow to train.
+  'auto'         splash on TPU, dot_product on GPU, xla on CPU.
+Grouped-query attention: num_kv_heads key/value heads, each shared by num_heads / num_kv_heads
+query heads (num_kv_heads = num_heads is plain multi-head attention).
+"""
+
+import functools
+import math
+
+import jax
+from flax import nnx
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from decoupled_diloco import mesh as mesh_lib
+from decoupled_diloco.model.layers import INIT_STDDEV, Kernel, constrain
+
+IMPLEMENTATIONS = ('auto', 'xla', 'dot_product', 'splash')
+POSITIONS = ('learned', 'rope')
+_HEADS_AXES = ('batch', 'length', 'heads', 'kv')
+
+
+def resolve_implementation(implementation: str, backend: str | None = None) -> str:
+  """The kernel 'auto' stands for on `backend` (default: JAX's default backend)."""
+  if implementation != 'auto':
+    return implementation
+  backend = backend or jax.default_backend()
+  return {'tpu': 'splash', 'gpu': 'dot_product'}.get(backend, 'xla')
+
+
+def rope(x: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding (RoFormer) of [B, T, H, D] queries or keys, halves rotated.
+
+  Positions enter as rotations of feature pairs, so q.k depends only on the distance between
+  tokens and no position table is learned (nor limited to seq_len rows).
+  """
+  t, dim = x.shape[1], x.shape[-1]
+  freqs = theta ** (-jnp.arange(0, dim // 2, dtype=jnp.float32) * 2.0 / dim)
+  angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs[None, :]
+  sin, cos = jnp.sin(angles)[:, None, :], jnp.cos(angles)[:, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _causal_bias(t: int) -> jax.Array:
+  """[T, T] float32: 0 where query i may see key j (j <= i), the most negative float elsewhere.
+
+  Added rather than selected, so the backward pass keeps no boolean mask: the gradient of an
+  add needs none, while jnp.where would save a broadcast [B, H, T, T] predicate.
+  """
+  rows = jax.lax.broadcasted_iota(jnp.int32, (t, t), 0)
+  cols = jax.lax.broadcasted_iota(jnp.int32, (t, t), 1)
+  return jnp.where(rows >= cols, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """Causal attention by einsums: q [B, T, N, D], k/v [B, T, K, D] -> [B, T, N, D]."""
+  b, t, n, d = q.shape
+  kv_heads = k.shape[2]
+  q = q.reshape(b, t, kv_heads, n // kv_heads, d)
+  scores = jnp.einsum('btkgd,bskd->bkgts', q, k, preferred_element_type=jnp.float32)
+  scores = scores / math.sqrt(d) + _causal_bias(t)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum('bkgts,bskd->btkgd', probs, v).reshape(b, t, n, d)
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """jax.nn.dot_product_attention (cuDNN flash attention on GPU); handles GQA natively."""
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) -> jax.Array:
+  """Splash attention on one shard: q [B, T, N, D], k/v [B, T, K, D], N = K * groups."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks  # pylint: disable=g-import-not-at-top
+  b, t, n, d = q.shape
+  kv_heads = k.shape[2]
+  groups = n // kv_heads
+  mask = masks.MultiHeadMask([masks.CausalMask((t, t)) for _ in range(groups)])
+  block = min(t, 512)
+  sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                            block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+  kernel = splash.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+  q = (q / math.sqrt(d)).reshape(b, t, kv_heads, groups, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
+  k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
+  out = jax.vmap(jax.vmap(kernel))(q, k, v)  # [B, K, G, T, D]
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, d)
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """Pallas TPU splash attention; under a mesh, one kernel per shard of the batch (shard_map).
+
+  Off TPU the kernel runs in Pallas interpret mode (same arithmetic, emulated), for tests.
+
+  A Pallas call has no partitioning rule, so without shard_map XLA would gather the global
+  batch onto every chip; the batch shards are independent sequences, so no exchange is needed.
+  """
+  local = functools.partial(_splash_local, interpret=jax.default_backend() != 'tpu')
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return local(q, k, v)
+  spec = mesh_lib.activation_spec(q.shape, ('batch', None, None, None), dict(mesh.shape))
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                       check_vma=False)(q, k, v)
+
+
+_KERNELS = {'xla': xla_attention, 'dot_product': dot_product_attention, 'splash': splash_attention}
+
+
+class CausalSelfAttention(nnx.Module):
+  """Grouped-query attention where position t attends only to positions <= t."""
+
+  def __init__(self, cfg, kv_heads: int, out_stddev: float, dtype: jnp.dtype, rngs: nnx.Rngs):
+    d, heads = cfg.d_model, cfg.num_heads
+    head_dim = d // heads
+    axes = ('embed', 'heads', 'kv')
+    self.query = Kernel(rngs, INIT_STDDEV, (d, heads, head_dim), axes, dtype)
+    self.key = Kernel(rngs, INIT_STDDEV, (d, kv_heads, head_dim), axes, dtype)
+    self.value = Kernel(rngs, INIT_STDDEV, (d, kv_heads, head_dim), axes, dtype)
+    self.out = Kernel(rngs, out_stddev, (heads, head_dim, d), ('heads', 'kv', 'embed'), dtype)
+    self.rope_theta = cfg.rope_theta if cfg.position == 'rope' else 0.0
+    self.implementation = cfg.attention
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    q = constrain(self.query('btd,dhk->bthk', x), _HEADS_AXES)
+    k = constrain(self.key('btd,dhk->bthk', x), _HEADS_AXES)
+    v = constrain(self.value('btd,dhk->bthk', x), _HEADS_AXES)
+    if self.rope_theta:
+      q, k = rope(q, self.rope_theta), rope(k, self.rope_theta)
+    mixed = _KERNELS[resolve_implementation(self.implementation)](q, k, v)
+    return self.out('bqhk,hkd->bqd', constrain(mixed, _HEADS_AXES))

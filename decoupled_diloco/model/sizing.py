@@ -1,0 +1,90 @@
+"""Model options, their validation and the model's size: what can be known before anything is built.
+
+Params count (V=vocab_size, T=seq_len, d=d_model, L=num_layers, f=d_ff, h=d/num_heads, K=num_kv_heads):
+  N = V*d (token embedding) + [T*d learned positions] + [d*V untied output projection] + d (final norm)
+      + L * (2*d*d (q, out) + 2*d*K*h (k, v) + (2 or 3 for SwiGLU)*d*f (MLP) + 2*d (two norms)).
+"""
+
+import math
+from typing import Any
+
+import jax
+import ml_collections
+
+from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.model import attention, layers
+from decoupled_diloco.model.transformer import DTYPES, REMAT_POLICIES
+
+# Options a model config may leave out (older configs, tests): the GPT-2-style model.
+OPTION_DEFAULTS = dict(position='learned', rope_theta=10_000.0, mlp='gelu', num_kv_heads=0, tie_embeddings=False,
+                       remat='none', scan_layers=False, attention='xla', loss_chunk=0)
+_CHOICES = dict(position=attention.POSITIONS, mlp=layers.MLP_KINDS, remat=tuple(REMAT_POLICIES),
+                attention=attention.IMPLEMENTATIONS, dtype=tuple(DTYPES))
+
+
+def with_defaults(model_cfg: Any) -> ml_collections.ConfigDict:
+  """A copy of model_cfg with every option it lacks set to OPTION_DEFAULTS."""
+  cfg = ml_collections.ConfigDict(dict(model_cfg))
+  for name, value in OPTION_DEFAULTS.items():
+    if name not in cfg:
+      cfg[name] = value
+  return cfg
+
+
+def _refuse(message: str) -> None:
+  raise ConfigError(message)
+
+
+def validate_config(model_cfg: Any) -> None:
+  """Rejects impossible model shapes and unknown options up front, before anything is traced."""
+  cfg = with_defaults(model_cfg)
+  for name in ('vocab_size', 'seq_len', 'd_model', 'num_layers', 'num_heads', 'd_ff'):
+    value = cfg.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+      _refuse(f'model.{name} is {value!r}: set --config.model.{name} to a positive int')
+  if cfg.d_model % cfg.num_heads:
+    _refuse(f'model.d_model {cfg.d_model} is not divisible by model.num_heads {cfg.num_heads}: '
+            'pick num_heads that divides d_model')
+  for name, choices in _CHOICES.items():
+    if cfg[name] not in choices:
+      _refuse(f'model.{name} is {cfg[name]!r}: set --config.model.{name} to one of {list(choices)}')
+  kv = cfg.num_kv_heads
+  if not isinstance(kv, int) or kv < 0 or (kv and cfg.num_heads % kv):
+    _refuse(f'model.num_kv_heads is {kv!r}: use 0 (= num_heads) or a divisor of num_heads {cfg.num_heads}')
+  if cfg.position == 'rope' and (cfg.d_model // cfg.num_heads) % 2:
+    _refuse(f'model.position=rope needs an even head dim, got d_model/num_heads = {cfg.d_model // cfg.num_heads}')
+  if cfg.position == 'rope' and not cfg.rope_theta > 0:
+    _refuse(f'model.rope_theta is {cfg.rope_theta!r}: set it > 0 (10000 is standard)')
+  if cfg.loss_chunk < 0 or (cfg.loss_chunk and cfg.seq_len % cfg.loss_chunk):
+    _refuse(f'model.loss_chunk is {cfg.loss_chunk}: use 0 (no chunking) or a divisor of seq_len {cfg.seq_len}')
+  if cfg.attention == 'splash' and cfg.seq_len % 128:
+    _refuse(f'model.attention=splash needs seq_len a multiple of 128 (its block), got {cfg.seq_len}: '
+            "use --config.model.attention=xla or 'dot_product'")
+  memories = {m.kind for m in jax.devices()[0].addressable_memories()}
+  if cfg.remat == 'offload' and 'pinned_host' not in memories:
+    _refuse(f'model.remat=offload needs pinned host memory, which {jax.default_backend()} lacks: '
+            "use --config.model.remat=minimal or 'full'")
+
+
+def count_params(params_or_shapes: Any) -> int:
+  """Total number of scalars in a params (or ShapeDtypeStruct) tree, for sizing and logging."""
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(params_or_shapes))
+
+
+def flops_per_token(model_cfg: Any) -> float:
+  """Training FLOPs per token (forward + backward) for hardware step-time models and MFU.
+
+  FLOPs = 6 * N_matmul + 12 * L * d * T, where N_matmul is every param except the token and
+  position embeddings (lookups, not matmuls) plus the output projection d*V (a matmul whether
+  tied to the embedding or not), and 12*L*d*T counts the QK^T and attention-times-V matmuls
+  (2 * 2*d*T forward per layer, times 3 for forward+backward; full T x T, ignoring the causal
+  mask savings, the convention of PaLM's and MaxText's MFU).
+  """
+  validate_config(model_cfg)
+  cfg = with_defaults(model_cfg)
+  v, t, d = cfg.vocab_size, cfg.seq_len, cfg.d_model
+  l, f = cfg.num_layers, cfg.d_ff
+  kv_width = (cfg.num_kv_heads or cfg.num_heads) * (d // cfg.num_heads)
+  mlp_matrices = 3 if cfg.mlp == 'swiglu' else 2
+  n_matmul = d * v + d + l * (2 * d * d + 2 * d * kv_width + mlp_matrices * d * f + 2 * d)
+  return float(6 * n_matmul + 12 * l * d * t)

@@ -1,0 +1,198 @@
+r"""Plans a run before anyone books a slice: per-chip memory, step time and the exchange, per group.
+
+  python -m experiments.plan --config=configs/tpu_1b.py
+  python -m experiments.plan --config=configs/tpu_8b.py --xla=false   # analytic only, seconds
+
+For every learner group it prints bytes per chip (params, AdamW state, gradients, activations
+at the model's remat) from `decoupled_diloco.plan`, beside XLA's own peak for the group's inner
+step compiled abstractly (ShapeDtypeStructs with the layout's shardings, nothing allocated) over
+as many virtual CPU devices as the slice has chips, in a subprocess; FLOPs, step time at the
+profile's MFU and tokens/s per chip; and the exchange with the syncer per fragment. No TPU needed.
+When a group does not fit its chip's HBM it ends with one `error:` line naming the group, the
+shortfall and the knob to turn, and exits with status 2 (as it does on bad input).
+"""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+from ml_collections import config_flags
+
+from decoupled_diloco import experiment, hardware, inner, mesh, model as model_lib, plan
+from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.model import attention
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (a configs/*.py).", lock_config=True)
+_XLA = flags.DEFINE_bool("xla", True, "Also compile each group's inner step abstractly on virtual CPU devices "
+                         "and show XLA's memory analysis (minutes for 1B-8B models).")
+_COMPILE_GROUP = flags.DEFINE_integer("compile_group", None, "Internal: compile this group in this process "
+                                      "(started with enough virtual devices) and print its figures as JSON.")
+GB = 1e9
+
+
+def fail(message: str) -> None:
+  """Bad input or a group that does not fit: one line and exit status 2."""
+  sys.stderr.write(f"error: {' '.join(str(message).split())}\n")
+  sys.exit(2)
+
+
+def compile_group(config, group: int) -> dict:
+  """XLA's figures for `group`'s inner step, compiled abstractly on this process's virtual devices."""
+  layout = mesh.layouts_from_config(config.learners)[group]
+  model_cfg = copy.deepcopy(config.model)
+  model_cfg.attention = attention.resolve_implementation(model_cfg.attention, "cpu")
+  if model_cfg.attention == "splash":
+    model_cfg.attention = "xla"  # Pallas TPU kernels do not compile for CPU; XLA's figure then holds [T, T] scores.
+  model, params_shape, param_axes = model_lib.abstract_params(model_cfg)
+  optimizer = inner.inner_optimizer(config.inner, config.outer_steps * config.inner_steps)
+  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:layout.devices], layout),
+                                params_shape, param_axes, config.inner.microbatches)
+  state = jax.eval_shape(lambda p: inner.TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)), params_shape)
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, loop.state_shardings)
+  batch = jax.ShapeDtypeStruct((config.learners.batch_size[group], config.model.seq_len + 1), jnp.int32,
+                               sharding=loop.batch_sharding)
+  begin = time.perf_counter()
+  compiled = loop.step.lower(state, batch).compile()
+  seconds = time.perf_counter() - begin
+  stats = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+          - stats.alias_size_in_bytes)
+  return {"peak_bytes": int(peak), "temp_bytes": int(stats.temp_size_in_bytes), "flops": float(cost.get("flops", 0)),
+          "compile_seconds": seconds}
+
+
+def compile_in_subprocess(group: int, devices: int) -> dict:
+  """Runs `compile_group` in a fresh process that sees `devices` virtual CPU devices."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  argv = [a for a in sys.argv[1:] if not a.startswith(("--compile_group", "--xla", "--noxla"))]
+  done = subprocess.run([sys.executable, "-m", "experiments.plan", *argv, f"--compile_group={group}"], env=env,
+                        capture_output=True, text=True, check=False)
+  if done.returncode:
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    fail(f"compiling group {group} on {devices} virtual CPU devices failed ({last}): fix that, or plan without "
+         "XLA's figures with --xla=false")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _gb(n: float) -> str:
+  return f"{n / GB:8.2f} GB"
+
+
+def _time(seconds: float) -> str:
+  return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def knob(config, group: int, memory) -> str:
+  """What to turn when a group does not fit: the biggest lever for what fills the chip."""
+  layout = mesh.layouts_from_config(config.learners)[group]
+  if memory.activations >= memory.peak / 2:
+    if config.model.remat == "none":
+      return "turn on remat (--config.model.remat=full)"
+    return (f"split the batch into microbatches (--config.inner.microbatches={2 * config.inner.microbatches}), "
+            f"lower learners.batch_size[{group}] or add batch shards (data/fsdp) to learners.layouts[{group}]")
+  return f"shard the state over more chips: raise fsdp (or tensor) in learners.layouts[{group}] (now {layout})"
+
+
+def print_group(config, group: int, xla: dict | None):
+  """One group's memory, compute and exchange; returns its MemoryPlan and the peak that decides the fit."""
+  layout = mesh.layouts_from_config(config.learners)[group]
+  chip, memory = plan.chip_of(config, group), plan.memory_plan(config, group)
+  batch, seq = config.learners.batch_size[group], config.model.seq_len
+  remat, traced = config.model.remat, plan.target_model_config(config.model, chip).attention
+  print(f"group {group}: {chip} x {layout.devices} chips, layout {layout}, batch {batch} x {seq} tokens "
+        f"({batch // layout.batch_shards} sequences per batch shard, {config.inner.microbatches} microbatch(es)), "
+        f"remat {remat}, attention traced as {traced}")
+  print(f"  memory per chip           analytic       XLA (CPU compile)")
+  for name in ("params", "optimizer", "gradients", "activations"):
+    print(f"    {name:<20} {_gb(getattr(memory, name))}")
+  decided = memory.peak
+  xla_text = "not compiled (--xla=false)"
+  if xla:
+    xla_text = f"{_gb(xla['peak_bytes'])}  (compiled in {xla['compile_seconds']:.0f} s)"
+    if remat == "none":
+      decided = max(decided, xla["peak_bytes"])
+    else:
+      xla_text += "; XLA's CPU analysis ignores remat's savings, the fit uses the analytic figure"
+  verdict = "fits" if decided <= memory.usable else "DOES NOT FIT"
+  print(f"    {'peak':<20} {_gb(memory.peak)}   {xla_text}")
+  print(f"    chip HBM {memory.hbm / GB:.0f} GB, {memory.usable / GB:.1f} GB usable "
+        f"({plan.RESERVED_HBM_FRACTION:.1%} reserved): {verdict}")
+  comm = plan.comm_plan(config, group)
+  flops = experiment.flops_per_step(config)[group]
+  scanned = "; a scanned layer's body counted once" if config.model.scan_layers else ""
+  xla_flops = f" (XLA's cost analysis per chip: {xla['flops']:.3g}{scanned})" if xla else ""
+  print(f"  compute: {flops:.3g} FLOPs per step, {flops / layout.devices:.3g} per chip{xla_flops}; "
+        f"{_time(comm.step_seconds)} per step at MFU {config.learners.mfu}; "
+        f"{batch * seq / comm.step_seconds / layout.devices:,.0f} tokens/s per chip")
+  gbps, latency = plan.link(config, group)
+  link = f"{gbps:g} Gbit/s + {latency * 1e3:g} ms" if gbps else "unlimited bandwidth"
+  print(f"  exchange per fragment (P={comm.num_fragments}, {config.compression.format} up, "
+        f"{config.compression.downlink_format} down, link {link}): push {comm.push_bytes / GB:.2f} GB + pull "
+        f"{comm.pull_bytes / GB:.2f} GB in {_time(comm.transfer_seconds)}; H={comm.inner_steps} steps compute "
+        f"{_time(comm.compute_seconds)}")
+  if comm.hides:
+    print(f"    hides under compute with tau={comm.overlap_steps} (needs tau >= {comm.overlap_needed})")
+  else:
+    fmt, fragments = plan.hiding_format(config, group), plan.hiding_fragments(config, group)
+    print(f"    does NOT hide with tau={comm.overlap_steps}: needs tau >= {comm.overlap_needed} steps "
+          f"(and P x transfer <= H steps); most faithful format that hides: {fmt or 'none'}; "
+          f"fewest fragments that hide: {fragments or 'none'}")
+  return memory, decided
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  if config is None:
+    fail("--config is required: e.g. --config=configs/tpu_1b.py")
+  try:
+    experiment.validate(config)
+    for group, chip in enumerate(plan.chip_of(config, g) for g in range(len(config.learners.devices))):
+      if chip not in hardware.ACCELERATORS:
+        raise ConfigError(f"learner group {group} has no chip (learners.hardware={tuple(config.learners.hardware)}): "
+                          f"set --config.learners.hardware to one of {sorted(hardware.ACCELERATORS)} per group")
+  except ConfigError as error:
+    fail(error)
+  if _COMPILE_GROUP.value is not None:
+    print(json.dumps(compile_group(config, _COMPILE_GROUP.value)))
+    return
+  print(f"plan for {config.mode} over {len(config.learners.devices)} learner groups: "
+        f"{model_lib.count_params(model_lib.abstract_params(config.model)[1]) / 1e9:.2f}B params, "
+        f"H={config.inner_steps}, P={config.streaming.num_fragments}, tau={config.streaming.overlap_steps}\n")
+  misfits = []
+  for group, devices in enumerate(config.learners.devices):
+    xla = compile_in_subprocess(group, devices) if _XLA.value else None
+    memory, decided = print_group(config, group, xla)
+    if decided > memory.usable:
+      misfits.append(f"group {group} ({plan.chip_of(config, group)} x {devices}) needs {decided / GB:.1f} GB per chip, "
+                     f"{(decided - memory.usable) / GB:.1f} GB over its {memory.usable / GB:.1f} GB usable HBM: "
+                     f"{knob(config, group, memory)}")
+    print()
+  print(f"syncer host: {plan.syncer_bytes(config) / GB:.2f} GB (Θ and outer state in fp32, plus one pending "
+        "fp32 pseudo-gradient per learner)")
+  if misfits:
+    fail(misfits[0] + (f" (and {len(misfits) - 1} more group(s))" if len(misfits) > 1 else ""))
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's parser, except that a bad flag or config file is one line and exit status 2."""
+  try:
+    parsed = flags.FLAGS(argv)
+    if _CONFIG.value is not None:
+      _CONFIG.value.keys()  # The config loads lazily: a broken file fails here.
+    return parsed
+  except (flags.Error, KeyError, AttributeError, ValueError, TypeError, OSError) as error:
+    fail(f"{str(error).splitlines()[0] if str(error) else error!r}: check --config and its --config.* overrides")
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=parse_flags)

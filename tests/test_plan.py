@@ -1,0 +1,92 @@
+"""experiments.plan: the analytic memory plan against XLA's own analysis, the shipped TPU configs, bad input."""
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from decoupled_diloco import plan
+from experiments import plan as plan_cli
+from tests.helpers import tiny_config
+
+GB = 1e9
+
+
+def _small(layouts, remat="none"):
+  """A ~3M-param model whose activations dominate, so the comparison measures the residual count."""
+  return tiny_config(**{"model.d_model": 128, "model.num_layers": 2, "model.seq_len": 128, "model.num_heads": 4,
+                        "model.d_ff": 512, "model.attention": "xla", "model.remat": remat,
+                        "learners.devices": (4, 4), "learners.batch_size": (16, 16), "learners.layouts": layouts,
+                        "learners.hardware": ("v5p", "v6e")})
+
+
+@pytest.mark.parametrize("group", [0, 1])
+def test_analytic_peak_is_within_25_percent_of_xla_memory_analysis(group):
+  config = _small(("fsdp=4", "fsdp=2,tensor=2"))
+  analytic = plan.memory_plan(config, group).peak
+  xla = plan_cli.compile_group(config, group)["peak_bytes"]
+  assert abs(analytic - xla) <= 0.25 * xla, (analytic, xla)
+
+
+def test_remat_shrinks_the_analytic_activations():
+  """8 layers: remat keeps 8 block inputs and recomputes one layer at a time instead of keeping 8 layers' worth."""
+  configs = [_small(("data=4", "data=4"), remat) for remat in ("none", "full")]
+  for config in configs:
+    config.model.num_layers = 8
+  none, full = (plan.memory_plan(config, 0).activations for config in configs)
+  assert full < none / 4
+
+
+def test_exchange_hides_only_with_enough_overlap_and_link():
+  config = _small(("data=4", "data=4"))
+  config.runtime, config.mode, config.inner_steps = "sim", "decoupled", 10
+  config.sim.link_gbps = 1e-4
+  starved = plan.comm_plan(config, 0)
+  assert not starved.hides and starved.overlap_needed > config.inner_steps
+  assert plan.hiding_format(config, 0) is None
+  config.sim.link_gbps = 1e4
+  fast = plan.comm_plan(config, 0)
+  assert not fast.hides  # tau = 0: the learner waits for every exchange.
+  config.streaming.overlap_steps = fast.overlap_needed
+  assert fast.overlap_needed < config.inner_steps and plan.comm_plan(config, 0).hides
+  assert plan.comm_plan(config, 0, fmt="int4").push_bytes < fast.push_bytes / 6
+
+
+@pytest.mark.parametrize("name", ["tpu_1b", "tpu_8b"])
+def test_shipped_tpu_configs_fit_every_group_analytically(name):
+  config = importlib.import_module(f"configs.{name}").get_config()
+  for group, chip in enumerate(config.learners.hardware):
+    memory = plan.memory_plan(config, group)
+    assert memory.peak <= memory.usable, (name, group, memory)
+    if chip == "v6e":
+      assert memory.peak <= 28 * GB
+    assert plan.comm_plan(config, group).hides
+
+
+def _run_plan(*flags):
+  return subprocess.run([sys.executable, "-m", "experiments.plan", *flags], capture_output=True, text=True,
+                        check=False, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_a_group_that_does_not_fit_is_one_line_naming_group_shortfall_and_knob():
+  done = _run_plan("--config=configs/default.py", "--xla=false", "--config.learners.hardware=('v5e','v5e','v5e','v5e')",
+                   "--config.model.seq_len=4096", "--config.learners.batch_size=(256,256,256,256)")
+  assert done.returncode == 2
+  error = done.stderr.strip().splitlines()[-1]
+  assert error.startswith("error: group 0 (v5e x 2) needs") and "GB over its 14.0 GB usable HBM" in error
+  assert "--config.model.remat=full" in error
+
+
+def test_a_config_without_chips_is_refused():
+  done = _run_plan("--config=configs/default.py", "--xla=false")
+  assert done.returncode == 2 and "set --config.learners.hardware" in done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("DD_RUN_SLOW"), reason="compiles 1B shapes on 64 virtual devices; DD_RUN_SLOW=1")
+def test_full_plan_of_tpu_1b_compiles_every_group_and_fits():
+  done = _run_plan("--config=configs/tpu_1b.py")
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.count(": fits") == 2 and "compiled in" in done.stdout
