@@ -199,7 +199,7 @@ class Injector:
   def _interrupt(self, m: int, keep: bool) -> None:
     """Takes learner m down: the step in progress is lost, and unless `keep` all since its checkpoint."""
     sim, clock, learner = self.sim, self.sim.clocks[m], self.sim.exp.learners[m]
-    in_progress = clock.step[1] if clock.step is not None else 0.0
+    in_progress = clock.step or 0.0
     lost = int(clock.step is not None) + (0 if keep else learner.steps - self.saved[m].steps)
     clock.busy -= in_progress if keep else self.since_checkpoint[m]
     if keep and clock.step is not None:

@@ -14,6 +14,9 @@ Modes: 'decoupled' (learners never wait: the syncer replies with the newest Θ a
 'diloco' (blocking: a learner waits for the merge that includes its push, so the slowest
 learner sets the pace) and 'ddp' (one group, no syncer). The run ends when the learners
 have taken outer_steps × inner_steps × M inner steps in total (same tokens in every mode).
+Seeded chip failures (`config.failures`, off by default) are injected by runtime/failures.py
+through hooks: at each period's start (checkpoints), at each step's start (its duration on the
+chips left) and as events of their own, after all others at equal times.
 """
 
 import collections
@@ -87,7 +90,7 @@ class LearnerClock:
   rejected: int = 0          # Malformed: refused by the syncer.
   staleness: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   epoch: int = 0             # Bumped by a failure: the step and Θ it had under way are void.
-  step: tuple | None = None  # (ends at, nominal seconds) of the step in progress.
+  step: float | None = None  # Nominal seconds of the step in progress (None: none is).
 
 
 class Simulation:
@@ -183,7 +186,7 @@ class Simulation:
       if self.config.policy.speed_source == "measured":
         self.speeds.observe(m, seconds)
       elapsed = self.failures.step_seconds(m, seconds) if self.failures else seconds
-      clock.step = (self.now + elapsed, seconds)
+      clock.step = seconds
       self._schedule(self.now + elapsed, STEP, self._on_step, m, clock.epoch)
     else:
       self._end_period(m)
