@@ -108,6 +108,17 @@ def get_config() -> ml_collections.ConfigDict:
   config.sim.learner_link_latency_seconds = ()  # Per-learner one-way latency overriding link_latency_seconds.
   config.sim.seed = 0  # Seeds step-time jitter.
 
+  config.failures = ml_collections.ConfigDict()  # Chip failures on the virtual clock (runtime/failures.py; sim only).
+  config.failures.enabled = False  # Inject seeded failures into the run's learner groups (modes 'decoupled' and 'ddp').
+  config.failures.mtbi_seconds = 365 * 24 * 3600.0  # Per-chip mean time between interruptions (virtual seconds).
+  config.failures.restart_seconds = 60.0  # Mean (exponential) downtime of a restart: decoupled learner, non-elastic ddp.
+  config.failures.resize_seconds = 20.0  # Mean pause of an elastic ddp job dropping a failed domain.
+  config.failures.domain_chips = 256  # Elastic ddp: chips one failure takes out (its replica).
+  config.failures.repair_seconds = 3600.0  # Elastic ddp: until a failed domain is back.
+  config.failures.elastic = False  # ddp only: continue on fewer chips after a resize (False = stop and restart).
+  config.failures.checkpoint_every = 1  # Periods (H steps) between a learner's checkpoints of its inner state.
+  config.failures.seed = 0  # Seeds the failure trace and downtimes.
+
   config.streaming = ml_collections.ConfigDict()  # Streaming DiLoCo: sync one fragment at a time.
   config.streaming.num_fragments = 1  # P: fragments of the params, each synced once per H steps (1 = whole model).
   config.streaming.strategy = "strided"  # 'strided' (layer i -> fragment i mod P), 'tensor' (round-robin) or 'balanced' (bin-packing by bytes).

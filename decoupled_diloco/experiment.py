@@ -16,6 +16,7 @@ from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.learner import Learner
+from decoupled_diloco.runtime import failures
 from decoupled_diloco.syncer import Settings, Syncer
 
 MODES = ("diloco", "decoupled", "ddp")
@@ -103,6 +104,7 @@ def validate(config) -> None:
     Settings.from_config(config.syncer)
     _validate_streaming(config)
   policy.validate(config.policy)
+  failures.Settings.from_config(config)
   hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
   slowdown = tuple(config.learners.slowdown)
   _require(len(slowdown) in (0, len(devices)),

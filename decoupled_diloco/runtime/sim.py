@@ -14,6 +14,9 @@ Modes: 'decoupled' (learners never wait: the syncer replies with the newest Θ a
 'diloco' (blocking: a learner waits for the merge that includes its push, so the slowest
 learner sets the pace) and 'ddp' (one group, no syncer). The run ends when the learners
 have taken outer_steps × inner_steps × M inner steps in total (same tokens in every mode).
+Seeded chip failures (`config.failures`, off by default) are injected by runtime/failures.py
+through hooks: at each period's start (checkpoints), at each step's start (its duration on the
+chips left) and as events of their own, after all others at equal times.
 """
 
 import collections
@@ -31,6 +34,7 @@ from decoupled_diloco import compression, fragments
 from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco import policy as policy_lib
 from decoupled_diloco.experiment import Experiment, declared_speeds
+from decoupled_diloco.runtime import failures as failures_lib
 from decoupled_diloco.runtime import records
 from decoupled_diloco.syncer import MergeReport, PushRejected
 
@@ -85,6 +89,8 @@ class LearnerClock:
   dropped: int = 0           # Over-stale: counted by the syncer, not merged.
   rejected: int = 0          # Malformed: refused by the syncer.
   staleness: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  epoch: int = 0             # Bumped by a failure: the step and Θ it had under way are void.
+  step: float | None = None  # Nominal seconds of the step in progress (None: none is).
 
 
 class Simulation:
@@ -118,6 +124,8 @@ class Simulation:
     self._events, self._sequence, self.now = [], itertools.count(), 0.0
     self._begin = time.time()
     self.last_eval = None
+    failure_settings = failures_lib.Settings.from_config(exp.config)
+    self.failures = failures_lib.Injector(failure_settings, self) if failure_settings else None
 
   # Event plumbing.
   def _schedule(self, at: float, priority: int, kind, *payload) -> None:
@@ -138,6 +146,8 @@ class Simulation:
     clock = self.clocks[m]
     clock.period_open, clock.round_compute, clock.round_steps = False, 0.0, 0
     clock.unsent = set(range(self.num_fragments))
+    if self.failures:
+      self.failures.on_period(m)
     self._next_step(m)
 
   def _next_step(self, m: int) -> None:
@@ -175,13 +185,18 @@ class Simulation:
       clock.overlapped_steps += bool(clock.in_flight)
       if self.config.policy.speed_source == "measured":
         self.speeds.observe(m, seconds)
-      self._schedule(self.now + seconds, STEP, self._on_step, m)
+      elapsed = self.failures.step_seconds(m, seconds) if self.failures else seconds
+      clock.step = seconds
+      self._schedule(self.now + elapsed, STEP, self._on_step, m, clock.epoch)
     else:
       self._end_period(m)
 
-  def _on_step(self, m: int) -> None:
-    self.exp.learners[m].step()
+  def _on_step(self, m: int, epoch: int) -> None:
     clock = self.clocks[m]
+    if epoch != clock.epoch:  # A failure voided it.
+      return
+    clock.step = None
+    self.exp.learners[m].step()
     if self.syncer is not None and clock.target is not None:
       for p in fragments.due(clock.round_steps, self.num_fragments, clock.target):
         self._request_push(m, p)
@@ -230,8 +245,10 @@ class Simulation:
     arrival = clock.up.send(self.now, round(push.wire_bytes * self.exp.byte_scale))
     self._schedule(arrival, ARRIVE, self._on_arrive, push, push.compute_seconds, len(clock.in_flight))
 
-  def _on_receive(self, m: int, p: int, params, version: int) -> None:
+  def _on_receive(self, m: int, p: int, params, version: int, epoch: int) -> None:
     clock = self.clocks[m]
+    if epoch != clock.epoch:  # Sent to a learner that has failed since: it rejoins with Θ.
+      return
     clock.landed[p] = (params, version)
     if clock.idle_since is not None:  # Stalled on this (or on the run's end): go on.
       self._next_step(m)
@@ -290,7 +307,8 @@ class Simulation:
     if self.downlink.format != "fp32":  # What the learner gets is what the wire carried.
       theta = jax.tree.unflatten(jax.tree.structure(theta),
                                  compression.decode(self.downlink, compression.encode(self.downlink, jax.tree.leaves(theta))))
-    self._schedule(arrival, RECEIVE, self._on_receive, m, p, theta, self.syncer.fragments[p].version)
+    self._schedule(arrival, RECEIVE, self._on_receive, m, p, theta, self.syncer.fragments[p].version,
+                   self.clocks[m].epoch)
 
   def _maybe_evaluate(self, version: int, force: bool = False) -> None:
     if not force and self.tokens < self.next_eval_tokens:
@@ -311,7 +329,10 @@ class Simulation:
       if self.syncer is not None:
         learner.pull(self.syncer.params, self.syncer.versions)
       self._start_period(m)
-    while self._events:
+    if self.failures:
+      self.failures.start()
+    # Once the budget is spent, pending failure events (and rejoins) no longer matter.
+    while self._events and not (self.steps_left == 0 and all(e[1] >= failures_lib.FAIL for e in self._events)):
       self.now, _, _, handler, payload = heapq.heappop(self._events)
       handler(*payload)
     if self.syncer is not None:
@@ -349,7 +370,8 @@ class Simulation:
                "outer_updates": version, "steps": [l.steps for l in self.exp.learners],
                "idle_fraction": [round(c.idle / self.now, 4) if self.now else 0.0 for c in self.clocks],
                **({("merges" if k == "merges" else f"{k}_pushes"): v for k, v in self.syncer.counts.items()}
-                  if self.syncer else {})}
+                  if self.syncer else {}),
+               **(self.failures.summary(self.now) if self.failures else {})}
     self.writer.write({"kind": "summary", **self._clock(version), **{k: v for k, v in summary.items()
                                                                      if k not in ("steps", "optimal_loss", "idle_fraction")}})
     return summary

@@ -1,0 +1,64 @@
+"""The setting the paper-experiment benchmarks share: tiny Shakespeare on the virtual clock.
+
+failure_quality, quorum_grace and learners_sweep train the same byte-level model
+(configs/tiny_shakespeare.py) on the same text with the same global batch, so their
+rows differ only in what each benchmark studies. `--size=tiny` shrinks model and
+budget so tests run every benchmark end to end in seconds.
+"""
+
+import pathlib
+import tempfile
+import time
+
+from absl import flags
+
+from configs import tiny_shakespeare
+from decoupled_diloco import experiment
+from decoupled_diloco.runtime import sim
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+_DATA = flags.DEFINE_string("data_path", str(REPO_ROOT / ".." / "shared" / "data" / "tinyshakespeare.txt"),
+                            "Plain-text tiny Shakespeare (see ../shared/data/README.md).")
+_SIZE = flags.DEFINE_enum("size", "full", ["full", "tiny"], "'tiny': a few steps of a toy model (tests).")
+_OUTER = flags.DEFINE_integer("outer_steps", 0, "Rounds of H steps per learner; 0 = the benchmark's own.")
+
+GLOBAL_BATCH = 32  # Sequences per step summed over learners: every row sees the same tokens per step.
+INNER_STEPS = 20   # H.
+
+
+def tiny() -> bool:
+  """Whether this is the test-sized run."""
+  return _SIZE.value == "tiny"
+
+
+def config(learners: int, outer_steps: int, **overrides):
+  """Decoupled DiLoCo with `learners` groups of one device, GLOBAL_BATCH / M sequences each.
+
+  Quorum 1, polynomial staleness and Delayed Nesterov with one momentum step per M merges
+  (the hetero_shakespeare recipe), relative speed 1 on the clock (1 s per step).
+  """
+  cfg = tiny_shakespeare.get_config()
+  cfg.data.source, cfg.data.path = "text_file", _DATA.value
+  cfg.mode, cfg.runtime = "decoupled", "sim"
+  cfg.model.seq_len = 64
+  cfg.outer_steps, cfg.inner_steps = _OUTER.value or outer_steps, INNER_STEPS
+  cfg.learners.devices = (1,) * learners
+  cfg.learners.batch_size = (GLOBAL_BATCH // learners,) * learners
+  cfg.syncer.quorum = 1
+  cfg.outer.optimizer, cfg.outer.buffer_size = "delayed_nesterov", learners
+  cfg.eval_every, cfg.eval_batches = 1_000_000, 8  # Only the final evaluation counts here.
+  if tiny():
+    cfg.model.seq_len, cfg.model.d_model, cfg.model.num_layers, cfg.model.d_ff = 32, 32, 1, 64
+    cfg.inner_steps, cfg.outer_steps, cfg.inner.warmup_steps, cfg.eval_batches = 4, 2, 2, 2
+  return experiment.with_overrides(cfg, overrides)
+
+
+def run(name: str, cfg) -> dict:
+  """Runs one row on the virtual clock and returns its summary (plus `wall_seconds`)."""
+  begin = time.time()
+  with tempfile.TemporaryDirectory() as workdir:
+    summary = sim.run(experiment.build(cfg), workdir)
+  summary["wall_seconds"] = round(time.time() - begin)
+  print(f"{name}: eval {summary['eval_loss']:.4f}, goodput {summary['goodput']:.3f}, virtual "
+        f"{summary['virtual_seconds']:.0f} s, {summary['wall_seconds']} s wall", flush=True)
+  return summary
