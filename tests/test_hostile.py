@@ -81,6 +81,7 @@ def _refusals(log):
 
 
 def _bf16_push(client, params, seq, base_version, steps=1):
+  client.incarnation = client.heartbeat()["incarnation"]  # _state's joins start new incarnations.
   delta = jax.tree.leaves(_delta(params, 0.01))
   packed = compression.encode(compression.Codec("bf16"), delta)
   packed = packed._replace(leaves=jax.device_get(packed.leaves))
@@ -288,14 +289,24 @@ def test_a_trickled_payload_is_cut_off_by_its_transfer_deadline(params, tmp_path
   core.close()
 
 
+def _environment_after_exec(pid, seconds=30):
+  """The process's environment once it runs its own program (right after fork it is still the parent's)."""
+  deadline = time.monotonic() + seconds
+  while True:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+      environment = dict(entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry)
+    if b"DD_SYNCER_TOKEN" in environment or time.monotonic() > deadline:
+      return environment
+    time.sleep(0.05)
+
+
 def test_real_learners_with_their_own_credentials_finish_the_bf16_run_after_the_attacks(syncer):
   """Last: learner processes (bf16 pushes, bf16 Θ, each with its own credential from launch_local) spend the
   budget on the syncer the attacks above hit; every push they saw acknowledged was applied."""
   address, log, cluster = syncer
   for index in range(2):
     cluster.start_learner(index)
-    with open(f"/proc/{cluster.processes[f'learner_{index}'].pid}/environ", "rb") as f:
-      environment = dict(entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry)
+    environment = _environment_after_exec(cluster.processes[f"learner_{index}"].pid)
     assert environment[b"DD_SYNCER_TOKEN"].decode() == security.learner_credential(SECRET, index) != SECRET
   codes = cluster.wait(400)
   assert codes == {"syncer": 0, "learner_0": 0, "learner_1": 0}, codes
