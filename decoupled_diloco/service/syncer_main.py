@@ -112,15 +112,18 @@ def run(config, workdir: str) -> dict:
   runconfig.validate(config)
   token = security.load_token(config.service.token_file)
   credentials = security.server_credentials(config.service.tls_cert, config.service.tls_key)
-  os.makedirs(workdir, exist_ok=True)
   checkpoints = os.path.join(workdir, "checkpoints")
   if os.path.isdir(checkpoints) and os.listdir(checkpoints) and not config.resume:
     raise ConfigError(f"workdir {workdir} already holds a syncer run: pass --config.resume=True to continue it "
                       "(launch_local does on restarts), or pick a new --workdir")
-  stop = threading.Event()
-  signal.signal(signal.SIGTERM, lambda *_: stop.set())
+  # Everything that can refuse the run comes before the first write: a refused start leaves no
+  # half-made workdir behind that a retry would take for a run to resume.
+  runconfig.check_ports_free(config.service.host, config.service.port, config.service.data_port)
   model, params, _ = model_lib.build_model(config.model, config.seed)
   corpus = sources.load_corpus(config.data, config.model.seq_len)
+  os.makedirs(workdir, exist_ok=True)
+  stop = threading.Event()
+  signal.signal(signal.SIGTERM, lambda *_: stop.set())
   with metrics_lib.MetricsWriter(workdir, resume_from_step=_resume_step(checkpoints)) as writer:
     recorder = Recorder(writer)
     evaluator = Evaluator(config, model, corpus, recorder)
