@@ -1,4 +1,4 @@
-"""The README's commands, shortened through config overrides, run end to end as real processes."""
+"""The commands in the README and docs/*.md, shortened through config overrides, run end to end as real processes."""
 
 import json
 import math
@@ -14,17 +14,19 @@ import pytest
 
 REPO = pathlib.Path(__file__).parents[1]
 README = (REPO / "README.md").read_text()
+# The README first (its first command is the demo), then every docs page: each command a reader may copy.
+DOCS = "\n".join([README] + [page.read_text() for page in sorted((REPO / "docs").glob("*.md"))])
 SHORTEN = ["--config.outer_steps=2", "--config.inner_steps=3", "--config.checkpoint_every=1",
            "--config.data.synthetic.num_tokens=50000", "--config.eval_batches=1", "--config.log_every=2"]
 
 
 def readme_train_commands() -> list[str]:
-  """Every `python -m experiments.train ...` the README shows, including the demo's."""
+  """Every `python -m experiments.train ...` the README and docs show, once each, the README's demo first."""
   commands = []
-  for line in README.splitlines():
+  for line in DOCS.splitlines():
     for part in line.split("&&"):
       part = part.strip()
-      if part.startswith("python -m experiments.train"):
+      if part.startswith("python -m experiments.train") and part not in commands:
         commands.append(part)
   return commands
 
@@ -82,8 +84,8 @@ def test_other_readme_commands_run(command, tmp_path):
 
 
 def _readme_block(marker: str) -> str:
-  """The fenced block after `<!-- marker -->` in the README."""
-  block = README.split(f"<!-- {marker} -->", 1)[1].split("```", 2)[1]
+  """The fenced block after `<!-- marker -->` in the README or a docs page."""
+  block = DOCS.split(f"<!-- {marker} -->", 1)[1].split("```", 2)[1]
   return block.split("\n", 1)[1]
 
 
@@ -121,7 +123,7 @@ def test_readme_service_commands_run_as_written(tmp_path):
 
 
 def test_readme_launch_local_command_runs(tmp_path):
-  command = next(line for line in README.splitlines() if line.startswith("python -m experiments.launch_local"))
+  command = next(line for line in DOCS.splitlines() if line.startswith("python -m experiments.launch_local"))
   args = [f"--workdir={tmp_path / 'local'}" if a.startswith("--workdir=") else a for a in shlex.split(command)[1:]]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   result = subprocess.run([sys.executable, *args, *SHORTEN], cwd=REPO, capture_output=True, text=True, timeout=900,
