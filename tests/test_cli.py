@@ -12,6 +12,9 @@ import sys
 
 import pytest
 
+# Every test here starts real processes (the entry points): the fast subset leaves them out.
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).parents[1]
 README = (REPO / "README.md").read_text()
 # The README first (its first command is the demo), then every docs page: each command a reader may copy.
@@ -207,7 +210,6 @@ def test_launch_local_refuses_a_bad_config_in_one_line_before_starting_anything(
   _assert_refused(result, "outer.momentum=-1.0 must be in [0, 1)", tmp_path / "local")
 
 
-@pytest.mark.slow
 def test_launch_local_prints_what_a_failed_process_said(tmp_path):
   """A child that refuses its input (here: data missing) is named with its own error line, not just its code."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
