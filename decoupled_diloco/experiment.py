@@ -99,9 +99,14 @@ def validate(config) -> None:
   _require(config.data.split in ("iid", "noniid"),
            f"data.split={config.data.split!r} is unknown: use 'iid' or 'noniid'")
   model_lib.validate_config(config.model)
+  inner.validate_config(config.inner)
+  sources.validate_config(config.data)
   if config.mode != "ddp":
     outer.outer_optimizer(config.outer)
     Settings.from_config(config.syncer)
+    _require(config.syncer.quorum <= len(devices),
+             f"syncer.quorum={config.syncer.quorum} exceeds the {len(devices)} learners: it could never be met; "
+             "lower --config.syncer.quorum (0 = all learners)")
     _validate_streaming(config)
   policy.validate(config.policy)
   failures.Settings.from_config(config)

@@ -26,6 +26,23 @@ class TrainState(NamedTuple):
   opt_state: optax.OptState
 
 
+def validate_config(inner_cfg) -> None:
+  """Refuses AdamW settings that optax would take and train with silently (a negative lr ascends the loss)."""
+  checks = (
+      (inner_cfg.lr > 0, f"inner.lr={inner_cfg.lr} must be > 0"),
+      (inner_cfg.warmup_steps >= 0, f"inner.warmup_steps={inner_cfg.warmup_steps} must be >= 0"),
+      (0 <= inner_cfg.final_lr_fraction <= 1,
+       f"inner.final_lr_fraction={inner_cfg.final_lr_fraction} must be in [0, 1]"),
+      (inner_cfg.weight_decay >= 0, f"inner.weight_decay={inner_cfg.weight_decay} must be >= 0"),
+      (inner_cfg.clip_norm > 0, f"inner.clip_norm={inner_cfg.clip_norm} must be > 0"),
+      (0 <= inner_cfg.b1 < 1, f"inner.b1={inner_cfg.b1} must be in [0, 1)"),
+      (0 <= inner_cfg.b2 < 1, f"inner.b2={inner_cfg.b2} must be in [0, 1)"),
+  )
+  for ok, message in checks:
+    if not ok:
+      raise ConfigError(f"{message}: set --config.{message.split('=', 1)[0]} (defaults in configs/default.py)")
+
+
 def inner_optimizer(inner_cfg, total_steps: int) -> optax.GradientTransformation:
   """AdamW as in DiLoCo: linear warmup, cosine decay, global-norm clipping.
 

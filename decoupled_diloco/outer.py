@@ -88,8 +88,6 @@ def _delayed_nesterov(cfg):
   buffer_size, activation = cfg.get("buffer_size", 1), cfg.get("activation", 0.0)
   if not isinstance(buffer_size, int) or isinstance(buffer_size, bool) or buffer_size < 1:
     raise ConfigError(f"outer.buffer_size={buffer_size!r} must be an int >= 1: set --config.outer.buffer_size")
-  if not 0 <= cfg.momentum < 1:
-    raise ConfigError(f"outer.momentum={cfg.momentum} must be in [0, 1): set --config.outer.momentum, e.g. 0.9")
   if activation < 0:
     raise ConfigError(f"outer.activation={activation} is negative: set --config.outer.activation >= 0")
   return delayed_nesterov(cfg.lr, cfg.momentum, buffer_size, activation)
@@ -104,6 +102,8 @@ def outer_optimizer(outer_cfg) -> optax.GradientTransformation:
     raise ConfigError(f"outer.optimizer={outer_cfg.optimizer!r} is unknown: use one of {sorted(OUTER_OPTIMIZERS)}")
   if outer_cfg.lr <= 0:
     raise ConfigError(f"outer.lr={outer_cfg.lr} must be > 0: set --config.outer.lr to a positive value")
+  if not 0 <= outer_cfg.momentum < 1:  # SGD's momentum, Adam's b1, Delayed Nesterov's m.
+    raise ConfigError(f"outer.momentum={outer_cfg.momentum} must be in [0, 1): set --config.outer.momentum, e.g. 0.9")
   return OUTER_OPTIMIZERS[outer_cfg.optimizer](outer_cfg)
 
 

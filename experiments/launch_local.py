@@ -40,6 +40,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from decoupled_diloco.service import security
+from experiments import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py", "Experiment config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Shared workdir of the syncer and learners.")
@@ -178,6 +179,8 @@ class LocalCluster:
         self.stop()
         raise RuntimeError(f"{', '.join(failed)} failed: see {self.workdir}/logs")
       time.sleep(0.1)
+    if self.processes["syncer"].returncode:  # It failed: no syncer is left to tell the learners to stop.
+      self.stop()
     grace_end = min(deadline, time.monotonic() + end_grace_seconds)
     for name, process in self.processes.items():
       try:
@@ -198,6 +201,35 @@ class LocalCluster:
 def _unit(process_name: str) -> str:
   """What fails and restarts as one: the syncer, or a learner group (all its processes)."""
   return process_name.split(".")[0]
+
+
+def error_lines(workdir: str, names) -> list[str]:
+  """What failed children said: each one's last `error:` line from its log, once per distinct line."""
+  said: dict[str, list[str]] = {}
+  for name in names:
+    path = os.path.join(workdir, "logs", f"{name}.log")
+    if os.path.exists(path):
+      with open(path, encoding="utf-8", errors="replace") as log:
+        lines = [line.strip() for line in log if line.startswith("error:")]
+      if lines:
+        said.setdefault(lines[-1], []).append(name)
+  return [f"{', '.join(who)}: {line}" for line, who in said.items()]
+
+
+def _validate(config) -> None:
+  """The checks the syncer and learner processes make, made once here before anything starts or is written."""
+  from decoupled_diloco import experiment  # pylint: disable=g-import-not-at-top  (keeps --help fast)
+  from decoupled_diloco.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.service import runconfig  # pylint: disable=g-import-not-at-top
+
+  config.runtime = "service"  # What --role does in each child.
+  try:
+    experiment.validate(config)
+    runconfig.validate(config)
+  except ConfigError as error:
+    cli.fail(error)
+  if _PROCESSES_PER_GROUP.value < 1:
+    cli.fail(f"--processes_per_group={_PROCESSES_PER_GROUP.value} must be >= 1")
 
 
 def _free_port(host: str) -> int:
@@ -260,7 +292,8 @@ class Chaos:
 def main(argv: list[str]) -> None:
   """Launches the run, applies the chaos schedule, and exits with the run's status."""
   del argv
-  config = _CONFIG.value
+  config = cli.load_config(_CONFIG)
+  _validate(config)
   overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
   config_path = config_flags.get_config_filename(flags.FLAGS["config"])
   cluster = LocalCluster(config_path, _WORKDIR.value, overrides, len(config.learners.devices),
@@ -278,7 +311,8 @@ def main(argv: list[str]) -> None:
     codes = cluster.wait(_TIMEOUT.value, chaos)
   except (RuntimeError, TimeoutError) as error:
     cluster.stop()
-    sys.stderr.write(f"error: {error}\n")
+    said = error_lines(cluster.workdir, cluster.processes)
+    sys.stderr.write(f"error: {error}" + "".join(f"; {line}" for line in said) + "\n")
     sys.exit(1)
   if chaos is not None:
     print(f"chaos events (seconds after the first): "
@@ -286,8 +320,11 @@ def main(argv: list[str]) -> None:
   # Under chaos, a learner killed after it heard the run was over may be restarted into a finished run.
   abandoned = chaos.abandoned | cluster.stopped_after_end if chaos is not None else set()
   print(f"exit codes: {codes}" + (f" (killed or stopped at the end: {sorted(abandoned)})" if abandoned else ""))
-  sys.exit(0 if not any(code for name, code in codes.items() if name not in abandoned) else 1)
+  failed = [name for name, code in codes.items() if code and name not in abandoned]
+  for line in error_lines(cluster.workdir, failed):
+    sys.stderr.write(f"error: {line}\n")
+  sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -20,6 +20,7 @@ from absl import flags
 import jax
 from ml_collections import config_flags
 
+from experiments import cli
 from experiments import train  # Shares --config and --workdir, the error line and the flag parser.
 
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print one launch command per point instead of running them.")
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> None:
   try:
     points = sweep.expand(config, sweep.load_sweep(config_file))
   except ConfigError as error:
-    train.fail(error)
+    cli.fail(error)
   if _DRY_RUN.value:
     shared = config_flags.get_override_values(config_flag)
     for point in points:
@@ -59,4 +60,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=train.parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -26,6 +26,8 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
+from experiments import cli
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/demo.py", "Experiment config file (a configs/*.py with get_config()).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where metrics.jsonl, TensorBoard events and checkpoints go.")
@@ -43,35 +45,9 @@ _GROUP_PROCESSES = flags.DEFINE_integer("group_processes", 1, "Processes of this
 _GROUP_PROCESS_ID = flags.DEFINE_integer("group_process_id", 0, "This process's index in its group, 0..N-1.")
 
 
-def fail(message: str) -> None:
-  """The one way entry points report bad input: a single line and exit status 2."""
-  text = " ".join(str(message).replace("\\n", "\n").split()) or "invalid input"
-  sys.stderr.write(f"error: {text}\n")
-  sys.exit(2)
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's parser, except that bad flags exit 2 with one line instead of 1 with a trace."""
-  try:
-    return flags.FLAGS(argv)
-  except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as error:
-    text = str(error)
-    if "Did you mean" in text or isinstance(error.__cause__, KeyError):
-      key = text.split("\\n")[0].strip("'\\ ")
-      hint = text[text.index("Did you mean"):].rstrip("'") if "Did you mean" in text else ""
-      fail(f"unknown config key {key}: fix the --config.* override. {hint}")
-    fail(error)
-
-
 def load_config():
-  """The parsed config; a config file that does not load is bad input, not a crash."""
-  try:
-    config = _CONFIG.value
-    config.keys()  # The flag loads lazily: touch it so a broken file fails here.
-    return config
-  except OSError as error:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    fail(f"cannot load --config ({lines[-1]}): pass an existing configs/*.py with get_config()")
+  """The parsed --config; a config file that does not load is bad input, not a crash."""
+  return cli.load_config(_CONFIG)
 
 
 def quiet_library_logs() -> None:
@@ -90,7 +66,7 @@ def main(argv: list[str]) -> None:
   try:
     jax.config.update("jax_num_cpu_devices", _process_devices(config))
   except ValueError as error:  # ConfigError: a group's devices that its processes do not split.
-    fail(error)
+    cli.fail(error)
   # Imported here so that `--help` and flag errors stay fast.
   from decoupled_diloco import experiment  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.errors import ConfigError  # pylint: disable=g-import-not-at-top
@@ -100,7 +76,7 @@ def main(argv: list[str]) -> None:
     _run_service_role(config)
     return
   if config.runtime == "service":
-    fail("runtime 'service' runs as separate processes: start them with --role=syncer and --role=learner, "
+    cli.fail("runtime 'service' runs as separate processes: start them with --role=syncer and --role=learner, "
          "or all at once with python -m experiments.launch_local")
   try:
     exp = experiment.build(config)
@@ -108,7 +84,7 @@ def main(argv: list[str]) -> None:
                  len(exp.learners), tuple(config.learners.devices), f"{len(exp.corpus.train):,}")
     summary = {"lockstep": lockstep, "sim": sim, "threads": threads}[config.runtime].run(exp, _WORKDIR.value)
   except ConfigError as error:
-    fail(error)
+    cli.fail(error)
   if summary["eval_loss"] is None:
     print(f"nothing to do: the run in {_WORKDIR.value} is already at outer step {config.outer_steps}")
     return
@@ -158,7 +134,7 @@ def _run_service_role(config) -> None:
       message = (f"learner {summary['learner']}: {summary['steps']} steps, blocked "
                  f"{100 * summary['blocked_fraction']:.2f}% of {summary['wall_seconds']:.1f}s")
   except ConfigError as error:
-    fail(error)
+    cli.fail(error)
   except ConnectionError as error:  # SyncerUnreachable: retried for service.retry_seconds already.
     sys.stderr.write(f"error: {error}\n")
     sys.exit(1)
@@ -167,4 +143,4 @@ def _run_service_role(config) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

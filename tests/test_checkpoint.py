@@ -153,6 +153,7 @@ _CRASH_MID_SAVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_crash_mid_save_is_never_the_latest_step(tmp_path):
   directory = str(tmp_path / "ckpt")
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""The README's commands, shortened through config overrides, run end to end as real processes."""
+"""The commands in the README and docs/*.md, shortened through config overrides, run end to end as real processes."""
 
 import json
 import math
@@ -12,19 +12,24 @@ import sys
 
 import pytest
 
+# Every test here starts real processes (the entry points): the fast subset leaves them out.
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).parents[1]
 README = (REPO / "README.md").read_text()
+# The README first (its first command is the demo), then every docs page: each command a reader may copy.
+DOCS = "\n".join([README] + [page.read_text() for page in sorted((REPO / "docs").glob("*.md"))])
 SHORTEN = ["--config.outer_steps=2", "--config.inner_steps=3", "--config.checkpoint_every=1",
            "--config.data.synthetic.num_tokens=50000", "--config.eval_batches=1", "--config.log_every=2"]
 
 
 def readme_train_commands() -> list[str]:
-  """Every `python -m experiments.train ...` the README shows, including the demo's."""
+  """Every `python -m experiments.train ...` the README and docs show, once each, the README's demo first."""
   commands = []
-  for line in README.splitlines():
+  for line in DOCS.splitlines():
     for part in line.split("&&"):
       part = part.strip()
-      if part.startswith("python -m experiments.train"):
+      if part.startswith("python -m experiments.train") and part not in commands:
         commands.append(part)
   return commands
 
@@ -82,8 +87,8 @@ def test_other_readme_commands_run(command, tmp_path):
 
 
 def _readme_block(marker: str) -> str:
-  """The fenced block after `<!-- marker -->` in the README."""
-  block = README.split(f"<!-- {marker} -->", 1)[1].split("```", 2)[1]
+  """The fenced block after `<!-- marker -->` in the README or a docs page."""
+  block = DOCS.split(f"<!-- {marker} -->", 1)[1].split("```", 2)[1]
   return block.split("\n", 1)[1]
 
 
@@ -121,7 +126,7 @@ def test_readme_service_commands_run_as_written(tmp_path):
 
 
 def test_readme_launch_local_command_runs(tmp_path):
-  command = next(line for line in README.splitlines() if line.startswith("python -m experiments.launch_local"))
+  command = next(line for line in DOCS.splitlines() if line.startswith("python -m experiments.launch_local"))
   args = [f"--workdir={tmp_path / 'local'}" if a.startswith("--workdir=") else a for a in shlex.split(command)[1:]]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   result = subprocess.run([sys.executable, *args, *SHORTEN], cwd=REPO, capture_output=True, text=True, timeout=900,
@@ -138,6 +143,8 @@ def test_readme_launch_local_command_runs(tmp_path):
     ("--config.data.source=text_file", "does not exist"),
     ("--config.data.source=tfds", "data.tfds_name"),
     ("--config=configs/missing.py", "cannot load --config"),
+    ("--config.inner.lr=-0.5", "inner.lr=-0.5 must be > 0"),
+    ("--config.data.eval_fraction=2.0", "data.eval_fraction=2.0 must be in (0, 1)"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(flag, message, tmp_path):
   workdir = tmp_path / "run"
@@ -148,3 +155,68 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(flag, message, tmp_path
   assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
   assert "Traceback" not in result.stderr
   assert not workdir.exists()
+
+
+def _assert_refused(result: subprocess.CompletedProcess, message: str, workdir: pathlib.Path) -> None:
+  """The CLI promise: exit 2, exactly one `error:` line naming the problem, no traceback, nothing written."""
+  assert result.returncode == 2, result.stderr[-3000:]
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
+  assert "Traceback" not in result.stderr
+  assert not workdir.exists()
+
+
+@pytest.mark.parametrize("source, message", [
+    ("def get_config(:\n  pass\n", "cannot load --config: invalid syntax in"),
+    ("def get_config():\n  raise ValueError('no such size')\n", "get_config() raised ValueError: no such size"),
+    ("X = 1\n", "the file has no get_config()"),
+])
+@pytest.mark.parametrize("entry_point", ["train", "launch_local"])
+def test_a_config_file_that_does_not_load_is_one_line(entry_point, source, message, tmp_path):
+  config = tmp_path / "broken.py"
+  config.write_text(source)
+  workdir = tmp_path / "run"
+  result = subprocess.run([sys.executable, "-m", f"experiments.{entry_point}", f"--config={config}",
+                           f"--workdir={workdir}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  _assert_refused(result, message, workdir)
+
+
+def _syncer(workdir: pathlib.Path, *flags: str) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["DD_SYNCER_TOKEN"] = "0123456789abcdef0123456789abcdef"
+  return subprocess.run([sys.executable, "-m", "experiments.train", "--config=configs/demo.py", "--role=syncer",
+                         "--config.mode=decoupled", f"--workdir={workdir}", *SHORTEN, *flags], cwd=REPO,
+                        capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_a_syncer_refused_for_an_impossible_quorum_writes_nothing(tmp_path):
+  _assert_refused(_syncer(tmp_path / "svc", "--config.syncer.quorum=5"), "syncer.quorum=5 exceeds the 4 learners",
+                  tmp_path / "svc")
+
+
+@pytest.mark.parametrize("which", ["port", "data_port"])
+def test_a_syncer_on_a_busy_port_is_one_line_and_writes_nothing(which, tmp_path):
+  """Refused before any write, so a retry on a free port starts fresh instead of demanding --config.resume."""
+  with socket.create_server(("127.0.0.1", 0)) as holder:
+    busy = holder.getsockname()[1]
+    _assert_refused(_syncer(tmp_path / "svc", f"--config.service.{which}={busy}"), f"127.0.0.1:{busy}",
+                    tmp_path / "svc")
+
+
+def test_launch_local_refuses_a_bad_config_in_one_line_before_starting_anything(tmp_path):
+  result = subprocess.run([sys.executable, "-m", "experiments.launch_local", "--config=configs/demo.py",
+                           "--config.outer.momentum=-1", f"--workdir={tmp_path / 'local'}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+  _assert_refused(result, "outer.momentum=-1.0 must be in [0, 1)", tmp_path / "local")
+
+
+def test_launch_local_prints_what_a_failed_process_said(tmp_path):
+  """A child that refuses its input (here: data missing) is named with its own error line, not just its code."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  result = subprocess.run([sys.executable, "-m", "experiments.launch_local", "--config=configs/demo.py",
+                           "--config.mode=decoupled", "--config.data.source=text_file",
+                           f"--config.data.path={tmp_path / 'missing.txt'}", f"--workdir={tmp_path / 'local'}",
+                           *SHORTEN], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+  assert result.returncode == 1, result.stderr[-3000:]
+  said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(said) == 1 and "missing.txt' does not exist: point --config.data.path at a text file" in said[0], said

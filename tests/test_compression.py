@@ -232,6 +232,7 @@ def test_bad_configs_raise_one_line_config_errors(field, value, message):
   assert "\n" not in str(error.value) and "--config.compression." in str(error.value)
 
 
+@pytest.mark.slow
 def test_throughput_benchmark_runs_end_to_end():
   result = subprocess.run(
       [sys.executable, "-m", "experiments.benchmarks.compress_throughput", "--size_mb=0.25", "--blocks=1"],

@@ -2,10 +2,12 @@
 
 import importlib
 import pathlib
+import re
 
 import pytest
 
 from decoupled_diloco import experiment, model as model_lib
+from decoupled_diloco.errors import ConfigError
 
 CONFIG_DIR = pathlib.Path(__file__).parents[1] / "configs"
 CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.py") if p.stem != "__init__")
@@ -40,3 +42,24 @@ def test_tpu_8b_config_is_about_eight_billion_parameters_with_a_subword_vocabula
   _, shapes, _ = model_lib.abstract_params(config.model)
   assert 7.5e9 < model_lib.count_params(shapes) < 8.5e9 and config.model.vocab_size >= 32_000
   assert config.mode == "decoupled" and config.learners.hardware == ("v5p", "v6e")
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("inner.lr", -0.5, "inner.lr=-0.5 must be > 0"),
+    ("inner.warmup_steps", -10, "inner.warmup_steps=-10 must be >= 0"),
+    ("inner.clip_norm", -1.0, "inner.clip_norm=-1.0 must be > 0"),
+    ("inner.b1", 2.0, "inner.b1=2.0 must be in [0, 1)"),
+    ("inner.b2", 1.0, "inner.b2=1.0 must be in [0, 1)"),
+    ("inner.weight_decay", -1.0, "inner.weight_decay=-1.0 must be >= 0"),
+    ("inner.final_lr_fraction", -3.0, "inner.final_lr_fraction=-3.0 must be in [0, 1]"),
+    ("outer.momentum", -1.0, "outer.momentum=-1.0 must be in [0, 1)"),
+    ("outer.momentum", 1.0, "outer.momentum=1.0 must be in [0, 1)"),
+    ("data.eval_fraction", 2.0, "data.eval_fraction=2.0 must be in (0, 1)"),
+    ("syncer.quorum", 5, "syncer.quorum=5 exceeds the 4 learners"),
+])
+def test_out_of_range_settings_are_refused_before_anything_is_built(key, value, message):
+  """Values optax or the syncer would take silently (a negative lr ascends the loss) are refused by validate."""
+  config = importlib.import_module("configs.demo").get_config()
+  config = experiment.with_overrides(config, {key: value})
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    experiment.validate(config)

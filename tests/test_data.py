@@ -178,6 +178,7 @@ def test_unknown_tfds_name_fails_fast_without_network(tmp_path):
   assert time.monotonic() - start < 20
 
 
+@pytest.mark.slow  # Long: the fast subset leaves it to CI.
 def test_tfds_tiny_shakespeare_offline(tiny_shakespeare_data_dir):  # noqa: F811
   cfg = data_config(source="tfds", tfds_name="tiny_shakespeare",
                     tfds_data_dir=str(tiny_shakespeare_data_dir))

@@ -69,6 +69,7 @@ def _records(workdir):
   return records
 
 
+@pytest.mark.slow  # Long: the fast subset leaves it to CI.
 def test_resumed_run_writes_the_same_metrics_as_an_uninterrupted_one(tmp_path):
   config = tiny_config(outer_steps=4, checkpoint_every=2)
   lockstep.run(experiment.build(config), str(tmp_path / "full"))

@@ -42,6 +42,7 @@ def _options(**changes) -> launch_tpu.Options:
   return launch_tpu.Options(**{**base.__dict__, **changes})
 
 
+@pytest.mark.slow
 def test_dry_run_creates_each_slice_and_starts_the_syncer_and_one_learner_per_slice(tmp_path):
   secret = "s3cr3t-token-that-must-never-show-0123456789"
   token = tmp_path / "token"
@@ -144,6 +145,7 @@ def test_bad_slice_specs_name_the_expected_form(spec, message):
   assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_a_bad_slice_spec_on_the_command_line_is_one_error_line_and_status_2():
   result = _dry_run("--slices=v5p-32@us-east5-a,v6e32@us-east1-d", "--project=proj")
   assert result.returncode == 2 and result.stdout == ""

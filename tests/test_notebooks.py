@@ -20,6 +20,9 @@ import nbclient
 import nbformat
 import pytest
 
+# Executes each notebook in a kernel: the fast subset leaves them out.
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "colabs").glob("*.ipynb"))
 CELL_TIMEOUT_SECONDS = 600

@@ -21,6 +21,9 @@ from decoupled_diloco.service import security, server as server_lib, wire
 from experiments.launch_local import Chaos, LocalCluster
 from tests import service_config
 
+# Real syncer and learner processes, SIGKILLs and a chaos run: the fast subset leaves them out.
+pytestmark = pytest.mark.slow
+
 CONFIG = "tests/service_config.py"
 TOKEN = "s" * 32
 RUN_TIMEOUT = 400.0

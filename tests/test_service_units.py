@@ -260,6 +260,7 @@ def test_tls_serves_trusting_clients_and_refuses_plaintext(params, tmp_path):
     core.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("benchmark", ["transport", "merge_throughput"])
 def test_service_benchmarks_run_end_to_end(benchmark):
   """Tiny sizes: the benchmark's own client, server and syncer calls still fit together."""

@@ -32,6 +32,7 @@ def _hetero(**overrides):
   return tiny_config(**{**base, **overrides})
 
 
+@pytest.mark.slow  # Long: the fast subset leaves it to CI.
 def test_equal_speeds_with_full_quorum_reproduce_synchronous_diloco_exactly(tmp_path):
   decoupled = experiment.build(tiny_config(**{"mode": "decoupled", "runtime": "sim", "syncer.quorum": 0,
                                                "syncer.staleness": "constant", "syncer.grace_gamma": 0.0}))
@@ -154,6 +155,7 @@ def test_decoupled_learners_size_their_schedule_by_their_share_of_the_budget():
   assert experiment.expected_steps(config, profiles, [1.0, 1.0]) == [16, 16]
 
 
+@pytest.mark.slow  # Long: the fast subset leaves it to CI.
 def test_a_rerun_after_a_crash_keeps_no_records_of_the_crashed_attempt(tmp_path):
   config = _hetero()
   sim.run(experiment.build(config), str(tmp_path / "once"))

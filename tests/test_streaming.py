@@ -152,6 +152,7 @@ def test_streaming_overlaps_fragments_with_compute_and_accounts_every_byte(tmp_p
   assert np.isfinite(summary["eval_loss"]) and summary["eval_loss"] < 5.0
 
 
+@pytest.mark.slow  # Long: the fast subset leaves it to CI.
 def test_overlap_hides_a_slow_link_that_stalls_a_blocking_learner(tmp_path):
   slow = {"sim.link_gbps": 2.0, "compression.format": "fp32", "policy.kind": "fixed", "learners.speed": ()}
   blocking = sim.run(experiment.build(_streaming(**slow, **{"streaming.overlap_steps": 0})), str(tmp_path / "a"))

@@ -124,6 +124,7 @@ def swept(tmp_path_factory) -> tuple[pathlib.Path, subprocess.CompletedProcess]:
   return tmp_path / "sweep", result
 
 
+@pytest.mark.slow
 def test_two_point_sweep_runs_and_writes_one_csv_row_per_point(swept):
   root, result = swept
   assert result.returncode == 0, result.stderr[-3000:]
@@ -139,6 +140,7 @@ def test_two_point_sweep_runs_and_writes_one_csv_row_per_point(swept):
   assert f"results: {root}/results.csv" in result.stdout and "| outer.lr=0.5 |" in result.stdout
 
 
+@pytest.mark.slow
 def test_rerun_reuses_finished_points(swept):
   root, _ = swept
   before = (root / "results.csv").read_text()
@@ -149,6 +151,7 @@ def test_rerun_reuses_finished_points(swept):
   assert (root / "results.csv").read_text() == before
 
 
+@pytest.mark.slow
 def test_report_on_the_sweep_writes_plots_and_table(swept):
   root, _ = swept
   result = _run("experiments.report", str(root))
@@ -161,6 +164,7 @@ def test_report_on_the_sweep_writes_plots_and_table(swept):
   assert table.index("| outer.lr=0.5 |") < table.index("| mode=decoupled,runtime=sim |")  # The sweep's order.
 
 
+@pytest.mark.slow
 def test_dry_run_prints_one_valid_command_per_point(tmp_path):
   root = tmp_path / "dry"
   result = _run("experiments.sweep", "--config=configs/diloco_sync.py", f"--workdir={root}", "--dry_run",
@@ -181,6 +185,7 @@ def test_dry_run_prints_one_valid_command_per_point(tmp_path):
   assert "final eval loss" in trained.stdout and (workdir / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("points, message", [
     ('[{"outer.lr": 0.5}, {"outer.lrr": 1.0}]', "sweep point 2 of 2: unknown config key 'outer.lrr'"),
     ('sweep.product(**{"outer.lr": [0.5], "inner_steps": []})', "sweep axis 'inner_steps' is empty"),

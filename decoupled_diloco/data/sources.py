@@ -52,6 +52,11 @@ def load_corpus(data_cfg, seq_len: int) -> Corpus:
   return corpus
 
 
+def validate_config(data_cfg) -> None:
+  """Checks the settings shared by all sources before any data loads (a syncer checks before writing)."""
+  _eval_fraction(data_cfg)
+
+
 def _eval_fraction(data_cfg) -> float:
   """Held-out fraction for sources without their own eval split, validated once."""
   fraction = float(data_cfg.eval_fraction)

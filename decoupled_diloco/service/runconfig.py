@@ -1,6 +1,7 @@
 """What the syncer and learner processes derive from a config, and the checks they share."""
 
 import os
+import socket
 
 import jax
 import numpy as np
@@ -31,6 +32,25 @@ def validate(config) -> None:
     _require(s[name] > 0, f"service.{name}={s[name]} must be > 0: set --config.service.{name}")
   _require(s.learner_checkpoint_every >= 0,
            f"service.learner_checkpoint_every={s.learner_checkpoint_every} must be >= 0 (0 = never)")
+
+
+def check_ports_free(host: str, *ports: int) -> None:
+  """Refuses fixed ports that something already listens on, before the syncer writes anything.
+
+  The servers bind only once the syncer is built (and its workdir written); probing first turns
+  a busy port into one error line. Ports 0 (the OS picks) and -1 (no data channel) need no check.
+  """
+  for port in (p for p in ports if p > 0):
+    try:
+      family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE)[0]
+      with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # As the servers do: TIME_WAIT is no conflict.
+        probe.bind(address)
+    except OSError as error:
+      raise ConfigError(f"cannot listen on {host}:{port} ({error.strerror or error}): stop what holds it, or set "
+                        "--config.service.port / --config.service.data_port to a free port (0 = any free port)"
+                        ) from error
 
 
 def budget_steps(config) -> int:

@@ -135,24 +135,27 @@ def run(config, workdir: str) -> dict:
   runconfig.validate(config)
   token = security.load_token(config.service.token_file)
   credentials = security.server_credentials(config.service.tls_cert, config.service.tls_key)
+  # Everything that can refuse the run comes before the first write: a refused start leaves no
+  # half-made workdir behind that a retry would take for a run to resume.
+  runconfig.check_ports_free(config.service.host, config.service.port, config.service.data_port)
+  model, params, _ = model_lib.build_model(config.model, config.seed)
+  corpus = sources.load_corpus(config.data, config.model.seq_len)
+  check_same_layout(config, os.path.join(workdir, "checkpoints"))
   lock = workdir_lock.DirectoryLock(workdir, "syncer.lock", "syncer")  # One syncer per workdir, before any write.
   try:
     checkpoints = os.path.join(workdir, "checkpoints")
     if os.path.isdir(checkpoints) and os.listdir(checkpoints) and not config.resume:
       raise ConfigError(f"workdir {workdir} already holds a syncer run: pass --config.resume=True to continue it "
                         "(launch_local does on restarts), or pick a new --workdir")
-    return _serve(config, workdir, token, credentials)
+    return _serve(config, workdir, token, credentials, model, params, corpus)
   finally:
     lock.release()
 
 
-def _serve(config, workdir: str, token: str, credentials) -> dict:
+def _serve(config, workdir: str, token: str, credentials, model, params, corpus) -> dict:
   """The syncer's life in a workdir it holds: restore, serve, finish."""
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
-  model, params, _ = model_lib.build_model(config.model, config.seed)
-  corpus = sources.load_corpus(config.data, config.model.seq_len)
-  check_same_layout(config, os.path.join(workdir, "checkpoints"))
   recorder = Recorder()
   evaluator = Evaluator(config, model, corpus, recorder)
   core = build_core(config, params, workdir, recorder, evaluator)

@@ -1,0 +1,48 @@
+"""The command-line promise every entry point keeps: bad input is one `error:` line and exit status 2.
+
+train, sweep and launch_local share these so that a typo, a config file that does not load
+and an impossible setting read the same everywhere, and nothing is written before the check.
+"""
+
+import sys
+
+from absl import flags
+
+BAD_INPUT = 2  # The exit status of bad input (absl and argparse use it for usage errors too).
+
+
+def fail(message: str) -> None:
+  """The one way entry points report bad input: a single line and exit status 2."""
+  text = " ".join(str(message).replace("\\n", "\n").split()) or "invalid input"
+  sys.stderr.write(f"error: {text}\n")
+  sys.exit(BAD_INPUT)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's parser, except that bad flags and config files exit 2 with one line instead of 1 with a trace."""
+  try:
+    return flags.FLAGS(argv)
+  except SyntaxError as error:  # The config file itself does not parse: name the file and line.
+    fail(f"cannot load --config: {error.msg} in {error.filename} line {error.lineno}: fix the file")
+  except (flags.Error, KeyError, AttributeError, ValueError, TypeError, ImportError, NameError) as error:
+    text = str(error)
+    if "Did you mean" in text or isinstance(error.__cause__, KeyError):
+      key = text.split("\\n")[0].strip("'\\ ")
+      hint = text[text.index("Did you mean"):].rstrip("'") if "Did you mean" in text else ""
+      fail(f"unknown config key {key}: fix the --config.* override. {hint}")
+    if "Error whilst parsing config file" in text:  # get_config() raised: its traceback's last line says why.
+      fail(f"cannot load --config: get_config() raised {text.strip().splitlines()[-1]}: fix the config file")
+    if "has no attribute 'get_config'" in text:
+      fail("cannot load --config: the file has no get_config(): pass a configs/*.py that defines one")
+    fail(error)
+
+
+def load_config(config_flag):
+  """The parsed config of a `config_flags` holder; a config file that does not load is bad input, not a crash."""
+  try:
+    config = config_flag.value
+    config.keys()  # The flag loads lazily: touch it so a broken file fails here.
+    return config
+  except OSError as error:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    fail(f"cannot load --config ({lines[-1]}): pass an existing configs/*.py with get_config()")
