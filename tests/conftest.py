@@ -16,10 +16,6 @@ import pytest  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 
-def pytest_configure(config):
-  config.addinivalue_line("markers", "slow: minutes-long checks, run with DD_RUN_SLOW=1")
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _compile_once_per_process(tmp_path_factory):
   """A cache directory per pytest process (xdist workers never share one)."""
