@@ -14,6 +14,7 @@ import numpy as np
 from decoupled_diloco import compression, fragments, hardware, inner, mesh, model as model_lib, outer, policy
 from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
+from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.learner import Learner
 from decoupled_diloco.syncer import Settings, Syncer
@@ -36,6 +37,7 @@ class Experiment:
   flops_per_step: list[float]     # Training FLOPs of one inner step of each group (simulated size).
   byte_scale: float               # Simulated / real parameter count: real payload bytes -> simulated bytes.
   assignment: tuple[int, ...] = ()  # Fragment id of every param leaf (streaming); all 0 when P = 1.
+  bits_per_byte: float = 1.0 / np.log(2)  # Eval loss (nats/token) -> bits per byte of the eval text.
 
   @property
   def global_params(self):
@@ -93,6 +95,7 @@ def validate(config) -> None:
            f"mode='ddp' trains one group but learners.devices={devices}: use one group, e.g. (8,)")
   _require(config.data.split in ("iid", "noniid"),
            f"data.split={config.data.split!r} is unknown: use 'iid' or 'noniid'")
+  tokenizer_lib.resolve_model_vocab(config)
   model_lib.validate_config(config.model)
   if config.mode != "ddp":
     outer.outer_optimizer(config.outer)
@@ -183,9 +186,9 @@ def build(config, devices=None) -> Experiment:
     optimizer = inner.inner_optimizer(config.inner, schedule_steps[index])
     loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(group_devices), params_shape, param_axes,
                                   config.learners.fsdp)
-    shard = batches_lib.LearnerBatches(corpus.train, config.model.seq_len, batch_size=batch_size,
-                                       learner_index=index, num_learners=len(groups),
-                                       split=config.data.split, seed=config.seed)
+    shard = batches_lib.learner_batches(corpus, config.model.seq_len, batch_size=batch_size, learner_index=index,
+                                        num_learners=len(groups), split=config.data.split, seed=config.seed,
+                                        prefetch=config.data.prefetch)
     learners.append(Learner(index, loop, shard, loop.init(params), assignment, codec, config.streaming.alpha))
 
   syncer = None
@@ -197,4 +200,5 @@ def build(config, devices=None) -> Experiment:
                     assignment=assignment, codec=codec)
   evals = batches_lib.eval_batches(corpus, config.model.seq_len, config.eval_batch_size, config.eval_batches)
   return Experiment(config, model, corpus, learners, syncer, evals, profiles, flops,
-                    num_params / model_lib.count_params(params), assignment)
+                    num_params / model_lib.count_params(params), assignment,
+                    batches_lib.bits_per_byte_factor(corpus.tokenizer, evals))

@@ -104,8 +104,8 @@ def main(argv: list[str]) -> None:
          "or all at once with python -m experiments.launch_local")
   try:
     exp = experiment.build(config)
-    logging.info("%s: %d learner group(s) on %s devices, %s tokens of data", config.mode,
-                 len(exp.learners), tuple(config.learners.devices), f"{len(exp.corpus.train):,}")
+    logging.info("%s: %d learner group(s) on %s devices, data %s, tokenizer %s", config.mode,
+                 len(exp.learners), tuple(config.learners.devices), exp.corpus.name, exp.corpus.tokenizer.name)
     summary = {"lockstep": lockstep, "sim": sim, "threads": threads}[config.runtime].run(exp, _WORKDIR.value)
   except ConfigError as error:
     fail(error)
