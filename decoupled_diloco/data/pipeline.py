@@ -52,7 +52,8 @@ def packed_stream(documents: grain.MapDataset, tokenizer, width: int, shuffle_se
     ids = tokenizer.encode_bytes(text)
     return {"tokens": np.concatenate([ids, eod]) if ends else ids}
 
-  stream = documents.repeat().map(tokenize).to_iter_dataset()
+  # Rows read sequentially: one worker thread per learner (PackedBatches) prefetches whole batches.
+  stream = documents.repeat().map(tokenize).to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   packed = grain.experimental.ConcatThenSplitIterDataset(stream, length_struct={"tokens": width})
   return packed.map(lambda element: element["tokens"])
 

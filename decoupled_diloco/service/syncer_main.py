@@ -21,6 +21,7 @@ from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import compression, fragments, metrics as metrics_lib, model as model_lib, outer
 from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
+from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import runconfig, security
@@ -48,6 +49,7 @@ class Evaluator:
   def __init__(self, config, model, corpus, recorder: Recorder):
     self.batches = batches_lib.eval_batches(corpus, config.model.seq_len, config.eval_batch_size,
                                             config.eval_batches)
+    self.bits_per_byte = batches_lib.bits_per_byte_factor(corpus.tokenizer, self.batches)
     self.loss = jax.jit(model.loss)
     self.recorder, self.optimal_loss = recorder, corpus.optimal_loss
     self.last: dict | None = None
@@ -63,7 +65,7 @@ class Evaluator:
     while (item := self._queue.get()) is not None:
       params, clock = item
       loss = float(sum(float(self.loss(params, b)) for b in self.batches) / len(self.batches))
-      record = {"kind": "eval", **clock, "eval_loss": loss}
+      record = {"kind": "eval", **clock, "eval_loss": loss, "eval_bits_per_byte": loss * self.bits_per_byte}
       if self.optimal_loss is not None:
         record["optimal_loss"] = self.optimal_loss
       self.recorder.write(record)
@@ -119,8 +121,9 @@ def run(config, workdir: str) -> dict:
                       "(launch_local does on restarts), or pick a new --workdir")
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
+  tokenizer_lib.resolve_model_vocab(config)
   model, params, _ = model_lib.build_model(config.model, config.seed)
-  corpus = sources.load_corpus(config.data, config.model.seq_len)
+  corpus = sources.load_corpus(config.data, config.model.seq_len, train=False)  # Eval text only.
   with metrics_lib.MetricsWriter(workdir, resume_from_step=_resume_step(checkpoints)) as writer:
     recorder = Recorder(writer)
     evaluator = Evaluator(config, model, corpus, recorder)
