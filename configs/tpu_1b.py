@@ -1,10 +1,11 @@
 r"""A ~1B-parameter DiLoCo run over two TPU slices (v5p-128 and v6e-64 class), FSDP inside each.
 
 Validated on CPU by the tests (shapes only, nothing allocated); run it on a Cloud TPU VM
-that sees 128 chips, on C4 through TFDS (ArrayRecord; docs/data.md prepares it) with a SentencePiece model:
+that sees 128 chips, on C4 through TFDS (ArrayRecord; docs/data.md prepares it), byte-level or
+with a SentencePiece model:
 
-  python -m experiments.train --config=configs/tpu_1b.py --config.data.tokenizer_path=PATH.model \
-      --workdir=gs://BUCKET/dd_1b
+  python -m experiments.train --config=configs/tpu_1b.py --workdir=gs://BUCKET/dd_1b \
+      [--config.data.tokenizer=sentencepiece --config.data.tokenizer_path=PATH.model]
 """
 
 from configs import default
@@ -23,7 +24,6 @@ def get_config():
   config.model.dtype = "bfloat16"
   config.data.source = "tfds"
   config.data.tfds_name = "c4/en"
-  config.data.tokenizer = "sentencepiece"  # Set data.tokenizer_path to a .model (see docs/data.md).
   config.learners.devices = (64, 64)  # Two slices of 64 chips each.
   config.learners.batch_size = (256, 256)  # 512 sequences x 2048 tokens per inner step in total.
   config.learners.fsdp = True

@@ -106,7 +106,11 @@ def main(argv: list[str]) -> None:
     exp = experiment.build(config)
     logging.info("%s: %d learner group(s) on %s devices, data %s, tokenizer %s", config.mode,
                  len(exp.learners), tuple(config.learners.devices), exp.corpus.name, exp.corpus.tokenizer.name)
-    summary = {"lockstep": lockstep, "sim": sim, "threads": threads}[config.runtime].run(exp, _WORKDIR.value)
+    try:
+      summary = {"lockstep": lockstep, "sim": sim, "threads": threads}[config.runtime].run(exp, _WORKDIR.value)
+    finally:
+      for learner in exp.learners:  # Stops the data pipelines' prefetch threads before the interpreter exits.
+        learner.batches.close()
   except ConfigError as error:
     fail(error)
   if summary["eval_loss"] is None:

@@ -186,7 +186,8 @@ def test_tfds_tiny_shakespeare_offline(tiny_shakespeare_data_dir):  # noqa: F811
   assert corpus.packed and corpus.optimal_loss is None
   # One document per split, dealt out in newline-aligned pieces that cover it exactly once.
   pieces = [corpus.train_documents[i] for i in range(len(corpus.train_documents))]
-  assert len(pieces) > 200 and pieces[0][0].startswith(b"First Citizen") and all(p[0].endswith(b"\n") for p in pieces[:-1])
+  assert len(pieces) > 200 and pieces[0][0].startswith(b"First Citizen")
+  assert all(p[0].endswith(b"\n") for p in pieces[:-1])
   assert [p[1] for p in pieces] == [False] * (len(pieces) - 1) + [True]
   train_bytes = sum(len(p[0]) for p in pieces)
   eval_bytes = sum(len(corpus.eval_documents[i][0]) for i in range(len(corpus.eval_documents)))

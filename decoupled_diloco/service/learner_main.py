@@ -347,11 +347,12 @@ class LearnerProcess:
       self.learner.anchors[following] = self.locals[following]
 
   def close(self) -> None:
-    """Releases the channel, the metrics file and the checkpointer."""
+    """Releases the channel, the metrics file, the checkpointer and the data pipeline's threads."""
     if self.group.leader:
       self.client.close()
       self.writer.close()
     self.checkpointer.close()
+    self.learner.batches.close()
 
 
 def run(config, workdir: str, index: int, target: str) -> dict:
