@@ -208,3 +208,22 @@ def test_two_process_group_assembles_the_single_process_batch(tmp_path):
     for k in range(2):  # ... and the global array both see is the single-process batch.
       np.testing.assert_array_equal(np.load(tmp_path / f"process{k}_step{step}.npy"), expected)
   single.close()
+
+
+@pytest.mark.slow  # Imports TensorFlow and prepares a TFDS dataset.
+def test_prepare_data_converts_a_tfrecord_tfds_dataset(tmp_path):
+  tfds = pytest.importorskip("tensorflow_datasets")
+  from tests import tfds_fixture  # pylint: disable=g-import-not-at-top
+  if not tfds_fixture.SHARED_TEXT.is_file():
+    pytest.skip(f"shared tiny Shakespeare file not found at {tfds_fixture.SHARED_TEXT}")
+  data_dir = tfds_fixture.build_offline_data_dir(tmp_path / "tfds")
+  tfds.builder("tiny_shakespeare", data_dir=str(data_dir), file_format="tfrecord").download_and_prepare()
+  out = tmp_path / "prepared"
+  result = _run("experiments.prepare_data", "--tfds_name=tiny_shakespeare", f"--tfds_data_dir={data_dir}",
+                f"--output={out}", "--num_shards=1", "--max_bytes=0")
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "train: 1 records" in result.stdout and "eval: 1 records" in result.stdout
+  corpus = sources.load_corpus(tiny_config(**{"data.source": "array_record", "data.path": str(out)}).data, 16)
+  pieces = [corpus.train_documents[i] for i in range(len(corpus.train_documents))]  # One document, in pieces.
+  assert pieces[0][0].startswith(b"First Citizen") and [p[1] for p in pieces].count(True) == 1 and len(pieces) > 200
+  assert batches.eval_batches(corpus, 16, 4, 1)[0].shape == (4, 17)

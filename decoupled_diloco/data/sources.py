@@ -142,8 +142,8 @@ def _array_record(data_cfg, tokenizer) -> Corpus:
   if not root.is_dir():
     raise ConfigError(f"data.path {str(data_cfg.path)!r} is not a directory: prepare one with "
                       "python -m experiments.prepare_data --input=... --output=DIR and set data.path=DIR")
-  train = documents.array_record_documents(str(root / "train-*.array_record*"))
-  eval_ = documents.array_record_documents(str(root / "eval-*.array_record*"))
+  train = _split_few(documents.array_record_documents(str(root / "train-*.array_record*")), data_cfg.chunk_bytes)
+  eval_ = _split_few(documents.array_record_documents(str(root / "eval-*.array_record*")), data_cfg.chunk_bytes)
   return Corpus(None, None, f"array_record({root})", tokenizer=tokenizer, train_documents=train,
                 eval_documents=eval_)
 
