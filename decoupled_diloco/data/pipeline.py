@@ -13,6 +13,8 @@ step comes from the prefetching iterator, any other step by replaying from the s
 saved iterator state (`state()` / `restore()`, kept in learner checkpoints), which skips the replay.
 """
 
+import weakref
+
 import grain
 import numpy as np
 
@@ -76,7 +78,13 @@ class PackedBatches:
     if prefetch > 0:
       dataset = grain.experimental.ThreadPrefetchIterDataset(dataset, prefetch_buffer_size=prefetch)
     self._dataset = dataset
-    self._iterator, self._next, self._last = None, 0, None
+    self._open: list = []  # The live iterator; closed at exit too, before its prefetch thread's modules go away.
+    weakref.finalize(self, _close_all, self._open)
+    self._next, self._last = 0, None
+
+  @property
+  def _iterator(self):
+    return self._open[0] if self._open else None
 
   @property
   def tokens_per_batch(self) -> int:
@@ -84,9 +92,8 @@ class PackedBatches:
     return self.batch_size * self.seq_len
 
   def _seek(self, step: int, state: dict | None = None) -> None:
-    if self._iterator is not None:
-      self._iterator.close()
-    self._iterator = iter(self._dataset)
+    _close_all(self._open)
+    self._open.append(iter(self._dataset))
     self._next = 0
     if state is not None:
       self._iterator.set_state(state["iterator"])
@@ -120,10 +127,13 @@ class PackedBatches:
     self._last = None
 
   def close(self) -> None:
-    """Stops the prefetch threads."""
-    if self._iterator is not None:
-      self._iterator.close()
-      self._iterator = None
+    """Stops the prefetch thread (a later `batch` call starts a new one)."""
+    _close_all(self._open)
+
+
+def _close_all(iterators: list) -> None:
+  while iterators:
+    iterators.pop().close()
 
 
 def eval_windows(documents, tokenizer, seq_len: int, count: int) -> np.ndarray:
