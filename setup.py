@@ -21,6 +21,9 @@ setuptools.setup(
         "tensorboardX>=2.6",
         # `tensorboard --logdir WORKDIR` (tensorflow-cpu no longer brings it along).
         "tensorboard>=2.16,<3",
+        # The input pipeline (sharding, shuffling, packing, checkpointable iterators) and subword tokenizers.
+        "grain>=0.2.18,<0.3",
+        "sentencepiece>=0.2,<0.3",
         # The syncer service (decoupled_diloco/service): gRPC transport, msgpack wire headers.
         "grpcio>=1.60,<2",
         "msgpack>=1.0,<2",

@@ -17,7 +17,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.inner_steps = 20  # H: inner AdamW steps per learner between syncs (must be >= 1).
 
   config.model = ml_collections.ConfigDict()
-  config.model.vocab_size = 256  # Byte-level tokenizer: one token per byte.
+  config.model.vocab_size = 256  # Follows data.tokenizer: 256 for bytes, a SentencePiece model's own size otherwise.
   config.model.seq_len = 64  # Tokens of context per training window.
   config.model.d_model = 64  # Residual stream width.
   config.model.num_layers = 2  # Transformer blocks.
@@ -37,12 +37,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.loss_chunk = 0  # Tokens per cross-entropy chunk, so [B, T, vocab] f32 logits never exist (0 = one chunk).
 
   config.data = ml_collections.ConfigDict()
-  config.data.source = "synthetic"  # 'synthetic' (embedded, known optimum), 'text_file' or 'tfds'.
-  config.data.path = ""  # Text file for source='text_file'.
+  config.data.source = "synthetic"  # 'synthetic' (embedded, known optimum), 'text_file', 'array_record' or 'tfds'.
+  config.data.path = ""  # Text file (source='text_file') or experiments.prepare_data output dir ('array_record').
+  config.data.tokenizer = "byte"  # 'byte' (embedded, 256 ids) or 'sentencepiece' (data.tokenizer_path).
+  config.data.tokenizer_path = ""  # SentencePiece .model (python -m experiments.train_tokenizer makes one).
+  config.data.chunk_bytes = 4096  # Long texts of few-document sources are dealt out in pieces of about this size.
+  config.data.prefetch = 2  # Packed batches each learner's grain pipeline prepares ahead in a worker thread (0 = none).
   config.data.tfds_name = ""  # TFDS dataset for source='tfds', e.g. 'tiny_shakespeare', 'lm1b'.
   config.data.tfds_data_dir = ""  # TFDS data_dir ('' = TFDS's default, ~/tensorflow_datasets).
   config.data.tfds_text_key = "text"  # Feature holding the text in each TFDS example.
-  config.data.max_bytes = 0  # Cap on bytes read from a TFDS split (0 = all); keeps c4-sized sets in RAM.
   config.data.split = "iid"  # How windows are dealt to learners: 'iid' (shuffled) or 'noniid' (contiguous).
   config.data.eval_fraction = 0.1  # Held-out tail for sources without an eval split.
   config.data.synthetic = ml_collections.ConfigDict()

@@ -6,7 +6,9 @@ group fits and whether the exchange hides under compute, on any machine (no TPU 
 
   python -m experiments.plan --config=configs/tpu_1b.py
 
-Run it (one learner process per slice, the syncer on the first slice's worker 0), on C4 via TFDS:
+Run it (one learner process per slice, the syncer on the first slice's worker 0), on C4 via TFDS
+(ArrayRecord; docs/data.md prepares it), byte-level or with a SentencePiece model
+(--config.data.tokenizer=sentencepiece --config.data.tokenizer_path=PATH.model):
 
   python -m experiments.launch_tpu --config=configs/tpu_1b.py --slices=v5p-128@us-east5-a,v6e-64@us-east1-d \
       --project=my-project --run_name=dd-1b --dry_run
@@ -33,7 +35,6 @@ def get_config():
   config.model.attention = "auto"  # Splash (flash) attention on TPU.
   config.data.source = "tfds"
   config.data.tfds_name = "c4/en"
-  config.data.max_bytes = 8_000_000_000  # Reads the first ~8 GB of C4 into host memory.
   config.learners.devices = (64, 64)  # v5p-128 (64 chips) and v6e-64 (64 chips).
   config.learners.hardware = ("v5p", "v6e")
   config.learners.layouts = ("data=2,fsdp=32", "fsdp=32,tensor=2")

@@ -14,6 +14,7 @@ import numpy as np
 from decoupled_diloco import compression, fragments, hardware, inner, mesh, model as model_lib, outer, policy
 from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
+from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.learner import Learner
 from decoupled_diloco.runtime import failures
@@ -37,6 +38,7 @@ class Experiment:
   flops_per_step: list[float]     # Training FLOPs of one inner step of each group (simulated size).
   byte_scale: float               # Simulated / real parameter count: real payload bytes -> simulated bytes.
   assignment: tuple[int, ...] = ()  # Fragment id of every param leaf (streaming); all 0 when P = 1.
+  bits_per_byte: float = 1.0 / np.log(2)  # Eval loss (nats/token) -> bits per byte of the eval text.
 
   @property
   def global_params(self):
@@ -98,6 +100,7 @@ def validate(config) -> None:
            f"mode='ddp' trains one group but learners.devices={devices}: use one group, e.g. (8,)")
   _require(config.data.split in ("iid", "noniid"),
            f"data.split={config.data.split!r} is unknown: use 'iid' or 'noniid'")
+  tokenizer_lib.resolve_model_vocab(config)
   model_lib.validate_config(config.model)
   inner.validate_config(config.inner)
   sources.validate_config(config.data)
@@ -195,9 +198,9 @@ def build(config, devices=None) -> Experiment:
     optimizer = inner.inner_optimizer(config.inner, schedule_steps[index])
     loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(group_devices, layouts[index]), params_shape,
                                   param_axes, config.inner.microbatches)
-    shard = batches_lib.LearnerBatches(corpus.train, config.model.seq_len, batch_size=batch_size,
-                                       learner_index=index, num_learners=len(groups),
-                                       split=config.data.split, seed=config.seed)
+    shard = batches_lib.learner_batches(corpus, config.model.seq_len, batch_size=batch_size, learner_index=index,
+                                        num_learners=len(groups), split=config.data.split, seed=config.seed,
+                                        prefetch=config.data.prefetch)
     learners.append(Learner(index, loop, shard, loop.init(params), assignment, codec, config.streaming.alpha))
 
   syncer = None
@@ -209,4 +212,5 @@ def build(config, devices=None) -> Experiment:
                     assignment=assignment, codec=codec)
   evals = batches_lib.eval_batches(corpus, config.model.seq_len, config.eval_batch_size, config.eval_batches)
   return Experiment(config, model, corpus, learners, syncer, evals, profiles, flops,
-                    num_params / model_lib.count_params(params), assignment)
+                    num_params / model_lib.count_params(params), assignment,
+                    batches_lib.bits_per_byte_factor(corpus.tokenizer, evals))

@@ -125,6 +125,16 @@ class InnerLoop:
     """Places a host batch split over the batch axes (data × fsdp)."""
     return jax.device_put(batch, self.batch_sharding)
 
+  def put_local_batch(self, rows):
+    """Assembles the global batch from every process's own rows (this process holds only its share).
+
+    Why: each host of a multi-host group reads only the rows its devices train on; with one
+    process this is exactly `put_batch`.
+    """
+    if jax.process_count() == 1:
+      return self.put_batch(rows)
+    return jax.make_array_from_process_local_data(self.batch_sharding, rows)
+
 
 def build_inner_loop(model: LanguageModel, optimizer: optax.GradientTransformation, mesh: Mesh,
                      params_shape, param_axes, microbatches: int = 1) -> InnerLoop:

@@ -7,12 +7,12 @@ results, so a runtime that interleaves several groups' steps keeps all their mes
 
 import dataclasses
 import time
+from typing import Any
 
 import jax
 import numpy as np
 
 from decoupled_diloco import compression, fragments
-from decoupled_diloco.data.batches import LearnerBatches
 from decoupled_diloco.inner import InnerLoop, TrainState
 from decoupled_diloco.syncer import Push
 
@@ -27,7 +27,7 @@ class Learner:
   """
   index: int
   loop: InnerLoop
-  batches: LearnerBatches
+  batches: Any                  # data.batches.LearnerBatches or data.pipeline.PackedBatches: batch(step).
   state: TrainState
   assignment: tuple = ()        # Fragment id of every param leaf; () = a single fragment.
   codec: compression.Codec = compression.Codec()
@@ -88,7 +88,7 @@ class Learner:
 
   def step(self) -> None:
     """Dispatch one inner step asynchronously; the loss is fetched later in `drain_losses`."""
-    batch = self.loop.put_batch(self.batches.batch(self.steps))
+    batch = self.loop.put_local_batch(self.batches.batch(self.steps))
     self.state, metrics = self.loop.step(self.state, batch)
     self._pending_losses.append((self.steps, metrics["loss"]))
     self.steps += 1

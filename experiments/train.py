@@ -80,9 +80,13 @@ def main(argv: list[str]) -> None:
          "or all at once with python -m experiments.launch_local")
   try:
     exp = experiment.build(config)
-    logging.info("%s: %d learner group(s) on %s devices, %s tokens of data", config.mode,
-                 len(exp.learners), tuple(config.learners.devices), f"{len(exp.corpus.train):,}")
-    summary = {"lockstep": lockstep, "sim": sim, "threads": threads}[config.runtime].run(exp, _WORKDIR.value)
+    logging.info("%s: %d learner group(s) on %s devices, data %s, tokenizer %s", config.mode,
+                 len(exp.learners), tuple(config.learners.devices), exp.corpus.name, exp.corpus.tokenizer.name)
+    try:
+      summary = {"lockstep": lockstep, "sim": sim, "threads": threads}[config.runtime].run(exp, _WORKDIR.value)
+    finally:
+      for learner in exp.learners:  # Stops the data pipelines' prefetch threads before the interpreter exits.
+        learner.batches.close()
   except ConfigError as error:
     cli.fail(error)
   if summary["eval_loss"] is None:

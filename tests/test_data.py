@@ -18,7 +18,8 @@ from tests.tfds_fixture import tiny_shakespeare_data_dir  # noqa: F401  (pytest 
 def data_config(**overrides) -> ml_collections.ConfigDict:
   cfg = ml_collections.ConfigDict(dict(
       source="synthetic", path="", tfds_name="tiny_shakespeare", tfds_data_dir="",
-      tfds_text_key="text", max_bytes=0, split="iid", eval_fraction=0.1,
+      tfds_text_key="text", split="iid", eval_fraction=0.1, tokenizer="byte", tokenizer_path="",
+      chunk_bytes=4096, prefetch=2,
       synthetic=dict(alphabet_size=16, order=2, concentration=0.5, num_tokens=50_000, seed=7)))
   cfg.update(overrides)
   return cfg
@@ -183,13 +184,20 @@ def test_tfds_tiny_shakespeare_offline(tiny_shakespeare_data_dir):  # noqa: F811
   cfg = data_config(source="tfds", tfds_name="tiny_shakespeare",
                     tfds_data_dir=str(tiny_shakespeare_data_dir))
   corpus = sources.load_corpus(cfg, seq_len=128)
-  assert corpus.train.tobytes().startswith(b"First Citizen")
-  assert corpus.eval.size > 10_000 and corpus.optimal_loss is None
-  assert corpus.train.size + corpus.eval.size < 1_115_394  # Train + validation, not test.
-  cfg.max_bytes = 1000  # Reuses the prepared dataset: no second download_and_prepare.
-  capped = sources.load_corpus(cfg, seq_len=128)
-  assert capped.train.size == 1000 and capped.eval.size == 1000
-  assert capped.train.tobytes() == corpus.train[:1000].tobytes()
+  assert corpus.packed and corpus.optimal_loss is None
+  # One document per split, dealt out in newline-aligned pieces that cover it exactly once.
+  pieces = [corpus.train_documents[i] for i in range(len(corpus.train_documents))]
+  assert len(pieces) > 200 and pieces[0][0].startswith(b"First Citizen")
+  assert all(p[0].endswith(b"\n") for p in pieces[:-1])
+  assert [p[1] for p in pieces] == [False] * (len(pieces) - 1) + [True]
+  train_bytes = sum(len(p[0]) for p in pieces)
+  eval_bytes = sum(len(corpus.eval_documents[i][0]) for i in range(len(corpus.eval_documents)))
+  assert eval_bytes > 10_000 and train_bytes + eval_bytes < 1_115_394  # Train + validation, not test.
+  evals = batches.eval_batches(corpus, seq_len=128, batch_size=4, num_batches=2)
+  assert evals[0].shape == (4, 129) and evals[0].dtype == np.int32
+  assert bytes(evals[0][0].astype(np.uint8)) == corpus.eval_documents[0][0][:129]
+  syncer_view = sources.load_corpus(cfg, seq_len=128, train=False)
+  assert syncer_view.train_documents is None and len(syncer_view.eval_documents) == len(corpus.eval_documents)
 
 
 # ----------------------------------------------------------------------------- batches

@@ -19,11 +19,21 @@ Sharding over M learners:
 Batches: the shard is visited epoch by epoch, each epoch in its own order seeded by
 (seed, learner, epoch). Batch `step` holds the stream positions [step*B, (step+1)*B), so a
 batch may straddle two epochs, and a shard smaller than the batch simply wraps (a window can
-then appear more than once in one batch): small shards work rather than error.
+then appear more than once in one batch): small shards work rather than error. A process of a
+multi-process group computes only its `rows` of that batch.
+
+This is the window path (synthetic language, byte-level text files): a grain MapDataset over
+this index function, so its batches are bit-identical to the pre-grain pipeline's. Document
+sources (TFDS, ArrayRecord, subword text) go through the packed pipeline (pipeline.py);
+`learner_batches` and `eval_batches` pick the path from the corpus.
 """
 
+import math
+
+import grain
 import numpy as np
 
+from decoupled_diloco.data import pipeline
 from decoupled_diloco.errors import ConfigError
 
 SPLITS = ("iid", "noniid")
@@ -55,7 +65,7 @@ class LearnerBatches:
   """The batches of one learner: `batch(step)` is a pure function of step (see module doc)."""
 
   def __init__(self, tokens: np.ndarray, seq_len: int, *, learner_index: int, num_learners: int,
-               batch_size: int, split: str = "iid", seed: int = 0):
+               batch_size: int, split: str = "iid", seed: int = 0, rows: range | None = None):
     """Shards the train `tokens` (e.g. `Corpus.train`) and fixes this learner's share.
 
     Raises ConfigError if some learner would get no window at all, since its shard could
@@ -76,6 +86,8 @@ class LearnerBatches:
     self._seed = seed
     self._learner_index = learner_index
     self._order_cache: dict[int, np.ndarray] = {}
+    self.rows = rows if rows is not None else range(batch_size)
+    self._dataset = grain.MapDataset.range(2**62).map(self._rows_of_step)
 
   @property
   def tokens_per_batch(self) -> int:
@@ -96,16 +108,41 @@ class LearnerBatches:
     return self._order_cache[epoch]
 
   def batch(self, step: int) -> np.ndarray:
-    """int32 [batch_size, seq_len + 1] byte ids of `step`; input [:, :-1], target [:, 1:]."""
+    """int32 [len(rows), seq_len + 1] byte ids of `step`; input [:, :-1], target [:, 1:]."""
     if step < 0:
       raise ValueError(f"step must be >= 0, got {step}")
-    positions = step * self.batch_size + np.arange(self.batch_size)
+    return self._dataset[step]
+
+  def state(self) -> dict:
+    """Nothing to save: every batch is computed from its step alone."""
+    return {}
+
+  def restore(self, state: dict) -> None:
+    """Nothing to restore (see `state`)."""
+    del state
+
+  def close(self) -> None:
+    """No threads to stop."""
+
+  def _rows_of_step(self, step: int) -> np.ndarray:
+    positions = step * self.batch_size + np.asarray(self.rows, np.int64)
     epochs, offsets = np.divmod(positions, self.shard.size)
-    rows = np.empty(self.batch_size, dtype=np.int64)
+    rows = np.empty(positions.size, dtype=np.int64)
     for epoch in np.unique(epochs):
       mask = epochs == epoch
       rows[mask] = self._epoch_order(int(epoch))[offsets[mask]]
     return self._windows[rows].astype(np.int32)
+
+
+def learner_batches(corpus, seq_len: int, *, learner_index: int, num_learners: int, batch_size: int, split: str,
+                    seed: int, rows: range | None = None, prefetch: int = 2):
+  """Learner `learner_index`'s batches (this process's `rows` of them): windows or packed documents."""
+  if corpus.packed:
+    return pipeline.PackedBatches(corpus.train_documents, corpus.tokenizer, seq_len, learner_index=learner_index,
+                                  num_learners=num_learners, batch_size=batch_size, split=split, seed=seed,
+                                  rows=rows, prefetch=prefetch)
+  return LearnerBatches(corpus.train, seq_len, learner_index=learner_index, num_learners=num_learners,
+                        batch_size=batch_size, split=split, seed=seed, rows=rows)
 
 
 def eval_batches(corpus, seq_len: int, batch_size: int, num_batches: int) -> list[np.ndarray]:
@@ -114,6 +151,9 @@ def eval_batches(corpus, seq_len: int, batch_size: int, num_batches: int) -> lis
   No randomness, so every learner, every evaluation and every rerun scores the same text and
   eval losses are comparable across steps and runs.
   """
+  if corpus.packed:
+    windows = pipeline.eval_windows(corpus.eval_documents, corpus.tokenizer, seq_len, num_batches * batch_size)
+    return list(windows.reshape(num_batches, batch_size, -1))
   windows = make_windows(corpus.eval, seq_len)
   if windows.shape[0] == 0:
     raise ConfigError(
@@ -121,3 +161,16 @@ def eval_batches(corpus, seq_len: int, batch_size: int, num_batches: int) -> lis
         f"seq_len + 1 = {seq_len + 1}: use more eval data or a smaller model.seq_len")
   rows = np.arange(num_batches * batch_size) % windows.shape[0]
   return [b.astype(np.int32) for b in windows[rows].reshape(num_batches, batch_size, -1)]
+
+
+def bits_per_byte_factor(tokenizer, batches: list[np.ndarray]) -> float:
+  """Converts a mean eval loss in nats per predicted token into bits per byte of the text predicted.
+
+  bits/byte = loss * (predicted tokens / their text bytes) / ln 2, with the bytes behind each
+  target id from `tokenizer.token_bytes()`; the same text has the same byte count under every tokenizer.
+  """
+  sizes = tokenizer.token_bytes()
+  targets = [b[:, 1:] for b in batches]
+  num_bytes = sum(int(sizes[t].sum()) for t in targets)
+  num_tokens = sum(t.size for t in targets)
+  return num_tokens / max(num_bytes, 1) / math.log(2)

@@ -1,4 +1,4 @@
-"""Turns `config.data` into a byte corpus with a train and a held-out eval split.
+"""Turns `config.data` into a corpus with a train and a held-out eval split, and its tokenizer.
 
 Why one entry point: the trainer, the benchmarks and the colabs all need the same bytes for
 the same config, and every way the user can get the config wrong (missing file, unknown
@@ -9,45 +9,71 @@ importing the package (and the synthetic / text-file paths) stays fast.
 
 import dataclasses
 import pathlib
+from typing import Any
 
 import numpy as np
 
+from decoupled_diloco.data import documents
 from decoupled_diloco.data import synthetic
+from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
 
-SOURCES = ("synthetic", "text_file", "tfds")
+SOURCES = ("synthetic", "text_file", "array_record", "tfds")
+FEW_DOCUMENTS = 4096  # Sources with fewer documents are cut into pieces of data.chunk_bytes (see documents.py).
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Corpus:
-  """Byte ids of the train and eval text; `optimal_loss` is known only for synthetic data."""
+  """Train and eval text of a run, as token streams (synthetic, byte-level text file) or documents.
 
-  train: np.ndarray
-  eval: np.ndarray
+  Token streams are uint8 arrays (in memory for the generated synthetic language, memory-mapped
+  for a text file) cut into windows by `batches.LearnerBatches`; documents (TFDS, ArrayRecord,
+  a text file under a subword tokenizer) go through the packed grain pipeline. `train` is None
+  when it was not asked for (the syncer only evaluates). `optimal_loss` is known only for synthetic data.
+  """
+
+  train: np.ndarray | None
+  eval: np.ndarray | None
   name: str
   optimal_loss: float | None = None
+  tokenizer: Any = tokenizer_lib.ByteTokenizer()
+  train_documents: Any = None
+  eval_documents: Any = None
+
+  @property
+  def packed(self) -> bool:
+    """Whether this corpus is documents (packed pipeline) rather than token streams (windows)."""
+    return self.eval_documents is not None
 
 
-def load_corpus(data_cfg, seq_len: int) -> Corpus:
-  """Loads `data_cfg.source`; both splits must hold at least one window of seq_len + 1 bytes.
+def load_corpus(data_cfg, seq_len: int, train: bool = True) -> Corpus:
+  """Opens `data_cfg.source` (nothing is read whole); stream splits must hold one window of seq_len + 1.
 
   `seq_len` is needed because synthetic chains are generated window-aligned (see synthetic.py)
-  and because a split shorter than one window cannot produce a single batch.
+  and because a split shorter than one window cannot produce a single batch. `train=False`
+  opens the eval split only (the syncer process never touches training data).
   """
+  tokenizer = tokenizer_lib.from_config(data_cfg)
+  if data_cfg.chunk_bytes < 256:
+    raise ConfigError(f"data.chunk_bytes={data_cfg.chunk_bytes} must be >= 256: use e.g. 4096")
   if data_cfg.source == "synthetic":
-    corpus = _synthetic(data_cfg, seq_len)
+    corpus = _synthetic(data_cfg, seq_len, train)
   elif data_cfg.source == "text_file":
-    corpus = _text_file(data_cfg)
+    corpus = _text_file(data_cfg, tokenizer)
+  elif data_cfg.source == "array_record":
+    corpus = _array_record(data_cfg, tokenizer)
   elif data_cfg.source == "tfds":
-    corpus = _tfds(data_cfg)
+    corpus = _tfds(data_cfg, tokenizer, train)
   else:
     raise ConfigError(
         f"data.source {data_cfg.source!r} is unknown: use one of {', '.join(SOURCES)}")
+  if corpus.packed:
+    return corpus
   for split in ("train", "eval"):
-    size = getattr(corpus, split).size
-    if size < seq_len + 1:
+    tokens = getattr(corpus, split)
+    if tokens is not None and tokens.size < seq_len + 1:
       raise ConfigError(
-          f"the {split} split of {corpus.name} has {size} bytes, fewer than one window of "
+          f"the {split} split of {corpus.name} has {tokens.size} bytes, fewer than one window of "
           f"seq_len + 1 = {seq_len + 1}: use more data or a smaller model.seq_len")
   return corpus
 
@@ -65,19 +91,20 @@ def _eval_fraction(data_cfg) -> float:
   return fraction
 
 
-def _split_tail(data: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-  """Last `fraction` of the bytes is eval, so eval text is never interleaved with train text."""
-  cut = data.size - int(round(data.size * fraction))
-  return data[:cut], data[cut:]
+def _tail_cut(size: int, fraction: float) -> int:
+  """Where the eval tail begins: the last `fraction` of the items, so eval never interleaves with train."""
+  return size - int(round(size * fraction))
 
 
-def _synthetic(data_cfg, seq_len: int) -> Corpus:
+def _synthetic(data_cfg, seq_len: int, train: bool) -> Corpus:
   """Train and eval are independently seeded samples of one seeded Markov language.
 
   Eval is `eval_fraction` of `num_tokens` (at least one chain), drawn from its own generator
   stream so its text is fresh but comes from exactly the distribution `optimal_loss` describes.
   """
   cfg = data_cfg.synthetic
+  if data_cfg.tokenizer != "byte":
+    raise ConfigError("the synthetic language is byte-level: use --config.data.tokenizer=byte with source='synthetic'")
   if cfg.num_tokens < 1:
     raise ConfigError(
         f"data.synthetic.num_tokens={cfg.num_tokens} must be positive: use e.g. 2_000_000")
@@ -85,29 +112,49 @@ def _synthetic(data_cfg, seq_len: int) -> Corpus:
       cfg.alphabet_size, cfg.order, cfg.concentration, cfg.seed)
   chain_length = synthetic.aligned_chain_length(seq_len)
   num_eval = max(int(round(cfg.num_tokens * _eval_fraction(data_cfg))), chain_length)
-  train = language.sample(cfg.num_tokens, np.random.default_rng([cfg.seed, 1]), chain_length)
+  train_tokens = (language.sample(cfg.num_tokens, np.random.default_rng([cfg.seed, 1]), chain_length)
+                  if train else None)
   eval_ = language.sample(num_eval, np.random.default_rng([cfg.seed, 2]), chain_length)
   name = (f"synthetic(alphabet_size={cfg.alphabet_size}, order={cfg.order}, "
           f"concentration={cfg.concentration}, seed={cfg.seed})")
-  return Corpus(train, eval_, name, language.optimal_loss(seq_len))
+  return Corpus(train_tokens, eval_, name, language.optimal_loss(seq_len))
 
 
-def _text_file(data_cfg) -> Corpus:
-  """Any local file, read as raw bytes; its tail is the eval split."""
+def _text_file(data_cfg, tokenizer) -> Corpus:
+  """Any local file, memory-mapped (never read whole); its tail is the eval split.
+
+  Bytes stay a token stream cut into windows (as before grain); a subword tokenizer reads the
+  file as one document in pieces through the packed pipeline.
+  """
   path = pathlib.Path(data_cfg.path).expanduser()
   if not path.is_file():
     raise ConfigError(
         f"data.path {str(data_cfg.path)!r} does not exist: point --config.data.path at a text file")
-  data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
-  train, eval_ = _split_tail(data, _eval_fraction(data_cfg))
-  return Corpus(train, eval_, f"text_file({path})")
+  size = path.stat().st_size
+  cut = _tail_cut(size, _eval_fraction(data_cfg))
+  name = f"text_file({path})"
+  if tokenizer.name == "byte":
+    data = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+    return Corpus(data[:cut], data[cut:], name)
+  return Corpus(None, None, name, tokenizer=tokenizer,
+                train_documents=documents.FileDocuments(str(path), 0, cut, data_cfg.chunk_bytes),
+                eval_documents=documents.FileDocuments(str(path), cut, size, data_cfg.chunk_bytes))
 
 
-def _tfds(data_cfg) -> Corpus:
-  """Reads a TFDS text dataset through `tfds.data_source` (array_record), preparing it if needed.
+def _array_record(data_cfg, tokenizer) -> Corpus:
+  """Shards written by experiments.prepare_data: DIR/train* and DIR/eval* (one document per record)."""
+  root = pathlib.Path(data_cfg.path).expanduser()
+  if not root.is_dir():
+    raise ConfigError(f"data.path {str(data_cfg.path)!r} is not a directory: prepare one with "
+                      "python -m experiments.prepare_data --input=... --output=DIR and set data.path=DIR")
+  train = _split_few(documents.array_record_documents(str(root / "train-*.array_record*")), data_cfg.chunk_bytes)
+  eval_ = _split_few(documents.array_record_documents(str(root / "eval-*.array_record*")), data_cfg.chunk_bytes)
+  return Corpus(None, None, f"array_record({root})", tokenizer=tokenizer, train_documents=train,
+                eval_documents=eval_)
 
-  Eval is the dataset's 'validation' split, else 'test', else the tail of 'train'.
-  """
+
+def _open_tfds(data_cfg):
+  """`tfds.data_source` of every split of `data.tfds_name` (ArrayRecord, random access), or a ConfigError."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (heavy, tfds-only)
 
   name = data_cfg.tfds_name
@@ -116,8 +163,7 @@ def _tfds(data_cfg) -> Corpus:
   data_dir = data_cfg.tfds_data_dir or None
   where = data_dir or "the default TFDS data dir"
   try:
-    splits = tfds.data_source(name, data_dir=data_dir, split=None,
-                              builder_kwargs={"file_format": "array_record"})
+    return tfds.data_source(name, data_dir=data_dir, split=None, builder_kwargs={"file_format": "array_record"})
   except tfds.core.DatasetNotFoundError as e:
     raise ConfigError(
         f"TFDS dataset {name!r} is unknown: set data.tfds_name to a name from "
@@ -129,42 +175,38 @@ def _tfds(data_cfg) -> Corpus:
   except Exception as e:  # Download/prepare failures come from many libraries (requests, IO, TF).
     reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
     raise ConfigError(
-        f"TFDS dataset {name!r} could not be downloaded/prepared in {where} ({reason}): "
-        "give the machine network access or point data.tfds_data_dir at a prepared copy") from e
+        f"TFDS dataset {name!r} could not be opened as ArrayRecord in {where} ({reason}): give the machine "
+        "network access, point data.tfds_data_dir at a prepared copy, or convert a TFRecord copy with "
+        "python -m experiments.prepare_data --tfds_name=...") from e
+
+
+def _split_few(docs, chunk_bytes: int):
+  """Sources with few documents (tiny Shakespeare has one per split) are served in pieces."""
+  return documents.SplitDocuments(docs, chunk_bytes) if len(docs) < FEW_DOCUMENTS else docs
+
+
+def _tfds(data_cfg, tokenizer, train: bool) -> Corpus:
+  """A TFDS text dataset through `tfds.data_source` (ArrayRecord, random access); nothing read up front.
+
+  Eval is the dataset's 'validation' split, else 'test', else the tail of 'train'.
+  """
+  import grain  # pylint: disable=g-import-not-at-top
+  name = data_cfg.tfds_name
+  splits = _open_tfds(data_cfg)
   if "train" not in splits:
     raise ConfigError(
         f"TFDS dataset {name!r} has no 'train' split (it has {sorted(splits)}): choose a "
         "data.tfds_name with a train split")
-  train = _read_text(splits["train"], data_cfg.tfds_text_key, data_cfg.max_bytes, name)
+  key, chunk = data_cfg.tfds_text_key, data_cfg.chunk_bytes
   held_out = next((s for s in ("validation", "test") if s in splits), None)
+  train_docs = None
   if held_out is None:
-    train, eval_ = _split_tail(train, _eval_fraction(data_cfg))
+    everything = grain.MapDataset.source(_split_few(documents.RecordDocuments(splits["train"], key, name), chunk))
+    cut = _tail_cut(len(everything), _eval_fraction(data_cfg))
+    train_docs, eval_docs = everything[:cut], everything[cut:]
   else:
-    eval_ = _read_text(splits[held_out], data_cfg.tfds_text_key, data_cfg.max_bytes, name)
-  return Corpus(train, eval_, f"tfds({name}, eval={held_out or 'train tail'})")
-
-
-def _read_text(source, key: str, max_bytes: int, name: str) -> np.ndarray:
-  """Concatenates the examples' `key` field, b'\\n'-separated, stopping at `max_bytes` (0 = all).
-
-  A capped read of a huge split touches only the records it needs.
-  """
-  parts, total = [], 0
-  for example in _examples(source):
-    if key not in example:
-      raise ConfigError(
-          f"TFDS dataset {name!r} has no feature {key!r} (features: {sorted(example)}): "
-          "set data.tfds_text_key to its text feature")
-    text = example[key]
-    parts.append(text.encode("utf-8") if isinstance(text, str) else bytes(text))
-    total += len(parts[-1]) + 1
-    if 0 < max_bytes <= total:
-      break
-  data = np.frombuffer(b"\n".join(parts), dtype=np.uint8)
-  return data[:max_bytes] if max_bytes > 0 else data
-
-
-def _examples(source, chunk: int = 256):
-  """Yields a data source's examples in order, fetched `chunk` indices at a time (fewer reads)."""
-  for start in range(0, len(source), chunk):
-    yield from source.__getitems__(range(start, min(start + chunk, len(source))))
+    eval_docs = _split_few(documents.RecordDocuments(splits[held_out], key, name), chunk)
+    if train:
+      train_docs = _split_few(documents.RecordDocuments(splits["train"], key, name), chunk)
+  return Corpus(None, None, f"tfds({name}, eval={held_out or 'train tail'})", tokenizer=tokenizer,
+                train_documents=train_docs, eval_documents=eval_docs)

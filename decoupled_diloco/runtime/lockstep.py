@@ -36,6 +36,9 @@ def _restore(exp: Experiment, checkpointer: checkpoint_lib.Checkpointer, step: i
   for learner in exp.learners:
     learner.state = state[f"learner_{learner.index}"]
     learner.steps = int(learner.state.step)
+  for learner, data_state in zip(exp.learners, metadata.get("data") or ()):
+    if data_state:  # Packed pipelines continue from their saved position instead of replaying.
+      learner.batches.restore(data_state)
   if exp.syncer is not None:
     exp.syncer.restore(SyncerState(state["syncer_params"], state["syncer_opt_state"],
                                    tuple(metadata["syncer_versions"])))
@@ -122,4 +125,5 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
 
 def _metadata(exp: Experiment, outer_step: int) -> dict:
   return {"outer_step": outer_step, "config": exp.config.to_dict(),
-          "syncer_versions": exp.syncer.versions if exp.syncer is not None else None}
+          "syncer_versions": exp.syncer.versions if exp.syncer is not None else None,
+          "data": [learner.batches.state() for learner in exp.learners]}

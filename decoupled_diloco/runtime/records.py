@@ -37,12 +37,13 @@ def train_records(learner, outer_step: int, log_every: int, extra: dict) -> list
 
 
 def eval_record(exp: Experiment, clock: dict, params=None) -> dict:
-  """Held-out loss of the global params, or of a snapshot of them (and the optimum, when known).
+  """Held-out loss (and bits per byte) of the global params, or of a snapshot of them (and the optimum, when known).
 
   `params`: a snapshot taken earlier, for runtimes that evaluate off the training threads.
   """
   params = exp.global_params if params is None else params
-  record = {"kind": "eval", **clock, "eval_loss": exp.learners[0].evaluate(params, exp.eval_batches)}
+  loss = exp.learners[0].evaluate(params, exp.eval_batches)
+  record = {"kind": "eval", **clock, "eval_loss": loss, "eval_bits_per_byte": loss * exp.bits_per_byte}
   if exp.corpus.optimal_loss is not None:
     record["optimal_loss"] = exp.corpus.optimal_loss
   return record

@@ -46,6 +46,7 @@ from decoupled_diloco import policy as policy_lib
 from decoupled_diloco import workdir_lock
 from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
+from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.learner import Learner
 from decoupled_diloco.runtime import records
@@ -62,6 +63,7 @@ def build_learner(config, index: int) -> tuple[Learner, list[float]]:
   if len(devices) < count:
     raise ConfigError(f"learner {index} needs {count} devices but this process has {len(devices)}: "
                       "start it with jax_num_cpu_devices (experiments.train does) or on its own slice")
+  tokenizer_lib.resolve_model_vocab(config)
   corpus = sources.load_corpus(config.data, config.model.seq_len)
   model, params, param_axes = model_lib.build_model(config.model, config.seed)
   batch_sizes = config.learners.batch_size
@@ -72,9 +74,12 @@ def build_learner(config, index: int) -> tuple[Learner, list[float]]:
   loop = inner.build_inner_loop(model, inner.inner_optimizer(config.inner, schedule_steps),
                                 mesh.group_mesh(devices[:count], layout), jax.eval_shape(lambda p: p, params),
                                 param_axes, config.inner.microbatches)
-  shard = batches_lib.LearnerBatches(corpus.train, config.model.seq_len, batch_size=batch_sizes[index],
-                                     learner_index=index, num_learners=len(batch_sizes), split=config.data.split,
-                                     seed=config.seed)
+  # Each process of a multi-process group reads only its rows of the group's batch (see data/pipeline.py).
+  rows_per_process = batch_sizes[index] // jax.process_count()
+  rows = range(jax.process_index() * rows_per_process, (jax.process_index() + 1) * rows_per_process)
+  shard = batches_lib.learner_batches(corpus, config.model.seq_len, batch_size=batch_sizes[index], learner_index=index,
+                                      num_learners=len(batch_sizes), split=config.data.split, seed=config.seed,
+                                      rows=rows, prefetch=config.data.prefetch)
   assignment = fragments.partition(params, config.streaming.num_fragments, config.streaming.strategy)
   learner = Learner(index, loop, shard, loop.init(params), assignment,
                     compression.Codec.from_config(config.compression), config.streaming.alpha)
@@ -192,12 +197,19 @@ class LearnerProcess:
     return seq, reply, status, theta
 
   def _restore(self) -> None:
-    """AdamW state and step from this learner's own checkpoint, if it has one."""
+    """AdamW state, step and data position from this learner's own checkpoint, if it has one.
+
+    A process without a saved data position (a follower of a multi-process group: the leader writes
+    the metadata) replays its rows up to the step, which yields the same batches, only slower.
+    """
     step = self.checkpointer.latest_step()
     if step is not None:
-      state, _ = self.checkpointer.restore(step, {"state": checkpoint_lib.abstract_like(self.learner.state)})
+      state, meta = self.checkpointer.restore(step, {"state": checkpoint_lib.abstract_like(self.learner.state)})
       self.learner.state = state["state"]
       self.learner.steps = int(self.learner.state.step)
+      data_state = meta.get("data", {}).get(str(jax.process_index()))
+      if data_state:
+        self.learner.batches.restore(data_state)
       logging.info("learner %d restored its inner state at step %d", self.index, self.learner.steps)
 
   def _record_ack(self, seq: int, reply: dict) -> None:
@@ -242,7 +254,9 @@ class LearnerProcess:
         inflight = (self.exchanges.submit(self._exchange, seq, push), push)
         seq, rounds = seq + 1, rounds + 1
         if self.service.learner_checkpoint_every and rounds % self.service.learner_checkpoint_every == 0:
-          self.checkpointer.save(self.learner.steps, {"state": self.learner.state}, {"steps": self.learner.steps})
+          self.checkpointer.save(self.learner.steps, {"state": self.learner.state},
+                                 {"steps": self.learner.steps,
+                                  "data": {str(jax.process_index()): self.learner.batches.state()}})
     finally:
       self._stop.set()
       self.exchanges.shutdown(wait=True)
@@ -339,11 +353,12 @@ class LearnerProcess:
       self.learner.anchors[following] = self.locals[following]
 
   def close(self) -> None:
-    """Releases the channel, the metrics file and the checkpointer."""
+    """Releases the channel, the metrics file, the checkpointer and the data pipeline's threads."""
     if self.group.leader:
       self.client.close()
       self.writer.close()
     self.checkpointer.close()
+    self.learner.batches.close()
     self.lock.release()
 
 

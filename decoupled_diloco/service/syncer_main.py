@@ -22,6 +22,7 @@ from decoupled_diloco import compression, fragments, metrics as metrics_lib, mod
 from decoupled_diloco import workdir_lock
 from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
+from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import limits, runconfig, security, wal
@@ -64,6 +65,7 @@ class Evaluator:
   def __init__(self, config, model, corpus, recorder: Recorder):
     self.batches = batches_lib.eval_batches(corpus, config.model.seq_len, config.eval_batch_size,
                                             config.eval_batches)
+    self.bits_per_byte = batches_lib.bits_per_byte_factor(corpus.tokenizer, self.batches)
     self.loss = jax.jit(model.loss)
     self.recorder, self.optimal_loss = recorder, corpus.optimal_loss
     self.last: dict | None = None
@@ -79,7 +81,7 @@ class Evaluator:
     while (item := self._queue.get()) is not None:
       params, clock = item
       loss = float(sum(float(self.loss(params, b)) for b in self.batches) / len(self.batches))
-      record = {"kind": "eval", **clock, "eval_loss": loss}
+      record = {"kind": "eval", **clock, "eval_loss": loss, "eval_bits_per_byte": loss * self.bits_per_byte}
       if self.optimal_loss is not None:
         record["optimal_loss"] = self.optimal_loss
       self.recorder.write(record)
@@ -138,8 +140,9 @@ def run(config, workdir: str) -> dict:
   # Everything that can refuse the run comes before the first write: a refused start leaves no
   # half-made workdir behind that a retry would take for a run to resume.
   runconfig.check_ports_free(config.service.host, config.service.port, config.service.data_port)
+  tokenizer_lib.resolve_model_vocab(config)
   model, params, _ = model_lib.build_model(config.model, config.seed)
-  corpus = sources.load_corpus(config.data, config.model.seq_len)
+  corpus = sources.load_corpus(config.data, config.model.seq_len, train=False)  # Eval text only.
   check_same_layout(config, os.path.join(workdir, "checkpoints"))
   lock = workdir_lock.DirectoryLock(workdir, "syncer.lock", "syncer")  # One syncer per workdir, before any write.
   try:
