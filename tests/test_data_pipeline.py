@@ -62,7 +62,10 @@ def test_model_vocab_follows_the_tokenizer(sp_model):
   config = tiny_config(**{"data.tokenizer": "sentencepiece", "data.tokenizer_path": sp_model})
   tokenizer.resolve_model_vocab(config)
   assert config.model.vocab_size == 400
-  config.model.vocab_size = 512
+  config.model.vocab_size = 512  # Padded: every id has a row.
+  tokenizer.resolve_model_vocab(config)
+  assert config.model.vocab_size == 512
+  config.model.vocab_size = 300
   with pytest.raises(ConfigError, match="does not match"):
     tokenizer.resolve_model_vocab(config)
   with pytest.raises(ConfigError, match="tokenizer_path"):

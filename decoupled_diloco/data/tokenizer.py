@@ -102,15 +102,17 @@ def from_config(data_cfg):
 def resolve_model_vocab(config) -> None:
   """Makes `model.vocab_size` follow the tokenizer: the byte default 256 becomes a subword model's size.
 
-  Any other explicit value must equal the tokenizer's vocabulary (a mismatch is refused, never ignored).
-  Idempotent, so every process (trainer, syncer, learners) can call it on its copy of the config.
+  Any other explicit value must hold every id of the tokenizer; a larger one pads the embedding
+  (as models padded to a multiple of 128 rows do, or a config planned for a tokenizer the user
+  brings), a smaller one is refused. Idempotent, so every process (trainer, syncer, learners) can
+  call it on its copy of the config.
   """
   vocab = from_config(config.data).vocab_size
   if config.model.vocab_size == VOCAB_SIZE and vocab != VOCAB_SIZE:
     config.model.vocab_size = vocab
-  if config.model.vocab_size != vocab:
+  if config.model.vocab_size < vocab:
     raise ConfigError(f"model.vocab_size={config.model.vocab_size} does not match the {config.data.tokenizer} "
-                      f"tokenizer's {vocab} ids: leave it at {VOCAB_SIZE} (it follows the tokenizer) or set {vocab}")
+                      f"tokenizer's {vocab} ids: leave it at {VOCAB_SIZE} (it follows the tokenizer) or set >= {vocab}")
 
 
 def train_sentencepiece(input_path: str, vocab_size: int, output: str, model_type: str = "bpe") -> str:
