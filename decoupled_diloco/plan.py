@@ -18,11 +18,12 @@ Pure arithmetic over abstract shapes (nothing large is allocated), used by `expe
 import copy
 import dataclasses
 import math
+import time
 
 import jax
 import jax.numpy as jnp
 
-from decoupled_diloco import compression, experiment, fragments, hardware, mesh, model as model_lib, outer
+from decoupled_diloco import compression, experiment, fragments, hardware, inner, mesh, model as model_lib, outer
 from decoupled_diloco.model import attention
 
 # Share of a chip's HBM kept free for XLA's scratch, fragmentation and the runtime (v6e: 28 of 32 GB usable).
@@ -228,3 +229,30 @@ def syncer_bytes(config) -> int:
   outer_state = jax.eval_shape(outer.outer_optimizer(config.outer).init, params_shape)
   state = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(outer_state))
   return theta + state + len(config.learners.devices) * theta
+
+
+def compile_group(config, group: int) -> dict:
+  """XLA's figures for `group`'s inner step, compiled abstractly on this process's virtual devices."""
+  layout = mesh.layouts_from_config(config.learners)[group]
+  model_cfg = copy.deepcopy(config.model)
+  model_cfg.attention = attention.resolve_implementation(model_cfg.attention, "cpu")
+  if model_cfg.attention == "splash":
+    model_cfg.attention = "xla"  # Pallas TPU kernels do not compile for CPU; XLA's figure then holds [T, T] scores.
+  model, params_shape, param_axes = model_lib.abstract_params(model_cfg)
+  optimizer = inner.inner_optimizer(config.inner, config.outer_steps * config.inner_steps)
+  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:layout.devices], layout),
+                                params_shape, param_axes, config.inner.microbatches)
+  state = jax.eval_shape(lambda p: inner.TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)), params_shape)
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, loop.state_shardings)
+  batch = jax.ShapeDtypeStruct((config.learners.batch_size[group], config.model.seq_len + 1), jnp.int32,
+                               sharding=loop.batch_sharding)
+  begin = time.perf_counter()
+  compiled = loop.step.lower(state, batch).compile()
+  seconds = time.perf_counter() - begin
+  stats = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+          - stats.alias_size_in_bytes)
+  return {"peak_bytes": int(peak), "temp_bytes": int(stats.temp_size_in_bytes), "flops": float(cost.get("flops", 0)),
+          "compile_seconds": seconds}

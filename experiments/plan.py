@@ -12,22 +12,17 @@ When a group does not fit its chip's HBM it ends with one `error:` line naming t
 shortfall and the knob to turn, and exits with status 2 (as it does on bad input).
 """
 
-import copy
 import json
 import os
 import subprocess
 import sys
-import time
 
 from absl import app
 from absl import flags
-import jax
-import jax.numpy as jnp
 from ml_collections import config_flags
 
-from decoupled_diloco import experiment, hardware, inner, mesh, model as model_lib, plan
+from decoupled_diloco import experiment, hardware, mesh, model as model_lib, plan
 from decoupled_diloco.errors import ConfigError
-from decoupled_diloco.model import attention
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (a configs/*.py).", lock_config=True)
 _XLA = flags.DEFINE_bool("xla", True, "Also compile each group's inner step abstractly on virtual CPU devices "
@@ -41,33 +36,6 @@ def fail(message: str) -> None:
   """Bad input or a group that does not fit: one line and exit status 2."""
   sys.stderr.write(f"error: {' '.join(str(message).split())}\n")
   sys.exit(2)
-
-
-def compile_group(config, group: int) -> dict:
-  """XLA's figures for `group`'s inner step, compiled abstractly on this process's virtual devices."""
-  layout = mesh.layouts_from_config(config.learners)[group]
-  model_cfg = copy.deepcopy(config.model)
-  model_cfg.attention = attention.resolve_implementation(model_cfg.attention, "cpu")
-  if model_cfg.attention == "splash":
-    model_cfg.attention = "xla"  # Pallas TPU kernels do not compile for CPU; XLA's figure then holds [T, T] scores.
-  model, params_shape, param_axes = model_lib.abstract_params(model_cfg)
-  optimizer = inner.inner_optimizer(config.inner, config.outer_steps * config.inner_steps)
-  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:layout.devices], layout),
-                                params_shape, param_axes, config.inner.microbatches)
-  state = jax.eval_shape(lambda p: inner.TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)), params_shape)
-  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, loop.state_shardings)
-  batch = jax.ShapeDtypeStruct((config.learners.batch_size[group], config.model.seq_len + 1), jnp.int32,
-                               sharding=loop.batch_sharding)
-  begin = time.perf_counter()
-  compiled = loop.step.lower(state, batch).compile()
-  seconds = time.perf_counter() - begin
-  stats = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
-  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-          - stats.alias_size_in_bytes)
-  return {"peak_bytes": int(peak), "temp_bytes": int(stats.temp_size_in_bytes), "flops": float(cost.get("flops", 0)),
-          "compile_seconds": seconds}
 
 
 def compile_in_subprocess(group: int, devices: int) -> dict:
@@ -111,7 +79,7 @@ def print_group(config, group: int, xla: dict | None):
   print(f"group {group}: {chip} x {layout.devices} chips, layout {layout}, batch {batch} x {seq} tokens "
         f"({batch // layout.batch_shards} sequences per batch shard, {config.inner.microbatches} microbatch(es)), "
         f"remat {remat}, attention traced as {traced}")
-  print(f"  memory per chip           analytic       XLA (CPU compile)")
+  print("  memory per chip           analytic       XLA (CPU compile)")
   for name in ("params", "optimizer", "gradients", "activations"):
     print(f"    {name:<20} {_gb(getattr(memory, name))}")
   decided = memory.peak
@@ -163,7 +131,7 @@ def main(argv):
   except ConfigError as error:
     fail(error)
   if _COMPILE_GROUP.value is not None:
-    print(json.dumps(compile_group(config, _COMPILE_GROUP.value)))
+    print(json.dumps(plan.compile_group(config, _COMPILE_GROUP.value)))
     return
   print(f"plan for {config.mode} over {len(config.learners.devices)} learner groups: "
         f"{model_lib.count_params(model_lib.abstract_params(config.model)[1]) / 1e9:.2f}B params, "
