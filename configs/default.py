@@ -64,10 +64,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.outer = ml_collections.ConfigDict()
   config.outer.optimizer = "sgd"  # 'sgd' (with momentum / Nesterov) or 'adam'.
   config.outer.lr = 0.7  # Outer learning rate (DiLoCo: 0.7; 1.0 without momentum = parameter averaging).
-  config.outer.momentum = 0.9  # Outer momentum (0 = none).
+  config.outer.momentum = 0.9  # Outer momentum, Adam's b1 for optimizer='adam' (0 = none).
   config.outer.nesterov = True  # Nesterov momentum (DiLoCo's choice).
   config.outer.buffer_size = 1  # Delayed Nesterov: N merges per momentum update (= arrivals with quorum 1).
-  config.outer.activation = 0.0  # Delayed Nesterov: c, momentum applied between updates (0 = none).
+  config.outer.activation = 0.0  # Delayed Nesterov: c in [0, 1/buffer_size], momentum applied between updates (0 = none).
 
   config.syncer = ml_collections.ConfigDict()  # Merge policy of the decoupled (asynchronous) syncer.
   config.syncer.quorum = 1  # K: distinct learners that must report before a merge (0 = all).
