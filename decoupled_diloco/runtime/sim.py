@@ -144,11 +144,13 @@ class Simulation:
     learner, clock = self.exp.learners[m], self.clocks[m]
     for p in [p for p in clock.landed if clock.in_flight[p] <= learner.steps or p in clock.deferred
               or self.steps_left == 0]:
-      learner.receive(p, *clock.landed.pop(p))
+      learner.receive(p, *clock.landed.pop(p))  # Counts restart here (the share α carries over).
+      clock.compute_since_push[p] *= learner.alpha
       del clock.in_flight[p]
     for p in sorted(clock.deferred - clock.in_flight.keys()):
       clock.deferred.discard(p)
-      self._push(m, p)
+      if learner.steps_since_push[p]:  # (With α = 0 the landing dropped the steps it was due for.)
+        self._push(m, p)
     if (any(needed <= learner.steps or p in clock.deferred for p, needed in clock.in_flight.items())
         or (self.steps_left == 0 and clock.in_flight)):
       if clock.idle_since is None:  # (Waiting for the last merges once the budget is spent is no stall.)

@@ -327,7 +327,9 @@ class LearnerProcess:
       if theta is None:
         self.learner.anchors[fragment] = self.locals[fragment]
       else:
-        self.learner.receive(fragment, theta, status["versions"][fragment])
+        # Counting from the push, not the receipt: the budget counts each step once in fragment 0's
+        # pushes (core.budget_share), and this loop's one-round overlap is not τ (issue 14, item 5).
+        self.learner.receive(fragment, theta, status["versions"][fragment], recount=False)
     following = (pushed + 1) % self.learner.num_fragments
     if self.learner.anchors[following] is None:
       self.learner.anchors[following] = self.locals[following]
