@@ -8,6 +8,7 @@ Runtimes take the assembled `Experiment` and only decide when things happen.
 import dataclasses
 from typing import Any
 
+from absl import logging
 import jax
 import numpy as np
 
@@ -133,6 +134,24 @@ def _validate_streaming(config) -> None:
            "sim link bandwidths and latencies must be >= 0 (bandwidth 0 = unlimited)")
 
 
+def syncer_settings(config) -> Settings:
+  """The merge policy `config.syncer` asks for, in every mode that has a syncer.
+
+  Synchronous DiLoCo is the decoupled machine with every learner in the quorum, and every
+  push has staleness 0 there (so each staleness function weighs 1 and none is dropped):
+  merge_rule and token_weighting apply as configured. A quorum K of fewer learners cannot
+  apply to rounds that wait for all; it is said so once, not silently dropped, so that a
+  decoupled config still switches to its synchronous baseline with --config.mode=diloco.
+  """
+  settings = Settings.from_config(config.syncer)
+  if config.mode == "decoupled":
+    return settings
+  if settings.quorum not in (0, len(config.learners.devices)):
+    logging.warning("mode='diloco' merges once all %d learners reported: syncer.quorum=%d (and its grace window) "
+                    "applies to mode='decoupled' only", len(config.learners.devices), settings.quorum)
+  return dataclasses.replace(settings, quorum=0)
+
+
 def flops_per_step(config) -> list[float]:
   """Training FLOPs of one inner step of each group: its batch on this model, or the simulated
   model and batch (sim.simulated_params / simulated_tokens_per_step) when they are set."""
@@ -190,10 +209,7 @@ def build(config, devices=None) -> Experiment:
 
   syncer = None
   if config.mode != "ddp":
-    # Synchronous DiLoCo is the decoupled machine with every learner in the quorum and
-    # no staleness (it is always 0 there): a token-weighted mean of all pushes.
-    settings = Settings.from_config(config.syncer) if config.mode == "decoupled" else Settings()
-    syncer = Syncer(outer.outer_optimizer(config.outer), params, range(len(learners)), settings,
+    syncer = Syncer(outer.outer_optimizer(config.outer), params, range(len(learners)), syncer_settings(config),
                     assignment=assignment, codec=codec)
   evals = batches_lib.eval_batches(corpus, config.model.seq_len, config.eval_batch_size, config.eval_batches)
   return Experiment(config, model, corpus, learners, syncer, evals, profiles, flops,

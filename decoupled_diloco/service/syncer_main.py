@@ -18,14 +18,14 @@ from absl import logging
 import jax
 
 from decoupled_diloco import checkpoint as checkpoint_lib
-from decoupled_diloco import compression, fragments, metrics as metrics_lib, model as model_lib, outer
+from decoupled_diloco import compression, experiment, fragments, metrics as metrics_lib, model as model_lib, outer
 from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import runconfig, security
 from decoupled_diloco.service import server as server_lib
-from decoupled_diloco.syncer import Settings, Syncer
+from decoupled_diloco.syncer import Syncer
 
 TICK_SECONDS = 0.2
 
@@ -79,9 +79,8 @@ class Evaluator:
 def build_core(config, params, workdir: str, recorder: Recorder, evaluator: Evaluator) -> core_lib.SyncerCore:
   """The syncer (same state machine as the simulator's) wrapped for the service; evals every
   eval_every × inner_steps × Σ batch tokens, as the simulator does."""
-  settings = Settings.from_config(config.syncer) if config.mode == "decoupled" else Settings()
   num_learners = len(config.learners.devices)
-  syncer = Syncer(outer.outer_optimizer(config.outer), params, range(num_learners), settings,
+  syncer = Syncer(outer.outer_optimizer(config.outer), params, range(num_learners), experiment.syncer_settings(config),
                   codec=compression.Codec.from_config(config.compression),
                   assignment=fragments.partition(params, config.streaming.num_fragments, config.streaming.strategy))
   tokens_per_eval = (config.eval_every * config.inner_steps * config.model.seq_len
