@@ -269,3 +269,19 @@ def test_service_benchmarks_run_end_to_end(benchmark):
   assert result.returncode == 0, result.stderr[-3000:]
   figures = json.loads(result.stdout.splitlines()[-1])
   assert figures["benchmark"] == benchmark and figures["ratio"] >= 0 and figures["bytes"] > 0
+
+
+def test_a_restarted_syncer_keeps_the_grace_window_estimates(params, tmp_path):
+  """ξ_step / ξ_quorum / ξ_sync are checkpointed with the syncer (docs/syncer.md, "Grace window"):
+  a restart from a checkpoint that carries no push does not start learning them from zero."""
+  core = _core(params, tmp_path, quorum=0, every=1)
+  _push(core, params, 0, 0)
+  _push(core, params, 1, 0)  # Both learners: a merge, then a checkpoint with nothing carried.
+  core.syncer.observe_sync_seconds(0.25)
+  core.tick(time.time())  # The due checkpoint.
+  estimates = core.syncer.estimates
+  core.close()
+  assert estimates["step"] == pytest.approx(0.1 / 4) and estimates["sync"] == 0.25
+  restarted = _core(params, tmp_path, quorum=0)
+  assert restarted.syncer.version == 1 and restarted.syncer.estimates == estimates
+  restarted.close()

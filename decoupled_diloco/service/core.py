@@ -121,6 +121,7 @@ class SyncerCore:
       self.acked = {m: meta["acked"].get(str(m), -1) for m in range(self.num_learners)}
       self.steps_done, self.tokens_done, self.done = meta["steps_done"], meta["tokens_done"], meta["done"]
       self.start_time = meta["start_time"]
+      self.syncer.restore_estimates(meta["estimates"])  # Before the replay, which goes on updating them.
       self._replay(meta["segment"], step)
       self.log = wal.Log(self.wal_dir, max(wal.segments(self.wal_dir), default=meta["segment"]))
       if self.steps_done >= self.budget_steps and not self.done:  # Crashed between the last push and the end.
@@ -144,6 +145,7 @@ class SyncerCore:
     pending_tokens = sum(budget_share(r["header"])[1] for r, _ in carried)
     meta = {**self.metadata, "versions": list(self.syncer.versions), "segment": version, "done": self.done,
             "acked": {str(m): s for m, s in self.acked.items()}, "start_time": self.start_time,
+            "estimates": self.syncer.estimates,
             "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens}
     self.checkpointer.save(version, self._state_trees(), meta)
     self.log.drop_before(version)
