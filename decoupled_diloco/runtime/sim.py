@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import heapq
 import itertools
+import os
 import time
 
 from absl import logging
@@ -31,7 +32,7 @@ from decoupled_diloco import compression, fragments
 from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco import policy as policy_lib
 from decoupled_diloco.experiment import Experiment, declared_speeds
-from decoupled_diloco.runtime import records
+from decoupled_diloco.runtime import records, sim_checkpoint
 from decoupled_diloco.syncer import MergeReport, PushRejected
 
 # Priorities at equal times: steps that end produce pushes, pushes arrive, then replies
@@ -307,15 +308,21 @@ class Simulation:
     logging.info("version %d | virtual %.1fs | steps per learner %s | eval %.3f%s", version, self.now,
                  [l.steps for l in self.exp.learners], record["eval_loss"], gap)
 
-  def run(self) -> dict:
-    """Processes events until the token budget is spent; then merges what is left and evaluates."""
-    for m, learner in enumerate(self.exp.learners):
+  def run(self, between_events=None, resumed: bool = False) -> dict:
+    """Processes events until the token budget is spent; then merges what is left and evaluates.
+
+    `between_events()` runs after each event (checkpoints); `resumed`: the state was restored
+    mid-run (sim_checkpoint), so the learners do not start afresh.
+    """
+    for m, learner in enumerate(self.exp.learners if not resumed else []):
       if self.syncer is not None:
         learner.pull(self.syncer.params, self.syncer.versions)
       self._start_period(m)
     while self._events:
       self.now, _, _, handler, payload = heapq.heappop(self._events)
       handler(*payload)
+      if between_events is not None:
+        between_events()
     if self.syncer is not None:
       for report in self.syncer.flush(self.now):
         self._write_outer(report)
@@ -358,15 +365,17 @@ class Simulation:
 
 
 def run(exp: Experiment, workdir: str) -> dict:
-  """Simulates `exp` in `workdir` and checkpoints the final state; returns the summary."""
-  checkpoints = records.fresh_workdir(
-      workdir, exp.config.resume, "the virtual-clock runtime does not resume: rerun it (a seeded run is deterministic)")
-  # -1: a rerun after a crash (no checkpoint yet) drops every record of the crashed attempt.
-  with metrics_lib.MetricsWriter(workdir, resume_from_step=-1) as writer:
-    summary = Simulation(exp, writer).run()
-  with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
-    state = {f"learner_{l.index}": l.state for l in exp.learners}
-    if exp.syncer is not None:
-      state.update(syncer_params=exp.syncer.params, syncer_opt_state=exp.syncer.state.opt_state)
-    checkpointer.save(summary["outer_updates"], state, {"config": exp.config.to_dict(), "summary": summary})
+  """Simulates `exp` in `workdir`, checkpointing every checkpoint_every rounds' tokens and at the end;
+  with resume=True continues from the latest checkpoint, writing exactly the records an
+  uninterrupted run writes (those after the checkpoint are replaced). Returns the summary."""
+  os.makedirs(workdir, exist_ok=True)
+  with checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints")) as checkpointer:
+    resume_from = sim_checkpoint.latest(checkpointer, exp, workdir)
+    # Without a checkpoint, a rerun after a crash drops every record of the crashed attempt.
+    with metrics_lib.MetricsWriter(workdir, keep_records=resume_from["records"] if resume_from else 0) as writer:
+      simulation = Simulation(exp, writer)
+      if resume_from is not None:
+        sim_checkpoint.restore(checkpointer, simulation, resume_from)
+      summary = simulation.run(sim_checkpoint.Cadence(checkpointer, simulation), resumed=resume_from is not None)
+      sim_checkpoint.save(checkpointer, simulation, done=True, summary=summary)
   return summary
