@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from decoupled_diloco import compression, model as model_lib, outer
+from decoupled_diloco import compression, fragments, model as model_lib, outer
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import server as server_lib
@@ -285,3 +285,26 @@ def test_a_restarted_syncer_keeps_the_grace_window_estimates(params, tmp_path):
   restarted = _core(params, tmp_path, quorum=0)
   assert restarted.syncer.version == 1 and restarted.syncer.estimates == estimates
   restarted.close()
+
+
+def test_after_the_budget_a_push_of_another_fragment_is_merged_and_fragment_0_is_late(params, tmp_path):
+  """P = 2: the budget counts fragment 0's pushes; a learner's push of fragment 1 that arrives after the
+  end carries the fragment-1 progress of steps already counted, so it is merged, not dropped as late."""
+  assignment = fragments.partition(params, 2, "balanced")
+  syncer = Syncer(outer.outer_optimizer(service_config.get_config().outer), params, range(2), Settings(quorum=2),
+                  assignment=assignment)
+  core = core_lib.SyncerCore(syncer, 2, budget_steps=8, directory=str(tmp_path), checkpoint_every_merges=10,
+                             lease_seconds=30.0, metadata={})
+  core.start(time.time())
+
+  def push(learner, seq, fragment):
+    payload = bytearray(b"".join(wire.encode(fragments.select(_delta(params), assignment, fragment))))
+    header = _header(learner=learner, seq=seq, fragment=fragment, base_version=core.syncer.versions[fragment],
+                     payload_bytes=len(payload))
+    return core.push(header, payload, time.time())["status"]
+
+  assert [push(0, 0, 0), push(1, 0, 0)] == ["applied", "applied"]  # 8 steps: the budget is spent.
+  assert core.done and core.syncer.versions == (1, 0)
+  assert push(1, 1, 1) == "applied" and core.syncer.versions == (1, 1)  # Merged at once.
+  assert push(0, 1, 0) == "late" and core.counts["late"] == 1
+  core.close()

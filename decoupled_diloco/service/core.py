@@ -257,13 +257,16 @@ class SyncerCore:
         if seq <= self.acked[learner]:
           self.counts["duplicates"] += 1
           return {"status": "duplicate", **self.status(learner)}
-        if self.done:
+        if self.done and header["fragment"] == 0:  # Steps the budget did not count (see budget_share).
           self.counts["late"] += 1
           self.acked[learner] = seq
           return {"status": "late", **self.status(learner)}
         delta = wire.decode(payload)
         _check_float32(delta, learner)
         accepted = self._apply(header, delta, payload, now, replay=False)
+        if self.done:  # Fragment p > 0 after the end: the progress on p of steps fragment 0's pushes counted.
+          self._after_merges(self.syncer.flush(now), now, replay=False, log=True)
+          self._checkpoint_due = True
       except (UnknownLearner, wire.WireError, PushRejected):
         self.counts["rejected"] += 1
         raise
