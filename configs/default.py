@@ -79,6 +79,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.syncer.max_staleness = -1  # Drop (and count) pushes staler than this; -1 = keep all.
   config.syncer.token_weighting = "tokens"  # 'none', 'tokens' or 'tokens_squared_per_step' (Decoupled DiLoCo).
   config.syncer.merge_rule = "mean"  # 'mean' or 'rda' (radial-directional averaging; embeddings averaged).
+  config.syncer.min_learners_to_start = 0  # Service: joins wait until this many learners joined (0 = all configured).
+  config.syncer.start_timeout_seconds = 600.0  # Service: start with those joined after this long (a 'start' record).
 
   config.policy = ml_collections.ConfigDict()  # Local work per push (virtual-clock and threads runtimes).
   config.policy.kind = "fixed"  # 'fixed' (H steps), 'dylu' (H scaled by speed) or 'time_budget'.

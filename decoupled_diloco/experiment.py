@@ -98,6 +98,11 @@ def validate(config) -> None:
   if config.mode != "ddp":
     outer.outer_optimizer(config.outer)
     Settings.from_config(config.syncer)
+    _require(0 <= config.syncer.min_learners_to_start <= len(devices),
+             f"syncer.min_learners_to_start={config.syncer.min_learners_to_start} must be in [0, {len(devices)}] "
+             "(0 = all learners)")
+    _require(config.syncer.start_timeout_seconds > 0,
+             f"syncer.start_timeout_seconds={config.syncer.start_timeout_seconds} must be > 0")
     _validate_streaming(config)
   policy.validate(config.policy)
   hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)

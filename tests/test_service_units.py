@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -307,4 +308,31 @@ def test_after_the_budget_a_push_of_another_fragment_is_merged_and_fragment_0_is
   assert core.done and core.syncer.versions == (1, 0)
   assert push(1, 1, 1) == "applied" and core.syncer.versions == (1, 1)  # Merged at once.
   assert push(0, 1, 0) == "late" and core.counts["late"] == 1
+  core.close()
+
+
+@pytest.mark.parametrize("timeout, joining, timed_out", [(30.0, [0, 1], 0), (3.0, [0], 1)])
+def test_joins_wait_at_the_start_barrier_until_enough_learners_or_the_timeout(params, tmp_path, timeout, joining,
+                                                                               timed_out):
+  """syncer.min_learners_to_start: no learner starts before the others joined (docs/syncer.md), or until
+  the timeout, which is reported in a 'start' record."""
+  records = []
+  syncer = Syncer(outer.outer_optimizer(service_config.get_config().outer), params, range(2), Settings(quorum=2))
+  core = core_lib.SyncerCore(syncer, 2, budget_steps=1000, directory=str(tmp_path), checkpoint_every_merges=10,
+                             lease_seconds=30.0, metadata={}, emit=records.append, min_learners_to_start=2,
+                             start_timeout_seconds=timeout)
+  core.start(time.time())
+  returned = {}
+  threads = [threading.Thread(target=lambda m=m: returned.setdefault(m, (core.join(m, time.time()), time.time())))
+             for m in joining]
+  threads[0].start()
+  time.sleep(0.3)
+  assert not returned and not core.started  # Learner 0 waits at the barrier.
+  for thread in threads[1:]:
+    thread.start()
+  for thread in threads:
+    thread.join(timeout=10)
+  assert sorted(returned) == joining and core.started
+  starts = [r for r in records if r["kind"] == "start"]
+  assert len(starts) == 1 and starts[0]["learners"] == joining and starts[0]["timed_out"] == timed_out
   core.close()

@@ -27,6 +27,7 @@ Replay is exact except for the grace window's duration estimates (not checkpoint
 import dataclasses
 import os
 import threading
+import time
 
 from absl import logging
 import jax
@@ -75,13 +76,20 @@ class SyncerCore:
   """Thread-safe service state around a `Syncer`; every public method takes the lock."""
 
   def __init__(self, syncer: Syncer, num_learners: int, budget_steps: int, directory: str, *,
-               checkpoint_every_merges: int, lease_seconds: float, metadata: dict, emit=None, on_merge=None):
+               checkpoint_every_merges: int, lease_seconds: float, metadata: dict, emit=None, on_merge=None,
+               min_learners_to_start: int = 1, start_timeout_seconds: float = 600.0):
     self.syncer, self.num_learners, self.budget_steps = syncer, num_learners, budget_steps
+    # Start barrier: joins wait until this many learners joined (1 = none), or the timeout since start().
+    self.min_learners_to_start = min_learners_to_start
+    self.start_timeout_seconds = start_timeout_seconds
+    self.joined: set[int] = set()
+    self.started = False  # Barrier passed (or timed out), or a push arrived (a restarted syncer's learners).
     self.checkpoint_every, self.lease_seconds = checkpoint_every_merges, lease_seconds
     self.metadata = metadata  # Static facts saved with every checkpoint (e.g. the config).
     self.emit = emit or (lambda record: None)  # Metric records (push, outer).
     self.on_merge = on_merge or (lambda version, params, now: None)
     self.lock = threading.RLock()
+    self._start_condition = threading.Condition(self.lock)
     self.quorum_setting = syncer.settings.quorum
     self.acked = {m: -1 for m in range(num_learners)}
     self.steps_done = self.tokens_done = 0
@@ -214,10 +222,36 @@ class SyncerCore:
             "done": self.done, "max_speed": max(others, default=0.0)}
 
   def join(self, learner: int, now: float) -> tuple[dict, list]:
-    """(status, encoded Θ): what a (re)starting learner needs, its last acked seq included."""
+    """(status, encoded Θ): what a (re)starting learner needs, its last acked seq included.
+
+    Before the run starts a join waits at the start barrier (a learner that compiles slowly
+    would otherwise find a short budget spent by the others): until min_learners_to_start
+    learners joined, or start_timeout_seconds after the syncer started, which is reported
+    (a warning and a 'start' record naming who had joined). The lease of a waiting learner
+    is kept alive.
+    """
     with self.lock:
       self._check_learner(learner, now)
+      self.joined.add(learner)
+      while not self.started:
+        left = self.start_time + self.start_timeout_seconds - time.time()
+        if len(self.joined) >= self.min_learners_to_start or left <= 0:
+          self._start(timed_out=len(self.joined) < self.min_learners_to_start)
+          break
+        self._start_condition.wait(min(left, 1.0))
+        self.last_seen[learner] = time.time()
       return self.status(learner), wire.encode(self.syncer.params)
+
+  def _start(self, timed_out: bool) -> None:
+    """The barrier opens: every waiting join returns."""
+    self.started = True
+    self._start_condition.notify_all()
+    if timed_out:
+      logging.warning("start barrier timed out after %.0fs with learners %s of the %d required: starting without "
+                      "the others", self.start_timeout_seconds, sorted(self.joined), self.min_learners_to_start)
+    self.emit({"kind": "start", "outer_step": self.syncer.version, "learners": sorted(self.joined),
+               "required": self.min_learners_to_start, "timed_out": int(timed_out),
+               "wall_time": time.time() - self.start_time})
 
   def pull(self, learner: int, fragment: int, have_version: int, now: float) -> tuple[dict, list | None]:
     """(status, encoded Θ_fragment, or None when the learner already has its version)."""
@@ -280,6 +314,7 @@ class SyncerCore:
     pushes that checkpoint holds.
     """
     syncer = self.syncer
+    self.started = True  # Learners that push have started (e.g. a restarted syncer's).
     outer_step = syncer.version + 1
     fragment_version = syncer.versions[header["fragment"]] if 0 <= header["fragment"] < len(syncer.versions) else 0
     push = Push(header["learner"], delta, header["base_version"], header["tokens"], header["local_steps"],

@@ -96,7 +96,9 @@ def build_core(config, params, workdir: str, recorder: Recorder, evaluator: Eval
   core = core_lib.SyncerCore(syncer, num_learners, runconfig.budget_steps(config), workdir,
                              checkpoint_every_merges=config.service.checkpoint_every_merges,
                              lease_seconds=config.service.lease_seconds, metadata={"config": config.to_dict()},
-                             emit=recorder.write, on_merge=on_merge)
+                             emit=recorder.write, on_merge=on_merge,
+                             min_learners_to_start=config.syncer.min_learners_to_start or num_learners,
+                             start_timeout_seconds=config.syncer.start_timeout_seconds)
   return core
 
 
