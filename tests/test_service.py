@@ -160,7 +160,7 @@ def test_bad_inputs_from_a_raw_client_are_refused_and_the_run_continues(cluster)
 
   def header(parts, **fields):
     return {"learner": 0, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 64, "local_steps": 4,
-            "compute_seconds": 0.1, "payload_bytes": wire.encoded_size(parts), **fields}
+            "budget_steps": 4, "budget_tokens": 64, "compute_seconds": 0.1, "payload_bytes": wire.encoded_size(parts), **fields}
 
   def refused(call, code, text):
     with pytest.raises(grpc.RpcError) as error:

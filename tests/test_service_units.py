@@ -33,7 +33,7 @@ def params():
 
 def _header(**fields):
   base = {"learner": 0, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 64, "local_steps": 4,
-          "compute_seconds": 0.1, "payload_bytes": 0}
+          "budget_steps": 4, "budget_tokens": 64, "compute_seconds": 0.1, "payload_bytes": 0}
   return {**base, **fields}
 
 
@@ -288,9 +288,9 @@ def test_a_restarted_syncer_keeps_the_grace_window_estimates(params, tmp_path):
   restarted.close()
 
 
-def test_after_the_budget_a_push_of_another_fragment_is_merged_and_fragment_0_is_late(params, tmp_path):
-  """P = 2: the budget counts fragment 0's pushes; a learner's push of fragment 1 that arrives after the
-  end carries the fragment-1 progress of steps already counted, so it is merged, not dropped as late."""
+def test_after_the_budget_a_push_of_counted_steps_is_merged_and_one_of_uncounted_steps_is_late(params, tmp_path):
+  """P = 2: the budget counts each push's budget_steps; a push that arrives after the end with none (the
+  progress on fragment 1 of steps an earlier push counted) is merged, not dropped as late."""
   assignment = fragments.partition(params, 2, "balanced")
   syncer = Syncer(outer.outer_optimizer(service_config.get_config().outer), params, range(2), Settings(quorum=2),
                   assignment=assignment)
@@ -298,16 +298,16 @@ def test_after_the_budget_a_push_of_another_fragment_is_merged_and_fragment_0_is
                              lease_seconds=30.0, metadata={})
   core.start(time.time())
 
-  def push(learner, seq, fragment):
+  def push(learner, seq, fragment, budget_steps=4):
     payload = bytearray(b"".join(wire.encode(fragments.select(_delta(params), assignment, fragment))))
     header = _header(learner=learner, seq=seq, fragment=fragment, base_version=core.syncer.versions[fragment],
-                     payload_bytes=len(payload))
+                     payload_bytes=len(payload), budget_steps=budget_steps, budget_tokens=64 * budget_steps // 4)
     return core.push(header, payload, time.time())["status"]
 
   assert [push(0, 0, 0), push(1, 0, 0)] == ["applied", "applied"]  # 8 steps: the budget is spent.
   assert core.done and core.syncer.versions == (1, 0)
-  assert push(1, 1, 1) == "applied" and core.syncer.versions == (1, 1)  # Merged at once.
-  assert push(0, 1, 0) == "late" and core.counts["late"] == 1
+  assert push(1, 1, 1, budget_steps=0) == "applied" and core.syncer.versions == (1, 1)  # Merged at once.
+  assert push(0, 1, 1) == "late" and core.counts["late"] == 1
   core.close()
 
 

@@ -12,8 +12,8 @@ networked syncer needs, behind one lock (gRPC handlers run on a thread pool):
     taken by `tick`, never on the way to a learner's reply;
   * leases: a learner silent for `lease_seconds` leaves the quorum (so the others are not
     held up by the dead) and rejoins with its next call;
-  * the run's budget: outer_steps × inner_steps × M inner steps, counted from pushes (with
-    P fragments, from fragment 0's: see `budget_share`);
+  * the run's budget: outer_steps × inner_steps × M inner steps, counted from pushes (each
+    step once, in the first push after it: see `budget_share`);
   * streaming: pushes and pulls name their fragment; Θ_p is sent alone, encoded once per
     version of that fragment;
   * measured speeds: an EMA of each learner's steps per compute-second, from its pushes;
@@ -40,17 +40,18 @@ from decoupled_diloco.service import wal, wire
 from decoupled_diloco.syncer import MergeReport, Push, PushRejected, Syncer, SyncerState
 
 PUSH_SCHEMA = {"learner": int, "seq": int, "base_version": int, "fragment": int, "tokens": int, "local_steps": int,
-               "compute_seconds": float, "payload_bytes": int}
+               "compute_seconds": float, "payload_bytes": int, "budget_steps": int, "budget_tokens": int}
 
 
 def budget_share(header: dict) -> tuple[int, int]:
-  """(steps, tokens) a push adds to the run's count.
+  """(steps, tokens) a push adds to the run's count: its `budget_steps` / `budget_tokens`.
 
-  A push of fragment p carries the steps since the learner's last push of p, so with P
-  fragments each step is in P pushes: only fragment 0's count, and they hold each step once
-  (a learner's last pushes send fragment 0 last, after the others).
+  Why not local_steps / tokens: those count from the receipt of Θ_p (the weight of the Δ),
+  so the τ steps before a landing are in no push, and with P fragments each other step is in
+  P pushes. A learner instead counts every step it took once, in the first push after it
+  (of any fragment; its last pushes leave nothing uncounted).
   """
-  return (header["local_steps"], header["tokens"]) if header["fragment"] == 0 else (0, 0)
+  return header["budget_steps"], header["budget_tokens"]
 
 
 class UnknownLearner(LookupError):
@@ -291,14 +292,14 @@ class SyncerCore:
         if seq <= self.acked[learner]:
           self.counts["duplicates"] += 1
           return {"status": "duplicate", **self.status(learner)}
-        if self.done and header["fragment"] == 0:  # Steps the budget did not count (see budget_share).
+        if self.done and header["budget_steps"] > 0:  # Steps the budget did not count (see budget_share).
           self.counts["late"] += 1
           self.acked[learner] = seq
           return {"status": "late", **self.status(learner)}
         delta = wire.decode(payload)
         _check_float32(delta, learner)
         accepted = self._apply(header, delta, payload, now, replay=False)
-        if self.done:  # Fragment p > 0 after the end: the progress on p of steps fragment 0's pushes counted.
+        if self.done:  # After the end: the progress on its fragment of steps the budget counted already.
           self._after_merges(self.syncer.flush(now), now, replay=False, log=True)
           self._checkpoint_due = True
       except (UnknownLearner, wire.WireError, PushRejected):
