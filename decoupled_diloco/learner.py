@@ -65,7 +65,7 @@ class Learner:
       self.anchors[p], self.base_versions[p] = fragments.select(global_params, self.assignment, p), versions[p]
       self.tokens_since_push[p] = self.steps_since_push[p] = 0
 
-  def receive(self, fragment: int, fragment_params, version: int, recount: bool = True) -> None:
+  def receive(self, fragment: int, fragment_params, version: int) -> None:
     """A merged fragment lands: θ_p ← α·θ_p + (1 − α)·Θ_p, and Θ_p anchors the next push.
 
     With α = 0 the local leaves are freed and replaced (a pull of that fragment), so what
@@ -73,8 +73,7 @@ class Learner:
     c^tokens / c^steps count from this receipt (Decoupled DiLoCo): its Δ covers only the
     steps taken after it. α > 0 keeps the share α of θ_p − Θ_p, which holds the τ steps'
     progress, so a share α of their tokens and steps stays counted (rounded): the weight
-    follows what the Δ carries. `recount=False` keeps counting from the last push (the
-    service's budget, which counts each step once in fragment 0's pushes).
+    follows what the Δ carries.
     """
     leaves, treedef = jax.tree.flatten(self.state.params)
     shardings = jax.tree.leaves(self.loop.param_shardings)
@@ -89,9 +88,8 @@ class Learner:
       leaves[i] = merged
     self.state = self.state._replace(params=jax.tree.unflatten(treedef, leaves))
     self.anchors[fragment], self.base_versions[fragment] = fragment_params, version
-    if recount:
-      self.tokens_since_push[fragment] = round(self.alpha * self.tokens_since_push[fragment])
-      self.steps_since_push[fragment] = round(self.alpha * self.steps_since_push[fragment])
+    self.tokens_since_push[fragment] = round(self.alpha * self.tokens_since_push[fragment])
+    self.steps_since_push[fragment] = round(self.alpha * self.steps_since_push[fragment])
 
   def step(self) -> None:
     """Dispatch one inner step asynchronously; the loss is fetched later in `drain_losses`."""

@@ -1,9 +1,10 @@
 """A learner process (`experiments.train --role=learner --learner_id=i --syncer=HOST:PORT`).
 
-It builds only its own group, on the devices of this process, and runs periods of H steps (or, under DyLU, ⌊v/max v · H⌋ with v this learner's speed,
-declared or measured from its own periods against the fastest learner the syncer has seen;
-under a time budget the steps that fit policy.round_seconds at the measured speed;
-learners.slowdown emulates a slower slice), as the virtual clock does (runtime/sim.py):
+It builds only its own group, on the devices of this process, and runs periods of H steps
+(under DyLU ⌊v/max v · H⌋ with v this learner's speed, declared or measured from its own
+periods against the fastest learner the syncer has seen; under a time budget the steps that
+fit policy.round_seconds at the measured speed; learners.slowdown emulates a slower slice)
+as the virtual clock does (runtime/sim.py):
 fragment p (streaming.num_fragments = P, 1 unless streaming) is pushed after step t_p of the
 period (fragments.sync_offsets: P = 1 pushes at the period's end), its exchange (the push,
 then the pull of Θ_p if it moved) runs on a background thread while the steps go on, and
@@ -14,8 +15,8 @@ whose turn comes round while it is still in flight (a short period) lands first.
 
 The run's budget counts every step once, in the first push after it (the push header's
 budget_steps, core.budget_share); a period is cut short to the budget left, so its last step
-pushes. At the budget's end a learner lands what is in flight and pushes every fragment's
-remaining steps, fragment 0 last, each waited for.
+pushes. At the budget's end a learner pushes what is left of the fragments not in flight,
+lands the rest and pushes what is left of them, fragment 0 last each time, each waited for.
 
 Restarted after a crash it joins again: Θ and its last acknowledged sequence number come
 from the syncer, its AdamW state and step (hence its data position) from its own
@@ -97,7 +98,7 @@ class Accounting:
   """Where a learner's wall-clock went, and what became of its pushes."""
   begin: float = dataclasses.field(default_factory=time.perf_counter)
   compute: float = 0.0
-  blocked: float = 0.0   # Waiting for the syncer (the exchange of the previous round, or the final ack).
+  blocked: float = 0.0   # Waiting for the syncer (an exchange not back τ steps after its push, or the final acks).
   final_ack: float = 0.0  # The part of `blocked` spent on the last push, which no round can hide.
   exchange: float = 0.0  # Background push + pull time: what a learner without overlap would have waited.
   statuses: dict = dataclasses.field(default_factory=dict)
@@ -112,7 +113,7 @@ class Accounting:
 
 
 class LearnerProcess:
-  """The overlapped pull → H steps → push loop of one learner group."""
+  """The loop of one learner group: periods of steps, pushes at the fragments' offsets, landings τ steps later."""
 
   def __init__(self, config, workdir: str, index: int, target: str):
     runconfig.validate(config)
@@ -247,7 +248,7 @@ class LearnerProcess:
 
     Its time per step feeds this group's measured speed, except in the first period (compilation).
     """
-    learner, begin, compute = self.learner, time.perf_counter(), self.accounting.compute
+    learner, compute = self.learner, self.accounting.compute
     for step_in_period in range(1, steps + 1):
       self._land_due()
       if self.status["done"]:
@@ -270,7 +271,6 @@ class LearnerProcess:
     if self.compiled:
       self.speed.observe(0, (self.accounting.compute - compute) / steps)
     self.compiled = True
-    logging.debug("period of %d steps took %.3f s", steps, time.perf_counter() - begin)
 
   def _land_due(self) -> None:
     """Lands every fragment pushed at least τ steps ago (τ = 0: at once), oldest push first."""
