@@ -71,6 +71,7 @@ def test_schedules_sync_each_fragment_once_per_period(num_fragments, period):
     ({"streaming.alpha": 1.5}, "streaming.alpha = 1.5"),
     ({"compression.format": "int3"}, "int3"),
     ({"runtime": "lockstep", "streaming.num_fragments": 2, "streaming.strategy": "tensor"}, "needs a clock"),
+    ({"runtime": "threads", "streaming.overlap_steps": 2}, "needs a clock"),  # Threads: P = 1, τ = 0 only.
     ({"sim.learner_link_gbps": (1.0, 2.0, 3.0)}, "sim.learner_link_gbps has 3 entries for 2 learner groups"),
 ])
 def test_bad_streaming_configs_name_the_fix(overrides, message):
