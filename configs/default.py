@@ -80,12 +80,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.outer = ml_collections.ConfigDict()
   config.outer.optimizer = "sgd"  # 'sgd' (with momentum / Nesterov) or 'adam'.
   config.outer.lr = 0.7  # Outer learning rate (DiLoCo: 0.7; 1.0 without momentum = parameter averaging).
-  config.outer.momentum = 0.9  # Outer momentum (0 = none).
+  config.outer.momentum = 0.9  # Outer momentum, Adam's b1 for optimizer='adam' (0 = none).
   config.outer.nesterov = True  # Nesterov momentum (DiLoCo's choice).
   config.outer.buffer_size = 1  # Delayed Nesterov: N merges per momentum update (= arrivals with quorum 1).
-  config.outer.activation = 0.0  # Delayed Nesterov: c, momentum applied between updates (0 = none).
+  config.outer.activation = 0.0  # Delayed Nesterov: c in [0, 1/buffer_size], momentum share between updates.
 
-  config.syncer = ml_collections.ConfigDict()  # Merge policy of the decoupled (asynchronous) syncer.
+  config.syncer = ml_collections.ConfigDict()  # Merge policy (docs/syncer.md); mode='diloco': quorum all, staleness 0.
   config.syncer.quorum = 1  # K: distinct learners that must report before a merge (0 = all).
   config.syncer.grace_gamma = 0.0  # γ of the adaptive grace window (0 = merge as soon as K reported).
   config.syncer.grace_overlap_steps = 0.0  # τ: steps of slack before learners need Θ (sizes the window).
@@ -95,6 +95,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.syncer.max_staleness = -1  # Drop (and count) pushes staler than this; -1 = keep all.
   config.syncer.token_weighting = "tokens"  # 'none', 'tokens' or 'tokens_squared_per_step' (Decoupled DiLoCo).
   config.syncer.merge_rule = "mean"  # 'mean' or 'rda' (radial-directional averaging; embeddings averaged).
+  config.syncer.min_learners_to_start = 0  # Service: joins wait until this many learners joined (0 = all configured).
+  config.syncer.start_timeout_seconds = 600.0  # Service: start with those joined after this long (a 'start' record).
 
   config.policy = ml_collections.ConfigDict()  # Local work per push (virtual-clock and threads runtimes).
   config.policy.kind = "fixed"  # 'fixed' (H steps), 'dylu' (H scaled by speed) or 'time_budget'.
@@ -157,6 +159,6 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_batches = 4  # Held-out batches per evaluation.
   config.eval_batch_size = 32  # Sequences per eval batch.
   config.log_every = 10  # Inner steps between train-loss records.
-  config.checkpoint_every = 5  # Outer steps between orbax checkpoints (and at the end).
-  config.resume = False  # Continue from the latest checkpoint in --workdir.
+  config.checkpoint_every = 5  # Outer steps between orbax checkpoints (sim: rounds' worth of tokens) and at the end.
+  config.resume = False  # Continue from the latest checkpoint in --workdir (runtimes lockstep and sim).
   return config

@@ -8,6 +8,7 @@ Runtimes take the assembled `Experiment` and only decide when things happen.
 import dataclasses
 from typing import Any
 
+from absl import logging
 import jax
 import numpy as np
 
@@ -110,6 +111,11 @@ def validate(config) -> None:
     _require(config.syncer.quorum <= len(devices),
              f"syncer.quorum={config.syncer.quorum} exceeds the {len(devices)} learners: it could never be met; "
              "lower --config.syncer.quorum (0 = all learners)")
+    _require(0 <= config.syncer.min_learners_to_start <= len(devices),
+             f"syncer.min_learners_to_start={config.syncer.min_learners_to_start} must be in [0, {len(devices)}] "
+             "(0 = all learners)")
+    _require(config.syncer.start_timeout_seconds > 0,
+             f"syncer.start_timeout_seconds={config.syncer.start_timeout_seconds} must be > 0")
     _validate_streaming(config)
   policy.validate(config.policy)
   failures.Settings.from_config(config)
@@ -145,6 +151,24 @@ def _validate_streaming(config) -> None:
              "give one per group or none")
   _require(min((sim.link_gbps, sim.link_latency_seconds, *sim.learner_link_gbps, *sim.learner_link_latency_seconds)) >= 0,
            "sim link bandwidths and latencies must be >= 0 (bandwidth 0 = unlimited)")
+
+
+def syncer_settings(config) -> Settings:
+  """The merge policy `config.syncer` asks for, in every mode that has a syncer.
+
+  Synchronous DiLoCo is the decoupled machine with every learner in the quorum, and every
+  push has staleness 0 there (so each staleness function weighs 1 and none is dropped):
+  merge_rule and token_weighting apply as configured. A quorum K of fewer learners cannot
+  apply to rounds that wait for all; it is said so once, not silently dropped, so that a
+  decoupled config still switches to its synchronous baseline with --config.mode=diloco.
+  """
+  settings = Settings.from_config(config.syncer)
+  if config.mode == "decoupled":
+    return settings
+  if settings.quorum not in (0, len(config.learners.devices)):
+    logging.warning("mode='diloco' merges once all %d learners reported: syncer.quorum=%d (and its grace window) "
+                    "applies to mode='decoupled' only", len(config.learners.devices), settings.quorum)
+  return dataclasses.replace(settings, quorum=0)
 
 
 def flops_per_step(config) -> list[float]:
@@ -205,10 +229,7 @@ def build(config, devices=None) -> Experiment:
 
   syncer = None
   if config.mode != "ddp":
-    # Synchronous DiLoCo is the decoupled machine with every learner in the quorum and
-    # no staleness (it is always 0 there): a token-weighted mean of all pushes.
-    settings = Settings.from_config(config.syncer) if config.mode == "decoupled" else Settings()
-    syncer = Syncer(outer.outer_optimizer(config.outer), params, range(len(learners)), settings,
+    syncer = Syncer(outer.outer_optimizer(config.outer), params, range(len(learners)), syncer_settings(config),
                     assignment=assignment, codec=codec)
   evals = batches_lib.eval_batches(corpus, config.model.seq_len, config.eval_batch_size, config.eval_batches)
   return Experiment(config, model, corpus, learners, syncer, evals, profiles, flops,

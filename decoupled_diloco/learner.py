@@ -69,8 +69,11 @@ class Learner:
     """A merged fragment lands: θ_p ← α·θ_p + (1 − α)·Θ_p, and Θ_p anchors the next push.
 
     With α = 0 the local leaves are freed and replaced (a pull of that fragment), so what
-    the τ steps taken since the push did to this fragment is dropped (α > 0 keeps a share
-    of it); their tokens and steps stay counted towards the next push's weight.
+    the τ steps taken since the push did to this fragment is dropped, and the next push's
+    c^tokens / c^steps count from this receipt (Decoupled DiLoCo): its Δ covers only the
+    steps taken after it. α > 0 keeps the share α of θ_p − Θ_p, which holds the τ steps'
+    progress, so a share α of their tokens and steps stays counted (rounded): the weight
+    follows what the Δ carries.
     """
     leaves, treedef = jax.tree.flatten(self.state.params)
     shardings = jax.tree.leaves(self.loop.param_shardings)
@@ -85,6 +88,8 @@ class Learner:
       leaves[i] = merged
     self.state = self.state._replace(params=jax.tree.unflatten(treedef, leaves))
     self.anchors[fragment], self.base_versions[fragment] = fragment_params, version
+    self.tokens_since_push[fragment] = round(self.alpha * self.tokens_since_push[fragment])
+    self.steps_since_push[fragment] = round(self.alpha * self.steps_since_push[fragment])
 
   def step(self) -> None:
     """Dispatch one inner step asynchronously; the loss is fetched later in `drain_losses`."""

@@ -119,9 +119,11 @@ def _drop_torn_tail(path: str) -> None:
       f.truncate(cut)
 
 
-def _truncate(path: str, last_outer_step: int) -> list[dict]:
-  """Keeps records with outer_step <= last_outer_step; atomic via a temp file + os.replace."""
-  kept = [r for r in read_metrics(path) if r["outer_step"] <= last_outer_step]
+def _truncate(path: str, last_outer_step: int | None, keep_records: int | None = None) -> list[dict]:
+  """Keeps records with outer_step <= last_outer_step, or the first `keep_records` records (a
+  runtime whose records do not follow outer steps); atomic via a temp file + os.replace."""
+  kept = read_metrics(path)
+  kept = kept[:keep_records] if keep_records is not None else [r for r in kept if r["outer_step"] <= last_outer_step]
   tmp_path = path + ".tmp"
   with open(tmp_path, "w", encoding="utf-8") as f:
     for record in kept:
@@ -137,19 +139,22 @@ class MetricsWriter:
 
   `resume_from_step=None` appends to whatever is there (never destroys data, e.g. for a
   separate eval job); a run restarted without any checkpoint passes -1 to drop every
-  record of the crashed attempt (outer steps are >= 0, so none is kept).
+  record of the crashed attempt (outer steps are >= 0, so none is kept). `keep_records=N`
+  keeps the first N records instead (the virtual clock's checkpoints count records written).
   """
 
-  def __init__(self, workdir, resume_from_step: int | None = None):
+  def __init__(self, workdir, resume_from_step: int | None = None, keep_records: int | None = None):
     workdir = os.fspath(workdir)
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, METRICS_FILE)
     kept = []
+    truncating = resume_from_step is not None or keep_records is not None
     if os.path.exists(self.path):
       _drop_torn_tail(self.path)
-      kept = read_metrics(self.path) if resume_from_step is None else _truncate(self.path, resume_from_step)
+      kept = _truncate(self.path, resume_from_step, keep_records) if truncating else read_metrics(self.path)
+    self.records = len(kept)  # In the file so far: kept ones and those written since.
     self._purge_step = None
-    if resume_from_step is not None:
+    if truncating:
       self._purge_step = max((_x_axis(r) for r in kept), default=-1) + 1
     self._file = open(self.path, "a", encoding="utf-8")
     self._tb_dir = os.path.join(workdir, TENSORBOARD_DIR)
@@ -190,6 +195,7 @@ class MetricsWriter:
     record = _plain(record)
     self._file.write(json.dumps(record, sort_keys=True) + "\n")
     self._file.flush()
+    self.records += 1
     step = _x_axis(record)
     writer = self._tb_run(_tensorboard_run(record))
     for tag, value in _scalar_tags(record).items():

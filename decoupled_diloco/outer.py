@@ -28,7 +28,10 @@ def _sgd(cfg):
 
 
 def _adam(cfg):
-  return optax.adam(cfg.lr, b1=cfg.momentum or 0.9)
+  """Adam with b1 = outer.momentum: 0 means no first moment (RMSProp-like), as the config says."""
+  if not 0 <= cfg.momentum < 1:
+    raise ConfigError(f"outer.momentum={cfg.momentum} must be in [0, 1) for Adam's b1: set --config.outer.momentum")
+  return optax.adam(cfg.lr, b1=cfg.momentum)
 
 
 class DelayedNesterovState(NamedTuple):
@@ -60,8 +63,9 @@ def delayed_nesterov(learning_rate: float, momentum: float, buffer_size: int,
     raise ValueError(f"delayed_nesterov buffer_size={buffer_size!r} must be an int >= 1: pass arrivals per window")
   if not 0 <= momentum < 1:
     raise ValueError(f"delayed_nesterov momentum={momentum} must be in [0, 1): pass e.g. 0.9")
-  if activation < 0:
-    raise ValueError(f"delayed_nesterov activation={activation} is negative: pass c >= 0 (0 = the default)")
+  if not 0 <= activation <= 1 / buffer_size:
+    raise ValueError(f"delayed_nesterov activation={activation} must be in [0, 1/N = {1 / buffer_size:g}] "
+                     "(Liu et al., Alg. 3): above it the boundary's momentum share 1 − cN + c goes below c")
   n = buffer_size
 
   def init_fn(params):
@@ -88,8 +92,9 @@ def _delayed_nesterov(cfg):
   buffer_size, activation = cfg.get("buffer_size", 1), cfg.get("activation", 0.0)
   if not isinstance(buffer_size, int) or isinstance(buffer_size, bool) or buffer_size < 1:
     raise ConfigError(f"outer.buffer_size={buffer_size!r} must be an int >= 1: set --config.outer.buffer_size")
-  if activation < 0:
-    raise ConfigError(f"outer.activation={activation} is negative: set --config.outer.activation >= 0")
+  if not 0 <= activation <= 1 / buffer_size:
+    raise ConfigError(f"outer.activation={activation} must be in [0, 1/outer.buffer_size = {1 / buffer_size:g}] "
+                      "(Liu et al., Alg. 3): set --config.outer.activation in that range")
   return delayed_nesterov(cfg.lr, cfg.momentum, buffer_size, activation)
 
 

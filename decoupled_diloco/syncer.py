@@ -320,6 +320,16 @@ class Syncer:
         jax.block_until_ready(_jit_merge_and_step(self.optimizer, self.settings.merge_rule, state.averaged,
                                                   state.params, state.opt_state, [zeros] * count, weights))
 
+  @property
+  def estimates(self) -> dict[str, float]:
+    """ξ_step, ξ_quorum and ξ_sync in seconds (0 = not measured yet): the grace window's EMAs,
+    which a checkpoint keeps so that a restarted syncer does not learn them again."""
+    return dict(self._xi)
+
+  def restore_estimates(self, estimates: dict[str, float]) -> None:
+    """Takes checkpointed `estimates` back."""
+    self._xi = {name: float(estimates[name]) for name in self._xi}
+
   def observe_sync_seconds(self, seconds: float) -> None:
     """Runtimes report how long a merge + broadcast took (ξ_sync of the grace window)."""
     self._xi_update("sync", seconds)

@@ -23,8 +23,3 @@ def _compile_once_per_process(tmp_path_factory):
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   compilation_cache.reset_cache()
-
-
-def pytest_configure(config):
-  """Registers the `slow` mark (multi-process tests: deselect with -m 'not slow')."""
-  config.addinivalue_line("markers", "slow: starts several processes; deselect with -m 'not slow'")

@@ -118,3 +118,27 @@ def test_delayed_nesterov_rejects_bad_arguments():
                                    "buffer_size": 0, "activation": 0.0})
   with pytest.raises(ConfigError, match="outer.buffer_size=0 must be an int >= 1"):
     outer.outer_optimizer(cfg)
+
+
+def test_outer_adam_with_momentum_zero_has_no_first_moment():
+  """outer.momentum = 0 means none (configs/default.py), also for Adam: b1 = 0, not 0.9 (issue 14)."""
+  cfg = ml_collections.ConfigDict({"optimizer": "adam", "lr": 0.1, "momentum": 0.0, "nesterov": False})
+  grads = [[1.0, -2.0], [3.0, 0.5], [-1.0, 4.0]]
+  chex.assert_trees_all_close(_scan_updates(outer.outer_optimizer(cfg), grads),
+                              _scan_updates(optax.adam(0.1, b1=0.0), grads))
+  assert not np.allclose(_scan_updates(optax.adam(0.1, b1=0.0), grads)[1],
+                         _scan_updates(optax.adam(0.1, b1=0.9), grads)[1])  # The two really differ.
+  with pytest.raises(ConfigError, match=r"outer.momentum=1.5 must be in \[0, 1\) for Adam's b1"):
+    outer.outer_optimizer(ml_collections.ConfigDict({**cfg.to_dict(), "momentum": 1.5}))
+
+
+@pytest.mark.parametrize("n, c", [(4, 0.6), (2, 0.51), (1, -0.1)])
+def test_delayed_nesterov_refuses_an_activation_outside_zero_to_one_over_n(n, c):
+  """Liu et al., Alg. 3: c in [0, 1/N]; c = 0.6, N = 4 would give the boundary a negative momentum share."""
+  with pytest.raises(ValueError, match=r"activation=.* must be in \[0, 1/N"):
+    outer.delayed_nesterov(0.7, 0.9, n, activation=c)
+  cfg = ml_collections.ConfigDict({"optimizer": "delayed_nesterov", "lr": 0.7, "momentum": 0.9, "nesterov": True,
+                                   "buffer_size": n, "activation": c})
+  with pytest.raises(ConfigError, match=r"outer.activation=.* must be in \[0, 1/outer.buffer_size"):
+    outer.outer_optimizer(cfg)
+  outer.delayed_nesterov(0.7, 0.9, n, activation=1 / n)  # The bound itself is allowed.

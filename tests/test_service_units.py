@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -14,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from decoupled_diloco import compression, model as model_lib, outer
+from decoupled_diloco import compression, fragments, model as model_lib, outer
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import server as server_lib
@@ -32,7 +33,7 @@ def params():
 
 def _header(**fields):
   base = {"learner": 0, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 64, "local_steps": 4,
-          "compute_seconds": 0.1, "payload_bytes": 0, "incarnation": 0}
+          "budget_steps": 4, "budget_tokens": 64, "compute_seconds": 0.1, "payload_bytes": 0, "incarnation": 0}
   return {**base, **fields}
 
 
@@ -270,3 +271,69 @@ def test_service_benchmarks_run_end_to_end(benchmark):
   assert result.returncode == 0, result.stderr[-3000:]
   figures = json.loads(result.stdout.splitlines()[-1])
   assert figures["benchmark"] == benchmark and figures["ratio"] >= 0 and figures["bytes"] > 0
+
+
+def test_a_restarted_syncer_keeps_the_grace_window_estimates(params, tmp_path):
+  """ξ_step / ξ_quorum / ξ_sync are checkpointed with the syncer (docs/syncer.md, "Grace window"):
+  a restart from a checkpoint that carries no push does not start learning them from zero."""
+  core = _core(params, tmp_path, quorum=0, every=1)
+  _push(core, params, 0, 0)
+  _push(core, params, 1, 0)  # Both learners: a merge, then a checkpoint with nothing carried.
+  core.syncer.observe_sync_seconds(0.25)
+  core.tick(time.time())  # The due checkpoint.
+  estimates = core.syncer.estimates
+  core.close()
+  assert estimates["step"] == pytest.approx(0.1 / 4) and estimates["sync"] == 0.25
+  restarted = _core(params, tmp_path, quorum=0)
+  assert restarted.syncer.version == 1 and restarted.syncer.estimates == estimates
+  restarted.close()
+
+
+def test_after_the_budget_a_push_of_counted_steps_is_merged_and_one_of_uncounted_steps_is_late(params, tmp_path):
+  """P = 2: the budget counts each push's budget_steps; a push that arrives after the end with none (the
+  progress on fragment 1 of steps an earlier push counted) is merged, not dropped as late."""
+  assignment = fragments.partition(params, 2, "balanced")
+  syncer = Syncer(outer.outer_optimizer(service_config.get_config().outer), params, range(2), Settings(quorum=2),
+                  assignment=assignment)
+  core = core_lib.SyncerCore(syncer, 2, budget_steps=8, directory=str(tmp_path), checkpoint_every_merges=10,
+                             lease_seconds=30.0, metadata={})
+  core.start(time.time())
+
+  def push(learner, seq, fragment, budget_steps=4):
+    payload = bytearray(b"".join(wire.encode(fragments.select(_delta(params), assignment, fragment))))
+    header = _header(learner=learner, seq=seq, fragment=fragment, base_version=core.syncer.versions[fragment],
+                     payload_bytes=len(payload), budget_steps=budget_steps, budget_tokens=64 * budget_steps // 4)
+    return core.push(header, payload, time.time())["status"]
+
+  assert [push(0, 0, 0), push(1, 0, 0)] == ["applied", "applied"]  # 8 steps: the budget is spent.
+  assert core.done and core.syncer.versions == (1, 0)
+  assert push(1, 1, 1, budget_steps=0) == "applied" and core.syncer.versions == (1, 1)  # Merged at once.
+  assert push(0, 1, 1) == "late" and core.counts["late"] == 1
+  core.close()
+
+
+@pytest.mark.parametrize("timeout, joining, timed_out", [(30.0, [0, 1], 0), (3.0, [0], 1)])
+def test_joins_wait_at_the_start_barrier_until_enough_learners_or_the_timeout(params, tmp_path, timeout, joining,
+                                                                               timed_out):
+  """syncer.min_learners_to_start: no learner starts before the others joined (docs/syncer.md), or until
+  the timeout, which is reported in a 'start' record."""
+  records = []
+  syncer = Syncer(outer.outer_optimizer(service_config.get_config().outer), params, range(2), Settings(quorum=2))
+  core = core_lib.SyncerCore(syncer, 2, budget_steps=1000, directory=str(tmp_path), checkpoint_every_merges=10,
+                             lease_seconds=30.0, metadata={}, emit=records.append, min_learners_to_start=2,
+                             start_timeout_seconds=timeout)
+  core.start(time.time())
+  returned = {}
+  threads = [threading.Thread(target=lambda m=m: returned.setdefault(m, (core.join(m, time.time()), time.time())))
+             for m in joining]
+  threads[0].start()
+  time.sleep(0.3)
+  assert not returned and not core.started  # Learner 0 waits at the barrier.
+  for thread in threads[1:]:
+    thread.start()
+  for thread in threads:
+    thread.join(timeout=10)
+  assert sorted(returned) == joining and core.started
+  starts = [r for r in records if r["kind"] == "start"]
+  assert len(starts) == 1 and starts[0]["learners"] == joining and starts[0]["timed_out"] == timed_out
+  core.close()

@@ -163,3 +163,22 @@ def test_a_rerun_after_a_crash_keeps_no_records_of_the_crashed_attempt(tmp_path)
   shutil.rmtree(tmp_path / "twice" / "checkpoints")  # as if it died before its checkpoint
   sim.run(experiment.build(config), str(tmp_path / "twice"))
   assert _records(tmp_path / "twice") == _records(tmp_path / "once")
+
+
+def test_synchronous_diloco_honours_the_configured_merge_rule_and_token_weighting(tmp_path):
+  """mode='diloco' used Settings() whatever config.syncer said (issue 14): now the weighting and the
+  rule apply (docs/syncer.md), with quorum = all and staleness 0 implied."""
+  def run(name, **syncer):
+    config = tiny_config(**{"runtime": "sim", "outer_steps": 1, "inner_steps": 2, "learners.batch_size": (4, 8),
+                            **{f"syncer.{k}": v for k, v in syncer.items()}})
+    exp = experiment.build(config)
+    assert exp.syncer.quorum == 2  # Every learner, though the default config's quorum is 1.
+    sim.run(exp, str(tmp_path / name))
+    return _records(tmp_path / name, "outer")[0]["weights"], _params(exp.syncer.params)
+
+  plain, mean = run("tokens")
+  squared, _ = run("squared", token_weighting="tokens_squared_per_step")
+  np.testing.assert_allclose(plain, [1 / 3, 2 / 3], rtol=1e-6)  # Tokens 1 : 2.
+  np.testing.assert_allclose(squared, [0.2, 0.8], rtol=1e-6)  # tokens²/steps 1 : 4.
+  _, rda = run("rda", merge_rule="rda")
+  assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(mean), jax.tree.leaves(rda)))

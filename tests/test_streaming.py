@@ -71,6 +71,7 @@ def test_schedules_sync_each_fragment_once_per_period(num_fragments, period):
     ({"streaming.alpha": 1.5}, "streaming.alpha = 1.5"),
     ({"compression.format": "int3"}, "int3"),
     ({"runtime": "lockstep", "streaming.num_fragments": 2, "streaming.strategy": "tensor"}, "needs a clock"),
+    ({"runtime": "threads", "streaming.overlap_steps": 2}, "needs a clock"),  # Threads: P = 1, τ = 0 only.
     ({"sim.learner_link_gbps": (1.0, 2.0, 3.0)}, "sim.learner_link_gbps has 3 entries for 2 learner groups"),
 ])
 def test_bad_streaming_configs_name_the_fix(overrides, message):
@@ -170,3 +171,21 @@ def test_a_fragment_due_again_while_in_flight_waits_for_its_merge(tmp_path):
   slow = _records(tmp_path, "learner_summary")[0]
   assert summary["rejected_pushes"] == 0 and slow["stalls"] > 0
   assert sum(summary["steps"]) == 2 * 8 * 2
+
+
+@pytest.mark.parametrize("alpha, later_steps", [(0.0, 3), (0.5, 4)])
+def test_push_counts_start_when_the_merged_fragment_is_received(tmp_path, alpha, later_steps):
+  """c^tokens / c^steps count from the receipt of Θ_p (docs/syncer.md, "What each counter counts").
+
+  H = 5, τ = 2: Θ lands 2 steps after each push and (α = 0) replaces what those steps did, so every
+  push but the first covers H − τ = 3 steps; α = 0.5 keeps half of the τ steps' progress and counts
+  round(0.5 · 2) = 1 of them. Before the fix every push reported 5 steps and 320 tokens (issue 14).
+  """
+  config = tiny_config(**{"mode": "decoupled", "runtime": "sim", "inner_steps": 5, "streaming.overlap_steps": 2,
+                          "streaming.alpha": alpha})
+  sim.run(experiment.build(config), str(tmp_path))
+  tokens_per_step = config.learners.batch_size[0] * config.model.seq_len
+  for m in range(2):
+    pushes = [p for p in _records(tmp_path, "push") if p["learner"] == m]
+    assert [p["local_steps"] for p in pushes] == [5] + [later_steps] * 2
+    assert [p["tokens"] for p in pushes] == [p["local_steps"] * tokens_per_step for p in pushes]

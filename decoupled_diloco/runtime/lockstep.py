@@ -20,8 +20,9 @@ from decoupled_diloco.runtime import records
 from decoupled_diloco.syncer import SyncerState
 
 
-def _run_state(exp: Experiment) -> dict:
-  """The pytrees a checkpoint holds: the syncer's (host) and every learner's (device)."""
+def run_state(exp: Experiment) -> dict:
+  """The pytrees a checkpoint holds: the syncer's (host) and every learner's (device); the virtual
+  clock's checkpoints hold them too."""
   state = {f"learner_{l.index}": l.state for l in exp.learners}
   if exp.syncer is not None:
     state["syncer_params"] = exp.syncer.params
@@ -29,9 +30,9 @@ def _run_state(exp: Experiment) -> dict:
   return state
 
 
-def _restore(exp: Experiment, checkpointer: checkpoint_lib.Checkpointer, step: int) -> None:
+def restore(exp: Experiment, checkpointer: checkpoint_lib.Checkpointer, step: int) -> None:
   """Loads checkpoint `step` into the experiment, each tree back onto its own devices."""
-  abstract = checkpoint_lib.abstract_like(_run_state(exp))
+  abstract = checkpoint_lib.abstract_like(run_state(exp))
   state, metadata = checkpointer.restore(step, abstract)
   for learner in exp.learners:
     learner.state = state[f"learner_{learner.index}"]
@@ -86,7 +87,7 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
     raise ConfigError(f"workdir {workdir} already holds a run (checkpoint at outer step {start}): "
                       "pass --config.resume=True to continue it, or pick a new --workdir")
   if start:
-    _restore(exp, checkpointer, start)
+    restore(exp, checkpointer, start)
   # Records an interrupted run wrote after its last checkpoint (or before its first) are dropped.
   writer = metrics_lib.MetricsWriter(workdir, resume_from_step=start)
   tokens_per_round = config.inner_steps * sum(l.batches.tokens_per_batch for l in exp.learners)
@@ -110,7 +111,7 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
         eval_loss = record["eval_loss"]
         writer.write(record)
       if outer_step % config.checkpoint_every == 0 or outer_step == last:
-        checkpointer.save(outer_step, _run_state(exp), _metadata(exp, outer_step))
+        checkpointer.save(outer_step, run_state(exp), _metadata(exp, outer_step))
       round_time = time.time() - round_begin
       logging.info("%s", metrics_lib.format_progress(
           outer_step=outer_step, num_outer_steps=config.outer_steps, step=clock["inner_step"],

@@ -23,6 +23,7 @@ import collections
 import dataclasses
 import heapq
 import itertools
+import os
 import time
 
 from absl import logging
@@ -35,7 +36,7 @@ from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco import policy as policy_lib
 from decoupled_diloco.experiment import Experiment, declared_speeds
 from decoupled_diloco.runtime import failures as failures_lib
-from decoupled_diloco.runtime import records
+from decoupled_diloco.runtime import records, sim_checkpoint
 from decoupled_diloco.syncer import MergeReport, PushRejected
 
 # Priorities at equal times: steps that end produce pushes, pushes arrive, then replies
@@ -154,11 +155,13 @@ class Simulation:
     learner, clock = self.exp.learners[m], self.clocks[m]
     for p in [p for p in clock.landed if clock.in_flight[p] <= learner.steps or p in clock.deferred
               or self.steps_left == 0]:
-      learner.receive(p, *clock.landed.pop(p))
+      learner.receive(p, *clock.landed.pop(p))  # Counts restart here (the share α carries over).
+      clock.compute_since_push[p] *= learner.alpha
       del clock.in_flight[p]
     for p in sorted(clock.deferred - clock.in_flight.keys()):
       clock.deferred.discard(p)
-      self._push(m, p)
+      if learner.steps_since_push[p]:  # (With α = 0 the landing dropped the steps it was due for.)
+        self._push(m, p)
     if (any(needed <= learner.steps or p in clock.deferred for p, needed in clock.in_flight.items())
         or (self.steps_left == 0 and clock.in_flight)):
       if clock.idle_since is None:  # (Waiting for the last merges once the budget is spent is no stall.)
@@ -323,9 +326,13 @@ class Simulation:
     logging.info("version %d | virtual %.1fs | steps per learner %s | eval %.3f%s", version, self.now,
                  [l.steps for l in self.exp.learners], record["eval_loss"], gap)
 
-  def run(self) -> dict:
-    """Processes events until the token budget is spent; then merges what is left and evaluates."""
-    for m, learner in enumerate(self.exp.learners):
+  def run(self, between_events=None, resumed: bool = False) -> dict:
+    """Processes events until the token budget is spent; then merges what is left and evaluates.
+
+    `between_events()` runs after each event (checkpoints); `resumed`: the state was restored
+    mid-run (sim_checkpoint), so the learners do not start afresh.
+    """
+    for m, learner in enumerate(self.exp.learners if not resumed else []):
       if self.syncer is not None:
         learner.pull(self.syncer.params, self.syncer.versions)
       self._start_period(m)
@@ -335,6 +342,8 @@ class Simulation:
     while self._events and not (self.steps_left == 0 and all(e[1] >= failures_lib.FAIL for e in self._events)):
       self.now, _, _, handler, payload = heapq.heappop(self._events)
       handler(*payload)
+      if between_events is not None:
+        between_events()
     if self.syncer is not None:
       for report in self.syncer.flush(self.now):
         self._write_outer(report)
@@ -378,15 +387,17 @@ class Simulation:
 
 
 def run(exp: Experiment, workdir: str) -> dict:
-  """Simulates `exp` in `workdir` and checkpoints the final state; returns the summary."""
-  checkpoints = records.fresh_workdir(
-      workdir, exp.config.resume, "the virtual-clock runtime does not resume: rerun it (a seeded run is deterministic)")
-  # -1: a rerun after a crash (no checkpoint yet) drops every record of the crashed attempt.
-  with metrics_lib.MetricsWriter(workdir, resume_from_step=-1) as writer:
-    summary = Simulation(exp, writer).run()
-  with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
-    state = {f"learner_{l.index}": l.state for l in exp.learners}
-    if exp.syncer is not None:
-      state.update(syncer_params=exp.syncer.params, syncer_opt_state=exp.syncer.state.opt_state)
-    checkpointer.save(summary["outer_updates"], state, {"config": exp.config.to_dict(), "summary": summary})
+  """Simulates `exp` in `workdir`, checkpointing every checkpoint_every rounds' tokens and at the end;
+  with resume=True continues from the latest checkpoint, writing exactly the records an
+  uninterrupted run writes (those after the checkpoint are replaced). Returns the summary."""
+  os.makedirs(workdir, exist_ok=True)
+  with checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints")) as checkpointer:
+    resume_from = sim_checkpoint.latest(checkpointer, exp, workdir)
+    # Without a checkpoint, a rerun after a crash drops every record of the crashed attempt.
+    with metrics_lib.MetricsWriter(workdir, keep_records=resume_from["records"] if resume_from else 0) as writer:
+      simulation = Simulation(exp, writer)
+      if resume_from is not None:
+        sim_checkpoint.restore(checkpointer, simulation, resume_from)
+      summary = simulation.run(sim_checkpoint.Cadence(checkpointer, simulation), resumed=resume_from is not None)
+      sim_checkpoint.save(checkpointer, simulation, done=True, summary=summary)
   return summary

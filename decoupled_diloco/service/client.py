@@ -129,13 +129,19 @@ class SyncerClient:
     return wire.parse_header(reply, HEARTBEAT_REPLY_SCHEMA)
 
   def push(self, seq: int, delta, *, base_version: int, tokens: int, local_steps: int, compute_seconds: float,
-           fragment: int = 0) -> dict:
-    """Sends one push (resent as the same seq until acknowledged); returns the syncer's reply."""
+           fragment: int = 0, budget_steps: int | None = None, budget_tokens: int | None = None) -> dict:
+    """Sends one push (resent as the same seq until acknowledged); returns the syncer's reply.
+
+    budget_steps / budget_tokens: what the run's budget counts of it (core.budget_share); by
+    default its local_steps / tokens, right for a learner that counts every push from the last.
+    """
     parts = wire.encode(delta)
     header = wire.pack_header({"learner": self.learner, "seq": seq, "base_version": base_version,
                                "fragment": fragment, "tokens": tokens, "local_steps": local_steps,
                                "compute_seconds": float(compute_seconds), "payload_bytes": wire.encoded_size(parts),
-                               "incarnation": self.incarnation})
+                               "incarnation": self.incarnation,
+                               "budget_steps": local_steps if budget_steps is None else budget_steps,
+                               "budget_tokens": tokens if budget_tokens is None else budget_tokens})
 
     def messages():
       yield header

@@ -15,8 +15,8 @@ networked syncer needs, behind one lock (gRPC handlers run on a thread pool):
     are refused;
   * leases: a learner silent for `lease_seconds` leaves the quorum (so the others are not
     held up by the dead) and rejoins with its next call;
-  * the run's budget: outer_steps × inner_steps × M inner steps, counted from pushes (with
-    P fragments, from fragment 0's: see `budget_share`);
+  * the run's budget: outer_steps × inner_steps × M inner steps, counted from pushes (each
+    step once, in the first push after it: see `budget_share`);
   * streaming: pushes and pulls name their fragment; Θ_p is sent alone, encoded once per
     version of that fragment;
   * measured speeds: an EMA of each learner's steps per compute-second, from its pushes;
@@ -31,6 +31,7 @@ import collections
 import dataclasses
 import os
 import threading
+import time
 
 from absl import logging
 import jax
@@ -45,17 +46,19 @@ from decoupled_diloco.syncer import MergeReport, Push, PushRejected, Syncer, Syn
 
 CHECKPOINT_RETRY_SECONDS = 10.0  # Between attempts after a checkpoint save failed (e.g. a full disk).
 PUSH_SCHEMA = {"learner": int, "seq": int, "base_version": int, "fragment": int, "tokens": int, "local_steps": int,
-               "compute_seconds": float, "payload_bytes": int, "incarnation": int}
+               "compute_seconds": float, "payload_bytes": int, "budget_steps": int, "budget_tokens": int,
+               "incarnation": int}
 
 
 def budget_share(header: dict) -> tuple[int, int]:
-  """(steps, tokens) a push adds to the run's count.
+  """(steps, tokens) a push adds to the run's count: its `budget_steps` / `budget_tokens`.
 
-  A push of fragment p carries the steps since the learner's last push of p, so with P
-  fragments each step is in P pushes: only fragment 0's count, and they hold each step once
-  (a learner's last pushes send fragment 0 last, after the others).
+  Why not local_steps / tokens: those count from the receipt of Θ_p (the weight of the Δ),
+  so the τ steps before a landing are in no push, and with P fragments each other step is in
+  P pushes. A learner instead counts every step it took once, in the first push after it
+  (of any fragment; its last pushes leave nothing uncounted).
   """
-  return (header["local_steps"], header["tokens"]) if header["fragment"] == 0 else (0, 0)
+  return header["budget_steps"], header["budget_tokens"]
 
 
 class UnknownLearner(LookupError):
@@ -87,8 +90,14 @@ class SyncerCore:
   def __init__(self, syncer: Syncer, num_learners: int, budget_steps: int, directory: str, *,
                checkpoint_every_merges: int, lease_seconds: float, metadata: dict, emit=None, on_merge=None,
                limits: limits_lib.PushLimits | None = None, downlink_format: str = "fp32",
-               truncate_corrupt_log: bool = False):
+               truncate_corrupt_log: bool = False, min_learners_to_start: int = 1,
+               start_timeout_seconds: float = 600.0):
     self.syncer, self.num_learners, self.budget_steps = syncer, num_learners, budget_steps
+    # Start barrier: joins wait until this many learners joined (1 = none), or the timeout since start().
+    self.min_learners_to_start = min_learners_to_start
+    self.start_timeout_seconds = start_timeout_seconds
+    self.joined: set[int] = set()
+    self.started = False  # Barrier passed (or timed out), or a push arrived (a restarted syncer's learners).
     self.checkpoint_every, self.lease_seconds = checkpoint_every_merges, lease_seconds
     self.metadata = metadata  # Static facts saved with every checkpoint (e.g. the config).
     self.limits = limits  # Bounds on push headers (None: only the syncer's own checks).
@@ -96,6 +105,7 @@ class SyncerCore:
     self.emit = emit or (lambda record: None)  # Metric records (push, outer).
     self.on_merge = on_merge or (lambda version, params, now: None)
     self.lock = threading.RLock()
+    self._start_condition = threading.Condition(self.lock)
     self.quorum_setting = syncer.settings.quorum
     self.acked = {m: -1 for m in range(num_learners)}
     # Each Join starts a new incarnation of that learner; pushes from older ones are refused.
@@ -143,6 +153,7 @@ class SyncerCore:
       self.start_time = meta["start_time"]
       self.counts.update(meta.get("counts", {}))  # Replay adds the pushes applied after the checkpoint.
       self.refused.update(meta.get("refused", {}))
+      self.syncer.restore_estimates(meta["estimates"])  # Before the replay, which goes on updating them.
       wal.recover(self.wal_dir, self.truncate_corrupt_log)
       self._replay(meta["segment"], step)
       self.log = wal.Log(self.wal_dir, max(wal.segments(self.wal_dir), default=meta["segment"]))
@@ -193,7 +204,7 @@ class SyncerCore:
     meta = {**self.metadata, "versions": list(self.syncer.versions), "segment": version, "done": self.done,
             "acked": {str(m): s for m, s in self.acked.items()}, "start_time": self.start_time,
             "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens,
-            "counts": self.counts, "refused": dict(self.refused),
+            "counts": self.counts, "refused": dict(self.refused), "estimates": self.syncer.estimates,
             "incarnations": {str(m): n for m, n in self.incarnations.items()}}
     try:
       self.checkpointer.save(version, self._state_trees(), meta)
@@ -309,16 +320,40 @@ class SyncerCore:
   def join(self, learner: int, now: float) -> tuple[dict, list]:
     """(status, encoded Θ): what a (re)starting learner needs, its last acked seq and new incarnation included.
 
-    The incarnation is logged before the reply: from then on, pushes of the learner's
-    earlier processes (a frozen predecessor that wakes up) are refused.
+    Before the run starts a join waits at the start barrier (a learner that compiles slowly
+    would otherwise find a short budget spent by the others): until min_learners_to_start
+    learners joined, or start_timeout_seconds after the syncer started, which is reported
+    (a warning and a 'start' record naming who had joined). The lease of a waiting learner
+    is kept alive. The incarnation is logged before the reply: from then on, pushes of the
+    learner's earlier processes (a frozen predecessor that wakes up) are refused.
     """
     with self.lock:
       self._serving()
       self._check_learner(learner, now)
+      self.joined.add(learner)
+      while not self.started:
+        left = self.start_time + self.start_timeout_seconds - time.time()
+        if len(self.joined) >= self.min_learners_to_start or left <= 0:
+          self._start(timed_out=len(self.joined) < self.min_learners_to_start)
+          break
+        self._start_condition.wait(min(left, 1.0))
+        self.last_seen[learner] = time.time()
+      self._serving()
       incarnation = self.incarnations[learner] + 1
       self._durably(self.log.append, {"type": "join", "learner": learner, "incarnation": incarnation})
       self.incarnations[learner] = incarnation
       return self.status(learner), wire.encode(self._downlink(self.syncer.params))
+
+  def _start(self, timed_out: bool) -> None:
+    """The barrier opens: every waiting join returns."""
+    self.started = True
+    self._start_condition.notify_all()
+    if timed_out:
+      logging.warning("start barrier timed out after %.0fs with learners %s of the %d required: starting without "
+                      "the others", self.start_timeout_seconds, sorted(self.joined), self.min_learners_to_start)
+    self.emit({"kind": "start", "outer_step": self.syncer.version, "learners": sorted(self.joined),
+               "required": self.min_learners_to_start, "timed_out": int(timed_out),
+               "wall_time": time.time() - self.start_time})
 
   def pull(self, learner: int, fragment: int, have_version: int, now: float) -> tuple[dict, list | None]:
     """(status, encoded Θ_fragment, or None when the learner already has its version)."""
@@ -378,12 +413,12 @@ class SyncerCore:
           raise PushRejected(f"push from learner {learner} rejected: it comes from incarnation "
                              f"{header['incarnation']}, but incarnation {self.incarnations[learner]} of learner "
                              f"{learner} has joined since (a replaced process: stop it)")
-        if seq <= self.acked[learner] or self.done:
+        if seq <= self.acked[learner] or (self.done and header["budget_steps"] > 0):
           self._check_learner(learner, now)
           if seq <= self.acked[learner]:
             self.counts["duplicates"] += 1
             return {"status": "duplicate", **self.status(learner)}
-          self.counts["late"] += 1
+          self.counts["late"] += 1  # Steps the budget did not count (see budget_share).
           self.acked[learner] = seq
           return {"status": "late", **self.status(learner)}
         excluded_live = self._readmit(learner)  # Receive needs it in the quorum; undone if refused.
@@ -394,6 +429,9 @@ class SyncerCore:
             self._log_live(excluded_live)
           raise
         self.last_seen[learner] = now
+        if self.done:  # After the end: the progress on its fragment of steps the budget counted already.
+          self._after_merges(self.syncer.flush(now), now, replay=False, log=True)
+          self._checkpoint_due = True
       except (UnknownLearner, limits_lib.OutOfBounds, wire.WireError, PushRejected):
         self.counts["rejected"] += 1
         raise
@@ -411,6 +449,7 @@ class SyncerCore:
     pushes that checkpoint holds.
     """
     syncer = self.syncer
+    self.started = True  # Learners that push have started (e.g. a restarted syncer's).
     outer_step = syncer.version + 1
     fragment_version = syncer.versions[header["fragment"]] if 0 <= header["fragment"] < len(syncer.versions) else 0
     push = Push(header["learner"], delta, header["base_version"], header["tokens"], header["local_steps"],

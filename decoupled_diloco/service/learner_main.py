@@ -1,23 +1,22 @@
 """A learner process (`experiments.train --role=learner --learner_id=i --syncer=HOST:PORT`).
 
-It builds only its own group, on the devices of this process, and loops: a round of inner
-steps, push the pseudo-gradient, carry on. A round is H steps, or under DyLU ⌊v/max v · H⌋
-with v this learner's speed (declared, or measured from its own rounds against the fastest
-learner the syncer has seen), or under a time budget the steps that fit
-policy.round_seconds at the measured speed; learners.slowdown emulates a slower slice.
-Communication overlaps compute by one round (τ = H): at a round's end the push of the
-round, and the pull of the newest Θ after it, go to a background thread while the next
-round already runs from the local params; at the end of that round the learner collects
-the exchange (time spent waiting for it is `blocked`) and starts the following round from
-α·θ + (1 − α)·Θ_new (α = streaming.alpha). Every round's progress is pushed exactly once:
-the round that ran during the exchange is pushed as the change from the local params it
-started at, with the base version they derive from.
+It builds only its own group, on the devices of this process, and runs periods of H steps
+(under DyLU ⌊v/max v · H⌋ with v this learner's speed, declared or measured from its own
+periods against the fastest learner the syncer has seen; under a time budget the steps that
+fit policy.round_seconds at the measured speed; learners.slowdown emulates a slower slice)
+as the virtual clock does (runtime/sim.py):
+fragment p (streaming.num_fragments = P, 1 unless streaming) is pushed after step t_p of the
+period (fragments.sync_offsets: P = 1 pushes at the period's end), its exchange (the push,
+then the pull of Θ_p if it moved) runs on a background thread while the steps go on, and
+τ = streaming.overlap_steps steps after the push Θ_p lands: θ_p ← α·θ_p + (1 − α)·Θ_p
+(α = streaming.alpha), waited for if it is not back (`blocked`; τ = 0 waits at once). The
+next push of p counts its steps and tokens from that landing (learner.receive). A fragment
+whose turn comes round while it is still in flight (a short period) lands first.
 
-Streaming (streaming.num_fragments = P > 1): a round is 1/P of the period and pushes one
-fragment, 0, 1, ..., P − 1 in turn, so each fragment goes once per period with the steps
-since its own last push; its exchange pulls Θ_p alone, which lands a round later. The
-syncer counts the budget from fragment 0's pushes; at the budget's end a learner pushes
-every fragment's remaining steps, fragment 0 last.
+The run's budget counts every step once, in the first push after it (the push header's
+budget_steps, core.budget_share); a period is cut short to the budget left, so its last step
+pushes. At the budget's end a learner pushes what is left of the fragments not in flight,
+lands the rest and pushes what is left of them, fragment 0 last each time, each waited for.
 
 Restarted after a crash it joins again: Θ and its last acknowledged sequence number come
 from the syncer, its AdamW state and step (hence its data position) from its own
@@ -106,7 +105,7 @@ class Accounting:
   """Where a learner's wall-clock went, and what became of its pushes."""
   begin: float = dataclasses.field(default_factory=time.perf_counter)
   compute: float = 0.0
-  blocked: float = 0.0   # Waiting for the syncer (the exchange of the previous round, or the final ack).
+  blocked: float = 0.0   # Waiting for the syncer (an exchange not back τ steps after its push, or the final acks).
   final_ack: float = 0.0  # The part of `blocked` spent on the last push, which no round can hide.
   exchange: float = 0.0  # Background push + pull time: what a learner without overlap would have waited.
   statuses: dict = dataclasses.field(default_factory=dict)
@@ -121,7 +120,7 @@ class Accounting:
 
 
 class LearnerProcess:
-  """The overlapped pull → H steps → push loop of one learner group."""
+  """The loop of one learner group: periods of steps, pushes at the fragments' offsets, landings τ steps later."""
 
   def __init__(self, config, workdir: str, index: int, target: str):
     runconfig.validate(config)
@@ -141,6 +140,12 @@ class LearnerProcess:
     self.slowdown = (tuple(config.learners.slowdown) or (0.0,) * len(config.learners.devices))[index]
     self.host = HostPseudoGradient(self.group)
     self.locals = {}  # fragment -> its host params when last pushed (the anchor if no new Θ_p comes back)
+    self.overlap = config.streaming.overlap_steps  # τ: steps a fragment's exchange may take before it must land.
+    self.inflight = {}  # fragment -> (exchange future, push, step by which it lands, its budget share)
+    self.budget = [0, 0]  # Steps and tokens since this learner's last push: what the budget has yet to count.
+    self.seq = self.pushes = 0
+    self.status: dict = {}
+    self.mark = time.perf_counter()  # Start of the wall-clock not yet accounted (_tick).
     self.compute_since_push = [0.0] * self.learner.num_fragments  # A push's compute_seconds, per fragment.
     self.directory = os.path.join(workdir, f"learner_{index}")
     # Before anything in it is touched: a frozen predecessor's save in progress stays its own.
@@ -168,26 +173,26 @@ class LearnerProcess:
     if self.writer is not None:
       self.writer.write(record)
 
-  def _exchange(self, seq: int, push):
+  def _exchange(self, seq: int, push, budget: tuple[int, int]):
     """Background: the push (retried until acked or refused), then the newest Θ if it moved.
 
     Followers in a multi-process group have nothing to send: the leader's result reaches
-    them in `_collect`.
+    them in `_land`.
     """
     if not self.group.leader:
       return None
     begin = time.perf_counter()
     try:
-      return self._push_and_pull(seq, push)
+      return self._push_and_pull(seq, push, budget)
     finally:
       self.accounting.exchange += time.perf_counter() - begin
 
-  def _push_and_pull(self, seq: int, push):
+  def _push_and_pull(self, seq: int, push, budget: tuple[int, int]):
     """The leader's exchange: (seq, push reply, status, new Θ or None)."""
     try:
       reply = self.client.push(seq, push.delta, base_version=push.base_version, tokens=push.tokens,
                                local_steps=push.local_steps, compute_seconds=push.compute_seconds,
-                               fragment=push.fragment)
+                               fragment=push.fragment, budget_steps=budget[0], budget_tokens=budget[1])
     except grpc.RpcError as error:  # Refused (malformed, NaN, ...): counted, the learner carries on.
       logging.warning("push %d refused: %s %s", seq, error.code(), error.details())
       reply = {"status": "refused", "done": False}
@@ -220,137 +225,144 @@ class LearnerProcess:
 
   def run(self) -> dict:
     """Trains until the syncer says the budget is spent; returns the learner's summary."""
-    status, theta = self._ask(lambda: self.client.join())
+    self.status, theta = self._ask(lambda: self.client.join())
     self._restore()
-    self.learner.pull(theta, status["versions"])
-    seq, inflight, rounds = status["acked_seq"] + 1, None, 0
+    self.learner.pull(theta, self.status["versions"])
+    self.seq = self.status["acked_seq"] + 1
     if self.group.leader:
       threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
     self.accounting = Accounting()  # The clock starts with training, not with compilation.
-    logging.info("learner %d joined at version %d (next seq %d, %d steps left)", self.index, status["version"], seq,
-                 status["steps_left"])
-    fresh = None  # (fragment, Θ_p or None) from the last exchange, not applied yet.
+    self.mark = time.perf_counter()
+    logging.info("learner %d joined at version %d (next seq %d, %d steps left)", self.index, self.status["version"],
+                 self.seq, self.status["steps_left"])
     try:
-      while not status["done"]:  # Also when the run ended before this (re)join.
-        steps = min(self._planned_steps(status), status["steps_left"] - self._uncounted(inflight))
+      while not self.status["done"]:  # Also when the run ended before this (re)join.
+        steps = min(self._planned_steps(), self.status["steps_left"] - self._uncounted())
+        if steps <= 0 and not self.inflight and self.budget[0] and not any(self.learner.steps_since_push):
+          steps = 1  # Steps that every landing dropped are in no push: one more step carries their count.
         if steps > 0:
-          push = self._round(steps, rounds % self.learner.num_fragments)
-        if inflight is not None:
-          status, fresh = self._collect(inflight, final=steps <= 0)
-          inflight = None
-        elif steps <= 0:  # Nothing to do and nothing in flight: the budget's end is being recorded.
-          seq, status = self._push_the_rest(seq, status)
-          time.sleep(0.2)
-          status, _ = self._ask(lambda: self.client.pull(status["versions"][0]))
-        if status["done"]:
-          break
-        if steps <= 0:  # No round now; land what came back, so that every anchor is set if one follows.
-          if fresh is not None:
-            self._start_next(fresh, status, fresh[0])
-            fresh = None
-          continue
-        self._start_next(fresh, status, push.fragment)
-        fresh = None
-        inflight = (self.exchanges.submit(self._exchange, seq, push), push)
-        seq, rounds = seq + 1, rounds + 1
-        if self.service.learner_checkpoint_every and rounds % self.service.learner_checkpoint_every == 0:
-          self.checkpointer.save(self.learner.steps, {"state": self.learner.state},
-                                 {"steps": self.learner.steps,
-                                  "data": {str(jax.process_index()): self.learner.batches.state()}})
+          self._period(steps)
+        else:  # This learner's share of the budget is spent: land and push the rest, wait for the end.
+          self._push_the_rest()
+          if not self.status["done"]:
+            time.sleep(0.2)
+            self.status, _ = self._ask(lambda: self.client.pull(self.status["versions"][0]))
     finally:
       self._stop.set()
       self.exchanges.shutdown(wait=True)
-    summary = {"learner": self.index, "steps": self.learner.steps, "rounds": rounds,
+    summary = {"learner": self.index, "steps": self.learner.steps, "rounds": self.pushes,
                "retries": self.client.retries if self.client else 0, "processes": self.group.processes,
                **self.accounting.summary()}
-    self._write({"kind": "learner_summary", "outer_step": status["version"], **summary})
+    self._write({"kind": "learner_summary", "outer_step": self.status["version"], **summary})
     self.close()
     return summary
 
-  def _collect(self, inflight: tuple[concurrent.futures.Future, object], final: bool) -> tuple[dict, tuple]:
-    """Waits for the previous round's exchange (counted as blocked; `final`: no round ran meanwhile,
-    the budget's last pushes); returns (status, (its fragment, new Θ_p or None))."""
-    future, push = inflight
-    begin = time.perf_counter()
-    seq, reply, status, theta = self.group.share(future.result())
-    waited = time.perf_counter() - begin
-    self.accounting.blocked += waited
-    if final:
-      self.accounting.final_ack += waited
-    self._record_ack(seq, reply)
-    return status, (push.fragment, theta)
+  def _period(self, steps: int) -> None:
+    """One period of `steps` inner steps (H, fewer under DyLU or at the budget's end), as the virtual
+    clock runs it: fragment p is pushed after step t_p (fragments.sync_offsets), and before each
+    step every fragment pushed τ or more steps ago lands (waited for if its exchange is not back).
 
-  def _uncounted(self, inflight) -> int:
-    """This learner's steps the syncer has not counted yet: those since its last push of fragment 0
-    (the one the budget counts, core.budget_share), and that push if it is still in flight."""
-    in_flight = inflight is not None and inflight[1].fragment == 0
-    return self.learner.steps_since_push[0] + (inflight[1].local_steps if in_flight else 0)
-
-  def _push_the_rest(self, seq: int, status: dict) -> tuple[int, dict]:
-    """At the budget's end, each fragment's steps since its last push, fragment 0 last (with P = 1
-    every step was pushed already): waited for, as no round is left to hide them."""
-    for fragment in [*range(1, self.learner.num_fragments), 0]:
-      if self.learner.steps_since_push[fragment] and not status["done"]:
-        push = self._push(fragment, time.perf_counter())
-        status, _ = self._collect((self.exchanges.submit(self._exchange, seq, push), push), final=True)
-        seq += 1
-    return seq, status
-
-  def _planned_steps(self, status: dict) -> int:
-    """The next round's length, decided by the leader for the whole group (see the module doc): with
-    P fragments, 1/P of the period (at least one step), so each fragment goes once per period."""
-    planned = policy_lib.measured_round_steps(self.config.policy, self.config.inner_steps, self.speed.speeds[0],
-                                              status["max_speed"], self.declared_speeds[self.index],
-                                              max(self.declared_speeds))
-    return self.group.share(max(1, planned // self.learner.num_fragments))
-
-  def _round(self, steps: int, fragment: int):
-    """A round of inner steps (fewer at the budget's end); returns the push of `fragment`'s pseudo-gradient.
-
-    With P fragments a round is 1/P of the planned steps, and fragment p goes at the end of
-    every P-th round. Its time per step feeds this group's measured speed, except in the
-    first round (compilation).
+    Its time per step feeds this group's measured speed, except in the first period (compilation).
     """
-    learner, begin = self.learner, time.perf_counter()
-    for _ in range(steps):
+    learner, compute = self.learner, self.accounting.compute
+    for step_in_period in range(1, steps + 1):
+      self._land_due()
+      if self.status["done"]:
+        return
       if self.slowdown and self.compiled:  # Slower devices; compiling (host work) is not slowed.
         learner.timed_step(self.slowdown)
       else:
         learner.step()
+      self.budget[0] += 1
+      self.budget[1] += learner.batches.tokens_per_batch
+      for fragment in fragments.due(step_in_period, learner.num_fragments, steps):
+        if fragment in self.inflight:  # Its turn came round within τ (a short period): it lands first.
+          self._land(fragment)
+        if learner.steps_since_push[fragment]:  # (With α = 0 that landing dropped the steps it was due for.)
+          self._send(fragment)
     for record in records.train_records(learner, learner.base_versions[0], self.config.log_every,
                                         {"wall_time": time.perf_counter() - self.accounting.begin}):
       self._write(record)
+    self._tick()
     if self.compiled:
-      self.speed.observe(0, (time.perf_counter() - begin) / steps)
+      self.speed.observe(0, (self.accounting.compute - compute) / steps)
     else:  # Start-up and compilation end here: what a (re)started learner costs before it trains at speed.
       self._write({"kind": "first_round", "outer_step": learner.base_versions[0], "unix_time": time.time()})
     self.compiled = True
-    return self._push(fragment, begin)
 
-  def _push(self, fragment: int, begin: float):
-    """Δ_p against its anchor, compressed as configured; compute since `begin` is added to every
-    fragment's, and a push carries its fragment's since that fragment's last push."""
+  def _land_due(self) -> None:
+    """Lands every fragment pushed at least τ steps ago (τ = 0: at once), oldest push first."""
+    for fragment in sorted(self.inflight, key=lambda p: self.inflight[p][2]):
+      if self.inflight[fragment][2] <= self.learner.steps:
+        self._land(fragment)
+
+  def _tick(self) -> None:
+    """Moves the wall-clock since the last mark into compute (this push's and the learner's)."""
+    now = time.perf_counter()
+    elapsed, self.mark = now - self.mark, now
+    self.compute_since_push = [seconds + elapsed for seconds in self.compute_since_push]
+    self.accounting.compute += elapsed
+
+  def _send(self, fragment: int) -> None:
+    """Δ_p against its anchor, compressed as configured, to the background exchange; the budget's
+    count of the steps since the last push of any fragment rides along (core.budget_share)."""
+    self._tick()
     push = self.learner.push(self.host, fragment)
     self.locals[fragment] = self.host.local
-    elapsed = time.perf_counter() - begin
-    self.compute_since_push = [seconds + elapsed for seconds in self.compute_since_push]
     push.compute_seconds, self.compute_since_push[fragment] = self.compute_since_push[fragment], 0.0
-    self.accounting.compute += elapsed
-    return push
+    budget, self.budget = tuple(self.budget), [0, 0]
+    future = self.exchanges.submit(self._exchange, self.seq, push, budget)
+    self.inflight[fragment] = (future, push, self.learner.steps + self.overlap, budget)
+    self.seq, self.pushes = self.seq + 1, self.pushes + 1
+    if self.service.learner_checkpoint_every and self.pushes % self.service.learner_checkpoint_every == 0:
+      self.checkpointer.save(self.learner.steps, {"state": self.learner.state},
+                             {"steps": self.learner.steps,
+                              "data": {str(jax.process_index()): self.learner.batches.state()}})
 
-  def _start_next(self, fresh: tuple | None, status: dict, pushed: int) -> None:
-    """Anchors after an exchange: the collected fragment's new Θ_p lands (θ_p ← α·θ_p + (1 − α)·Θ_p),
-    or its params as pushed anchor it if none came. With P = 1 the fragment just `pushed` goes
-    again next round, before its exchange is collected: it anchors on its pushed params too."""
-    if fresh is not None:
-      fragment, theta = fresh
-      if theta is None:
-        self.learner.anchors[fragment] = self.locals[fragment]
-      else:
-        self.learner.receive(fragment, theta, status["versions"][fragment])
-    following = (pushed + 1) % self.learner.num_fragments
-    if self.learner.anchors[following] is None:
-      self.learner.anchors[following] = self.locals[following]
+  def _land(self, fragment: int, final: bool = False) -> None:
+    """Waits for `fragment`'s exchange (counted as blocked; `final`: no step can hide it), then its new
+    Θ_p lands (θ_p ← α·θ_p + (1 − α)·Θ_p, counts from here), or, when no merge moved Θ_p since its
+    base, its params as pushed anchor it (the local progress goes on, counted from the push)."""
+    self._tick()
+    future, push, _, _ = self.inflight.pop(fragment)
+    seq, reply, self.status, theta = self.group.share(future.result())
+    waited = time.perf_counter() - self.mark
+    self.mark = time.perf_counter()
+    self.accounting.blocked += waited
+    if final:
+      self.accounting.final_ack += waited
+    self._record_ack(seq, reply)
+    if theta is None:
+      self.learner.anchors[fragment] = self.locals[fragment]
+    else:
+      self.learner.receive(fragment, theta, self.status["versions"][fragment])
+      self.compute_since_push[fragment] *= self.learner.alpha
+
+  def _uncounted(self) -> int:
+    """This learner's steps the syncer has not counted yet: those since its last push, and those
+    of its pushes still in flight (core.budget_share)."""
+    return self.budget[0] + sum(budget[0] for _, _, _, budget in self.inflight.values())
+
+  def _push_the_rest(self) -> None:
+    """At the budget's end, as the virtual clock's flush: each fragment with steps since its last push
+    and none in flight is pushed, then every exchange in flight lands and the fragments that still
+    have steps are pushed (fragment 0 last each time), all waited for, as no step is left to hide them.
+    Pushes after the run's end carry no budget steps, so the syncer still merges them (core.push)."""
+    order = [*range(1, self.learner.num_fragments), 0]
+    for fragment in [p for p in order if p not in self.inflight and self.learner.steps_since_push[p]]:
+      self._send(fragment)
+    for fragment in sorted(self.inflight, key=lambda p: self.inflight[p][2]):
+      self._land(fragment, final=True)
+    for fragment in [p for p in order if self.learner.steps_since_push[p]]:
+      self._send(fragment)
+      self._land(fragment, final=True)
+
+  def _planned_steps(self) -> int:
+    """The next period's length, decided by the leader for the whole group (see the module doc)."""
+    planned = policy_lib.measured_round_steps(self.config.policy, self.config.inner_steps, self.speed.speeds[0],
+                                              self.status["max_speed"], self.declared_speeds[self.index],
+                                              max(self.declared_speeds))
+    return self.group.share(planned)
 
   def close(self) -> None:
     """Releases the channel, the metrics file, the checkpointer and the data pipeline's threads."""

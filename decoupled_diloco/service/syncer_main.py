@@ -18,7 +18,7 @@ from absl import logging
 import jax
 
 from decoupled_diloco import checkpoint as checkpoint_lib
-from decoupled_diloco import compression, fragments, metrics as metrics_lib, model as model_lib, outer
+from decoupled_diloco import compression, experiment, fragments, metrics as metrics_lib, model as model_lib, outer
 from decoupled_diloco import workdir_lock
 from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
@@ -27,7 +27,7 @@ from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import limits, runconfig, security, wal
 from decoupled_diloco.service import server as server_lib
-from decoupled_diloco.syncer import Settings, Syncer
+from decoupled_diloco.syncer import Syncer
 
 TICK_SECONDS = 0.2
 
@@ -97,9 +97,8 @@ class Evaluator:
 def build_core(config, params, workdir: str, recorder: Recorder, evaluator: Evaluator) -> core_lib.SyncerCore:
   """The syncer (same state machine as the simulator's) wrapped for the service; evals every
   eval_every × inner_steps × Σ batch tokens, as the simulator does."""
-  settings = Settings.from_config(config.syncer) if config.mode == "decoupled" else Settings()
   num_learners = len(config.learners.devices)
-  syncer = Syncer(outer.outer_optimizer(config.outer), params, range(num_learners), settings,
+  syncer = Syncer(outer.outer_optimizer(config.outer), params, range(num_learners), experiment.syncer_settings(config),
                   codec=compression.Codec.from_config(config.compression),
                   assignment=fragments.partition(params, config.streaming.num_fragments, config.streaming.strategy))
   tokens_per_eval = (config.eval_every * config.inner_steps * config.model.seq_len
@@ -117,7 +116,9 @@ def build_core(config, params, workdir: str, recorder: Recorder, evaluator: Eval
                              emit=recorder.write, on_merge=on_merge,
                              limits=limits.PushLimits.from_config(config, runconfig.budget_steps(config)),
                              downlink_format=config.compression.downlink_format,
-                             truncate_corrupt_log=config.service.truncate_corrupt_log)
+                             truncate_corrupt_log=config.service.truncate_corrupt_log,
+                             min_learners_to_start=config.syncer.min_learners_to_start or num_learners,
+                             start_timeout_seconds=config.syncer.start_timeout_seconds)
   return core
 
 

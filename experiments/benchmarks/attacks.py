@@ -26,7 +26,8 @@ def metadata(token: str) -> tuple:
 def push_header(learner: int, payload_bytes: int, **fields) -> dict:
   """A well-formed push header (fields override)."""
   return {"learner": learner, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 64, "local_steps": 1,
-          "compute_seconds": 0.1, "payload_bytes": payload_bytes, "incarnation": 0, **fields}
+          "compute_seconds": 0.1, "payload_bytes": payload_bytes, "incarnation": 0,
+          "budget_steps": 1, "budget_tokens": 64, **fields}
 
 
 def ticket(address: str, header: dict, token: str) -> dict:

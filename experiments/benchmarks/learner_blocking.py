@@ -4,9 +4,9 @@ r"""How much of a learner process's wall-clock goes to waiting on the syncer, wi
 
 A real local run: the syncer service and two learner processes (experiments.launch_local's
 LocalCluster, gRPC over loopback), Decoupled DiLoCo on the demo model. A learner pushes
-round r's pseudo-gradient and pulls the newest Θ on a background thread while round r + 1
-computes; it is blocked only when that exchange has not finished by the end of round r + 1
-(and for the final acknowledgement). Each learner's `learner_summary` record splits its
+round r's pseudo-gradient and pulls the newest Θ on a background thread while the next
+τ = H − 1 steps compute (streaming.overlap_steps, --overlap_steps); it is blocked only when
+that exchange has not finished by then (and for the final acknowledgement). Each learner's `learner_summary` record splits its
 wall-clock (from its first step to its exit) into compute and blocked seconds. Key
 `blocked_fraction`: the largest learner's blocked / wall (target <= 0.02), next to what the
 same exchanges would cost a learner that waited for each one (`exchange_fraction`: its
@@ -34,10 +34,13 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--outer_steps", type=int, default=8, help="Budget: outer_steps x inner_steps x 2 steps.")
   parser.add_argument("--inner_steps", type=int, default=25, help="H: steps per round (one push each).")
+  parser.add_argument("--overlap_steps", type=int, default=None, help="τ: steps an exchange may take (H − 1).")
   args = parser.parse_args()
+  overlap = args.inner_steps - 1 if args.overlap_steps is None else args.overlap_steps
   with tempfile.TemporaryDirectory() as workdir:
     cluster = LocalCluster("configs/demo.py", workdir, [*OVERRIDES, f"--config.outer_steps={args.outer_steps}",
-                                                        f"--config.inner_steps={args.inner_steps}"], 2)
+                                                        f"--config.inner_steps={args.inner_steps}",
+                                                        f"--config.streaming.overlap_steps={overlap}"], 2)
     begin = time.perf_counter()
     cluster.start()
     try:

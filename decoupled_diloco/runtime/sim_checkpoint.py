@@ -1,0 +1,142 @@
+"""Virtual-clock checkpoints: a simulation stopped anywhere continues as if it never stopped.
+
+Rounds do not exist on the virtual clock: at any moment pushes are on the wire, Θ_p is on
+its way back, merges wait for a quorum or a grace window, and every learner is somewhere
+in its period. A checkpoint therefore holds the whole simulation between two events:
+  * the device trees as the lockstep runtime saves them (each learner's TrainState on its
+    own mesh, Θ and the outer states on the host), through orbax;
+  * everything else, pickled into one host byte array saved in the same orbax step (so
+    both are written, or neither): the event queue (handlers by name), every learner's
+    clock, links, RNG and sync bookkeeping (anchors, versions, counts, residuals, losses
+    not yet logged), the syncer's pending pushes, grace windows, counters and ξ EMAs, the
+    speed tracker, the budget left, and how many metric records had been written.
+jax.Arrays are pickled as numpy arrays of the same values: every later computation on
+them is the same float32 arithmetic. Steps are the learners' inner steps in total, so
+the final checkpoint (the whole budget) always comes after every mid-run one.
+"""
+
+import io
+import itertools
+import json
+import pickle
+import time
+
+import jax
+import numpy as np
+
+from decoupled_diloco import checkpoint as checkpoint_lib
+from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.runtime import lockstep
+
+BLOB = "simulation"  # The orbax item holding the pickled host state.
+_LEARNER_FIELDS = ("anchors", "base_versions", "tokens_since_push", "steps_since_push", "residuals")
+_FRAGMENT_FIELDS = ("pending", "deadline", "window_start")
+_SIMULATION_FIELDS = ("now", "clocks", "rngs", "speeds", "steps_left", "next_eval_tokens", "waiting", "last_eval")
+
+
+class _HostPickler(pickle.Pickler):
+  """Pickles jax.Arrays as numpy arrays (a device buffer cannot be pickled by reference)."""
+
+  def reducer_override(self, obj):
+    if isinstance(obj, jax.Array):
+      return np.asarray, (np.asarray(obj),)
+    return NotImplemented
+
+
+def _host_state(simulation) -> dict:
+  """Everything but the orbax trees, as plain picklable values."""
+  exp, syncer = simulation.exp, simulation.syncer
+  learners = []
+  for learner in exp.learners:
+    pending = learner._pending_losses  # pylint: disable=protected-access
+    losses = jax.device_get([loss for _, loss in pending])
+    learners.append({**{f: getattr(learner, f) for f in _LEARNER_FIELDS},
+                     "pending_losses": [(step, np.asarray(v)) for (step, _), v in zip(pending, losses)]})
+  sequence = next(simulation._sequence)  # pylint: disable=protected-access
+  return {"learners": learners,
+          "events": [(at, priority, seq, handler.__name__, payload)
+                     for at, priority, seq, handler, payload in simulation._events],  # pylint: disable=protected-access
+          "sequence": sequence, "wall_seconds": time.time() - simulation._begin,  # pylint: disable=protected-access
+          **{f: getattr(simulation, f) for f in _SIMULATION_FIELDS},
+          "syncer": None if syncer is None else {
+              "fragments": [{f: getattr(fragment, f) for f in _FRAGMENT_FIELDS} for fragment in syncer.fragments],
+              "counts": syncer.counts, "estimates": syncer.estimates}}
+
+
+class Cadence:
+  """Calls `save` between events once per checkpoint_every rounds' worth of tokens (a round: H steps of
+  every learner), while budget is left; the final checkpoint is the runtime's. Its only state, the
+  marks passed, follows from the tokens, so a resumed run checkpoints where the first would have."""
+
+  def __init__(self, checkpointer: checkpoint_lib.Checkpointer, simulation):
+    config = simulation.config
+    self.checkpointer, self.simulation = checkpointer, simulation
+    self.interval = config.checkpoint_every * config.inner_steps * sum(
+        l.batches.tokens_per_batch for l in simulation.exp.learners)
+    self.marks = simulation.tokens // self.interval
+
+  def __call__(self) -> None:
+    marks = self.simulation.tokens // self.interval
+    if marks > self.marks and self.simulation.steps_left > 0:
+      self.marks = marks
+      save(self.checkpointer, self.simulation)
+
+
+def save(checkpointer: checkpoint_lib.Checkpointer, simulation, done: bool = False,
+         summary: dict | None = None) -> None:
+  """Checkpoints `simulation` between two events (or at its end: `done`), with its records count."""
+  exp = simulation.exp
+  buffer = io.BytesIO()
+  _HostPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(_host_state(simulation))
+  blob = np.frombuffer(buffer.getvalue(), np.uint8)
+  metadata = {"outer_step": exp.syncer.version if exp.syncer is not None else 0, "config": exp.config.to_dict(),
+              "syncer_versions": exp.syncer.versions if exp.syncer is not None else None,
+              "records": simulation.writer.records, "blob_bytes": int(blob.size), "done": done,
+              **({"summary": summary} if summary is not None else {})}
+  checkpointer.save(sum(l.steps for l in exp.learners), {**lockstep.run_state(exp), BLOB: {"bytes": blob}}, metadata)
+
+
+def _comparable(config_dict: dict) -> str:
+  return json.dumps({k: v for k, v in config_dict.items() if k != "resume"}, sort_keys=True, default=str)
+
+
+def latest(checkpointer: checkpoint_lib.Checkpointer, exp, workdir: str) -> dict | None:
+  """The metadata of the checkpoint to resume from (None: start afresh), after refusing a workdir
+  that holds another run, a finished one, or a run of a different config."""
+  step = checkpointer.latest_step()
+  if step is None:
+    return None
+  metadata = checkpointer.restore_metadata(step)
+  if not exp.config.resume:
+    raise ConfigError(f"workdir {workdir} already holds a run (checkpoint at {step} inner steps): pass "
+                      "--config.resume=True to continue it, or pick a new --workdir")
+  if metadata.get("done"):
+    raise ConfigError(f"workdir {workdir} holds a finished run: its budget is spent; pick a new --workdir")
+  if _comparable(metadata["config"]) != _comparable(json.loads(json.dumps(exp.config.to_dict(), default=str))):
+    raise ConfigError(f"workdir {workdir} holds a run of another config: resume it with the same flags, "
+                      "only --config.resume=True added")
+  return {**metadata, "step": step}
+
+
+def restore(checkpointer: checkpoint_lib.Checkpointer, simulation, metadata: dict) -> None:
+  """Puts `simulation` back where checkpoint `metadata['step']` left it."""
+  exp, syncer, step = simulation.exp, simulation.syncer, metadata["step"]
+  lockstep.restore(exp, checkpointer, step)
+  blob, _ = checkpointer.restore(step, {BLOB: {"bytes": np.zeros(metadata["blob_bytes"], np.uint8)}})
+  state = pickle.loads(blob[BLOB]["bytes"].tobytes())
+  for learner, saved in zip(exp.learners, state["learners"]):
+    for field in _LEARNER_FIELDS:
+      setattr(learner, field, saved[field])
+    learner._pending_losses = saved["pending_losses"]  # pylint: disable=protected-access
+  for field in _SIMULATION_FIELDS:
+    setattr(simulation, field, state[field])
+  simulation._events = [(at, priority, seq, getattr(simulation, name), payload)  # pylint: disable=protected-access
+                        for at, priority, seq, name, payload in state["events"]]
+  simulation._sequence = itertools.count(state["sequence"])  # pylint: disable=protected-access
+  simulation._begin = time.time() - state["wall_seconds"]  # pylint: disable=protected-access
+  if syncer is not None:
+    for fragment, saved in zip(syncer.fragments, state["syncer"]["fragments"]):
+      for field in _FRAGMENT_FIELDS:
+        setattr(fragment, field, saved[field])
+    syncer.counts = state["syncer"]["counts"]
+    syncer.restore_estimates(state["syncer"]["estimates"])

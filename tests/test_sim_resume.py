@@ -1,0 +1,73 @@
+"""Virtual-clock resume: a run SIGKILLed mid-flight and resumed writes what an uninterrupted run writes."""
+
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from decoupled_diloco import experiment
+from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.runtime import sim
+from tests.helpers import tiny_config
+
+REPO = pathlib.Path(__file__).parents[1]
+
+# Everything that carries state across events: streaming fragments in flight (τ = 1), error
+# feedback residuals, a grace window, staleness, jittered step times and DyLU on two speeds.
+OVERRIDES = {"mode": "decoupled", "runtime": "sim", "learners.speed": (1.0, 2.0), "policy.kind": "dylu",
+             "syncer.quorum": 1, "syncer.grace_gamma": 0.5, "syncer.grace_overlap_steps": 2.0,
+             "streaming.num_fragments": 2, "streaming.strategy": "balanced", "streaming.overlap_steps": 1,
+             "compression.format": "int8", "compression.error_feedback": True, "learners.jitter": 0.2,
+             "sim.link_latency_seconds": 0.3, "outer_steps": 4, "inner_steps": 4, "checkpoint_every": 1}
+
+# The child runs the same simulation and SIGKILLs itself 15 events after its first checkpoint,
+# so records past the checkpoint are on disk and must be replaced by the resumed run.
+CHILD = """
+import os, signal, sys
+from decoupled_diloco import experiment
+from decoupled_diloco.runtime import sim, sim_checkpoint
+from tests import conftest  # 8 virtual CPU devices, as in the parent.
+from tests.helpers import tiny_config
+from tests.test_sim_resume import OVERRIDES
+since_save, call = [], sim_checkpoint.Cadence.__call__
+def cadence(self):
+  before = self.marks
+  call(self)
+  if since_save or self.marks > before:
+    since_save.append(1)
+  if len(since_save) > 15:
+    os.kill(os.getpid(), signal.SIGKILL)
+sim_checkpoint.Cadence.__call__ = cadence
+sim.run(experiment.build(tiny_config(**OVERRIDES)), sys.argv[1])
+"""
+
+
+def _records(workdir):
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  for record in records:
+    record.pop("wall_time")
+  return records
+
+
+def test_a_killed_simulation_resumes_and_writes_the_uninterrupted_records(tmp_path):
+  reference = sim.run(experiment.build(tiny_config(**OVERRIDES)), str(tmp_path / "once"))
+  killed = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "twice")], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+  partial = _records(tmp_path / "twice")
+  expected = _records(tmp_path / "once")
+  assert 0 < len(partial) < len(expected)  # Killed mid-run, after writing records.
+
+  with pytest.raises(ConfigError, match="pass --config.resume=True"):
+    sim.run(experiment.build(tiny_config(**OVERRIDES)), str(tmp_path / "twice"))
+  with pytest.raises(ConfigError, match="another config"):
+    sim.run(experiment.build(tiny_config(**{**OVERRIDES, "resume": True, "syncer.quorum": 2})),
+            str(tmp_path / "twice"))
+  resumed = sim.run(experiment.build(tiny_config(**{**OVERRIDES, "resume": True})), str(tmp_path / "twice"))
+  assert _records(tmp_path / "twice") == expected
+  assert {k: v for k, v in resumed.items() if k != "wall_time"} == reference
+  with pytest.raises(ConfigError, match="finished run"):
+    sim.run(experiment.build(tiny_config(**{**OVERRIDES, "resume": True})), str(tmp_path / "twice"))
