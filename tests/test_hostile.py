@@ -43,7 +43,8 @@ def syncer(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("hostile"))
   cluster = LocalCluster(CONFIG, workdir, ["--config.compression.format=bf16",
                                            "--config.compression.downlink_format=bf16",
-                                           "--config.service.data_port=0"], 2,
+                                           "--config.service.data_port=0",
+                                           "--config.syncer.min_learners_to_start=1"], 2,
                          env=dict(os.environ, DD_SYNCER_TOKEN=SECRET))
   address = cluster.start_syncer()
   yield address, os.path.join(workdir, "logs", "syncer.log"), cluster
