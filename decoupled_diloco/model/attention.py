@@ -99,18 +99,20 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) -> 
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-  """Pallas TPU splash attention; under a mesh, one kernel per shard of the batch (shard_map).
+  """Pallas TPU splash attention; under a mesh, one kernel per batch and head shard (shard_map).
 
   Off TPU the kernel runs in Pallas interpret mode (same arithmetic, emulated), for tests.
 
   A Pallas call has no partitioning rule, so without shard_map XLA would gather the global
-  batch onto every chip; the batch shards are independent sequences, so no exchange is needed.
+  batch onto every chip; sequences and heads are independent, so shards need no exchange.
   """
   local = functools.partial(_splash_local, interpret=jax.default_backend() != 'tpu')
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return local(q, k, v)
-  spec = mesh_lib.activation_spec(q.shape, ('batch', None, None, None), dict(mesh.shape))
+  # Batch shards, and head shards where the KV heads split evenly (then so do the query heads,
+  # and each shard keeps whole groups).
+  spec = mesh_lib.activation_spec(k.shape, ('batch', None, 'heads', None), dict(mesh.shape))
   return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
                        check_vma=False)(q, k, v)
 
