@@ -21,7 +21,8 @@ import math
 import jax
 from flax import nnx
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
 from decoupled_diloco import mesh as mesh_lib
 from decoupled_diloco.model.layers import INIT_STDDEV, Kernel, constrain
@@ -82,8 +83,6 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array
 
 def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) -> jax.Array:
   """Splash attention on one shard: q [B, T, N, D], k/v [B, T, K, D], N = K * groups."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash  # pylint: disable=g-import-not-at-top
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks  # pylint: disable=g-import-not-at-top
   b, t, n, d = q.shape
   kv_heads = k.shape[2]
   groups = n // kv_heads
