@@ -31,10 +31,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.num_kv_heads = 0  # Key/value heads for grouped-query attention; 0 = num_heads (plain multi-head).
   config.model.tie_embeddings = False  # Output projection = token embedding transposed (no lm_head params).
   # How it runs (same function, different memory/compile time/speed):
-  config.model.attention = "xla"  # 'xla' (einsums), 'dot_product' (jax.nn; cuDNN on GPU), 'splash' (Pallas TPU), 'auto' per backend.
-  config.model.remat = "none"  # Per-block rematerialisation: 'none', 'full', 'dots_saveable', 'minimal' or 'offload' (to host).
+  config.model.attention = "xla"  # 'xla', 'dot_product' (cuDNN on GPU), 'splash' (Pallas TPU) or 'auto'.
+  config.model.remat = "none"  # Per-block remat: 'none', 'full', 'dots_saveable', 'minimal' or 'offload' (host).
   config.model.scan_layers = False  # One compiled block scanned over the layers: compile time flat in depth.
-  config.model.loss_chunk = 0  # Tokens per cross-entropy chunk, so [B, T, vocab] f32 logits never exist (0 = one chunk).
+  config.model.loss_chunk = 0  # Tokens per cross-entropy chunk: no [B, T, vocab] f32 logits (0 = no chunks).
 
   config.data = ml_collections.ConfigDict()
   config.data.source = "synthetic"  # 'synthetic' (embedded, known optimum), 'text_file', 'array_record' or 'tfds'.
@@ -75,7 +75,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.inner.clip_norm = 1.0  # Global gradient-norm clip.
   config.inner.b1 = 0.9  # AdamW beta1.
   config.inner.b2 = 0.95  # AdamW beta2.
-  config.inner.microbatches = 1  # Gradient accumulation: split each step's batch into k microbatches (batch % (k x devices) == 0).
+  config.inner.microbatches = 1  # Gradient accumulation over k microbatches (batch % (k x devices) == 0).
 
   config.outer = ml_collections.ConfigDict()
   config.outer.optimizer = "sgd"  # 'sgd' (with momentum / Nesterov) or 'adam'.

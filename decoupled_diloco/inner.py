@@ -171,6 +171,19 @@ def build_inner_loop(model: LanguageModel, optimizer: optax.GradientTransformati
   return dataclasses.replace(loop, init=lambda params: jit_init(loop.put_params(params)))
 
 
+def abstract_inputs(loop: InnerLoop, optimizer: optax.GradientTransformation, params_shape, batch_size: int,
+                    seq_len: int) -> tuple[TrainState, jax.ShapeDtypeStruct]:
+  """Sharded ShapeDtypeStructs of a step's (state, batch), allocating nothing.
+
+  Why: `loop.step.lower(*abstract_inputs(...)).compile()` compiles a group's real step for
+  shapes that do not fit this machine (a 1B model on a 64-chip slice) and reads its memory.
+  """
+  shapes = jax.eval_shape(lambda p: TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)), params_shape)
+  state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                       shapes, loop.state_shardings)
+  return state, jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32, sharding=loop.batch_sharding)
+
+
 def _opt_state_shardings(opt_state_shape, params_shape, param_shardings, scalar):
   """Shardings for an optax state: subtrees with the params' structure mirror them."""
   params_def = jax.tree.structure(params_shape)

@@ -21,7 +21,8 @@ import math
 import jax
 from flax import nnx
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
 from decoupled_diloco import mesh as mesh_lib
 from decoupled_diloco.model.layers import INIT_STDDEV, Kernel, constrain
@@ -82,8 +83,6 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array
 
 def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) -> jax.Array:
   """Splash attention on one shard: q [B, T, N, D], k/v [B, T, K, D], N = K * groups."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash  # pylint: disable=g-import-not-at-top
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks  # pylint: disable=g-import-not-at-top
   b, t, n, d = q.shape
   kv_heads = k.shape[2]
   groups = n // kv_heads
@@ -99,18 +98,20 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) -> 
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-  """Pallas TPU splash attention; under a mesh, one kernel per shard of the batch (shard_map).
+  """Pallas TPU splash attention; under a mesh, one kernel per batch and head shard (shard_map).
 
   Off TPU the kernel runs in Pallas interpret mode (same arithmetic, emulated), for tests.
 
   A Pallas call has no partitioning rule, so without shard_map XLA would gather the global
-  batch onto every chip; the batch shards are independent sequences, so no exchange is needed.
+  batch onto every chip; sequences and heads are independent, so shards need no exchange.
   """
   local = functools.partial(_splash_local, interpret=jax.default_backend() != 'tpu')
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return local(q, k, v)
-  spec = mesh_lib.activation_spec(q.shape, ('batch', None, None, None), dict(mesh.shape))
+  # Batch shards, and head shards where the KV heads split evenly (then so do the query heads,
+  # and each shard keeps whole groups).
+  spec = mesh_lib.activation_spec(k.shape, ('batch', None, 'heads', None), dict(mesh.shape))
   return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
                        check_vma=False)(q, k, v)
 

@@ -1,0 +1,125 @@
+"""The inner step at scale: activations sharded over the batch at 1B widths (compiled abstractly),
+gradient accumulation, and scan_layers through checkpoints, fragments and RDA."""
+
+import json
+import re
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from configs import tpu_1b
+from decoupled_diloco import experiment, inner, mesh, model as model_lib
+from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.runtime import lockstep, sim
+from tests.helpers import tiny_config
+
+
+def test_one_billion_widths_never_hold_the_global_batch_on_a_chip():
+  """Two layers of configs/tpu_1b.py's model, FSDP over 8 virtual devices, compiled, not run.
+
+  Without the activation constraints XLA keeps [24, 16, 2048, 2048]-shaped attention buffers
+  (the global batch of 24 on every chip, ~50 GB of temporaries here); with them every buffer
+  holds the chip's 3 sequences.
+  """
+  config = tpu_1b.get_config()
+  config.model.num_layers = 2
+  model, shapes, axes = model_lib.abstract_params(config.model)
+  optimizer = inner.inner_optimizer(config.inner, 100)
+  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:8]), shapes, axes, fsdp=True)
+  global_batch, seq_len = 24, config.model.seq_len
+  compiled = loop.step.lower(*inner.abstract_inputs(loop, optimizer, shapes, global_batch, seq_len)).compile()
+  text = compiled.as_text()
+  buffers = {tuple(int(d) for d in dims.split(',') if d) for dims in re.findall(r'\b[a-z]+\d*\[([\d,]*)\]', text)}
+  assert any(3 in dims and seq_len in dims for dims in buffers)  # the per-chip batch is there...
+  assert not [dims for dims in buffers if global_batch in dims or global_batch * seq_len in dims]  # ...never all
+  assert compiled.memory_analysis().temp_size_in_bytes < 12e9
+
+
+def test_microbatches_equal_one_big_batch():
+  config = tiny_config(**{"model.num_layers": 2})
+  model, params, axes = model_lib.build_model(config.model, seed=0)
+  optimizer = inner.inner_optimizer(config.inner, total_steps=10)
+  shapes = jax.eval_shape(lambda p: p, params)
+  batch = np.random.default_rng(0).integers(0, 256, (8, config.model.seq_len + 1), dtype=np.int32)
+
+  def three_steps(microbatches):
+    loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:2]), shapes, axes, False,
+                                  microbatches)
+    state, losses = loop.init(params), []
+    for _ in range(3):  # The first has learning rate 0 (warmup), the later ones move the params.
+      state, metrics = loop.step(state, loop.put_batch(batch))
+      losses.append(float(metrics["loss"]))
+    return jax.device_get(state), losses
+
+  whole, whole_losses = three_steps(1)
+  split, split_losses = three_steps(4)
+  np.testing.assert_allclose(split_losses, whole_losses, atol=1e-5, rtol=0)
+  chex.assert_trees_all_close(split.params, whole.params, atol=1e-5, rtol=0)
+  chex.assert_trees_all_close(split.opt_state, whole.opt_state, atol=1e-5, rtol=0)
+  assert whole_losses[2] < whole_losses[0]
+
+
+@pytest.mark.parametrize("microbatches", [3, 4, 0])
+def test_microbatches_that_do_not_split_the_batch_are_refused(microbatches):
+  # Batch 4 over 2 devices: k = 2 gives 2 rows per microbatch, 1 per device; 3, 4 and 0 cannot.
+  with pytest.raises(ConfigError, match="inner.microbatches"):
+    experiment.validate(tiny_config(**{"inner.microbatches": microbatches}))
+
+
+def _records(workdir):
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  for record in records:
+    record.pop("wall_time")
+  return records
+
+
+SCAN = {"model.num_layers": 2, "model.scan_layers": True, "model.remat": "full", "model.position": "rope",
+        "model.mlp": "swiglu"}
+
+
+def test_scan_layers_run_resumes_exactly_from_its_checkpoint(tmp_path):
+  config = tiny_config(outer_steps=3, checkpoint_every=2, **SCAN)
+  lockstep.run(experiment.build(config), str(tmp_path / "full"))
+  lockstep.run(experiment.build(config), str(tmp_path / "cut"), stop_after=3)
+  config.resume = True
+  lockstep.run(experiment.build(config), str(tmp_path / "cut"))
+  assert _records(tmp_path / "cut") == _records(tmp_path / "full")
+
+
+def test_scan_layers_streams_fragments_and_merges_with_rda_like_the_layer_loop(tmp_path):
+  """Stacking happens at trace time, so the params tree, its strided fragments and the RDA merge
+  are the loop model's: the same run with and without scan_layers gives the same losses."""
+  base = {"mode": "decoupled", "runtime": "sim", "outer_steps": 2, "inner_steps": 4, "streaming.num_fragments": 2,
+          "streaming.strategy": "strided", "syncer.merge_rule": "rda", **SCAN}
+  runs = {}
+  for scan in (False, True):
+    exp = experiment.build(tiny_config(**{**base, "model.scan_layers": scan}))
+    assert sorted(set(exp.assignment)) == [0, 1]
+    sim.run(exp, str(tmp_path / str(scan)))
+    runs[scan] = [r["eval_loss"] for r in _records(tmp_path / str(scan)) if r["kind"] == "eval"]
+  assert len(runs[True]) >= 2
+  np.testing.assert_allclose(runs[True], runs[False], atol=1e-4, rtol=0)
+
+
+def test_splash_under_a_data_by_tensor_mesh_matches_xla_attention():
+  """shard_map runs one (interpreted) kernel per batch and head shard; q/k/v heads sit on 'tensor'."""
+  config = tiny_config(**{"model.seq_len": 128, "model.num_heads": 4, "model.num_kv_heads": 2,
+                          "model.position": "rope"}).model
+  model, params, _ = model_lib.build_model(config, seed=0)
+  splash_model, _, _ = model_lib.build_model(dict(config, attention="splash"), seed=0)
+  group = jax.make_mesh((2, 2), ("data", "tensor"), devices=jax.devices()[:4],
+                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  batch = jax.device_put(np.random.default_rng(0).integers(0, 256, (4, 129), dtype=np.int32),
+                         jax.sharding.NamedSharding(group, jax.sharding.PartitionSpec("data")))
+
+  def loss_and_grads(m):
+    def under_mesh(p, b):
+      with jax.sharding.use_abstract_mesh(group.abstract_mesh):
+        return jax.value_and_grad(m.loss)(p, b)
+    return jax.jit(under_mesh)(params, batch)
+
+  (loss, grads), (splash_loss, splash_grads) = loss_and_grads(model), loss_and_grads(splash_model)
+  np.testing.assert_allclose(splash_loss, loss, atol=1e-5, rtol=0)
+  chex.assert_trees_all_close(splash_grads, grads, atol=1e-5, rtol=0)
