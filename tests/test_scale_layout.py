@@ -27,7 +27,8 @@ def test_one_billion_widths_never_hold_the_global_batch_on_a_chip():
   config.model.num_layers = 2
   model, shapes, axes = model_lib.abstract_params(config.model)
   optimizer = inner.inner_optimizer(config.inner, 100)
-  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:8]), shapes, axes, fsdp=True)
+  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:8], mesh.Layout(fsdp=8)), shapes,
+                                axes)
   global_batch, seq_len = 24, config.model.seq_len
   compiled = loop.step.lower(*inner.abstract_inputs(loop, optimizer, shapes, global_batch, seq_len)).compile()
   text = compiled.as_text()
@@ -45,8 +46,7 @@ def test_microbatches_equal_one_big_batch():
   batch = np.random.default_rng(0).integers(0, 256, (8, config.model.seq_len + 1), dtype=np.int32)
 
   def three_steps(microbatches):
-    loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:2]), shapes, axes, False,
-                                  microbatches)
+    loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:2]), shapes, axes, microbatches)
     state, losses = loop.init(params), []
     for _ in range(3):  # The first has learning rate 0 (warmup), the later ones move the params.
       state, metrics = loop.step(state, loop.put_batch(batch))

@@ -44,7 +44,8 @@ def compile_step(cfg) -> tuple[float, int, int]:
   """(compile seconds, XLA peak bytes per device, XLA temp bytes) of the inner step on 8 devices."""
   model, shapes, axes = model_lib.abstract_params(cfg)
   optimizer = inner.inner_optimizer(default.get_config().inner, 100)
-  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()), shapes, axes, fsdp=True)
+  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices(), mesh.Layout(fsdp=len(jax.devices()))),
+                                shapes, axes)
   lowered = loop.step.lower(*inner.abstract_inputs(loop, optimizer, shapes, BATCH, cfg.seq_len))
   begin = time.perf_counter()
   compiled = lowered.compile()

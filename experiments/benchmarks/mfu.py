@@ -50,7 +50,7 @@ def runners(cfg, devices, batch_size):
   model, params, axes = model_lib.build_model(cfg, seed=0)
   optimizer = inner.inner_optimizer(default.get_config().inner, 10_000)
   loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(devices), jax.eval_shape(lambda p: p, params),
-                                axes, fsdp=False)
+                                axes)
   rng = np.random.default_rng(0)
   batches = [rng.integers(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), dtype=np.int32)
              for _ in range(STEPS_PER_BLOCK)]
