@@ -23,15 +23,33 @@ SHORTEN = ["--config.outer_steps=2", "--config.inner_steps=3", "--config.checkpo
            "--config.data.synthetic.num_tokens=50000", "--config.eval_batches=1", "--config.log_every=2"]
 
 
-def readme_train_commands() -> list[str]:
-  """Every `python -m experiments.train ...` the README and docs show, once each, the README's demo first."""
+def _doc_commands(module: str) -> list[str]:
+  """Every `python -m MODULE ...` the README and docs show (continued lines joined), once each, in order."""
   commands = []
-  for line in DOCS.splitlines():
+  for line in DOCS.replace("\\\n", " ").splitlines():
     for part in line.split("&&"):
-      part = part.strip()
-      if part.startswith("python -m experiments.train") and part not in commands:
+      part = " ".join(part.split())
+      if part.startswith(f"python -m {module} ") and part not in commands:
         commands.append(part)
   return commands
+
+
+def readme_train_commands() -> list[str]:
+  """Every `python -m experiments.train ...` the README and docs show, once each, the README's demo first."""
+  return _doc_commands("experiments.train")
+
+
+def _with_documented_tokenizer(command: str, tmp_path: pathlib.Path) -> str:
+  """A command naming a tokenizer that a documented `experiments.train_tokenizer` makes: made first, in tmp_path."""
+  path = re.search(r"--config\.data\.tokenizer_path=(\S+)", command)
+  if not path:
+    return command
+  maker, = [c for c in _doc_commands("experiments.train_tokenizer") if f"--output={path.group(1)}" in c]
+  output = tmp_path / pathlib.Path(path.group(1)).name
+  made = subprocess.run([sys.executable, *shlex.split(maker.replace(path.group(1), str(output)))[1:]], cwd=REPO,
+                        capture_output=True, text=True, timeout=600)
+  assert made.returncode == 0, made.stderr[-3000:]
+  return command.replace(path.group(1), str(output))
 
 
 def run_train(command: str, tmp_path: pathlib.Path, *extra: str) -> subprocess.CompletedProcess:
@@ -81,7 +99,7 @@ def test_demo_command_trains_writes_outputs_and_resumes(tmp_path):
 def test_other_readme_commands_run(command, tmp_path):
   if "tinyshakespeare" in command and not (REPO.parent / "shared" / "data" / "tinyshakespeare.txt").exists():
     pytest.skip("../shared/data is not beside the repository")
-  result = run_train(command, tmp_path)
+  result = run_train(_with_documented_tokenizer(command, tmp_path), tmp_path)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "final eval loss" in result.stdout
 
