@@ -43,7 +43,6 @@ def get_config():
   config.model.loss_chunk = 2048  # Logits over 128k pieces never held for the whole batch in float32.
   config.data.source = "tfds"
   config.data.tfds_name = "c4/en"
-  config.data.max_bytes = 8_000_000_000
   config.learners.devices = (256, 256)  # v5p-512 (256 chips) and v6e-256 (256 chips).
   config.learners.hardware = ("v5p", "v6e")
   config.learners.layouts = ("data=2,fsdp=128", "fsdp=128,tensor=2")
