@@ -157,7 +157,7 @@ def test_readme_launch_local_command_runs(tmp_path):
 @pytest.mark.parametrize("flag, message", [
     ("--config.outer.lrr=0.5", 'unknown config key lrr: fix the --config.* override. Did you mean "lr"'),
     ("--config.inner_steps=0", "inner_steps (H) = 0 must be >= 1"),
-    ("--config.learners.batch_size=(15,16,16,16)", "batch_size 15 is not divisible by its 2 devices"),
+    ("--config.learners.batch_size=(15,16,16,16)", "batch_size 15 is not divisible by its 2 batch shards"),
     ("--config.data.source=text_file", "does not exist"),
     ("--config.data.source=tfds", "data.tfds_name"),
     ("--config=configs/missing.py", "cannot load --config"),

@@ -113,9 +113,10 @@ def test_a_killed_learner_rejoins_while_the_other_keeps_training(cluster):
   assert during_outage >= 2, "learner 0 stopped while learner 1 was down"
   codes = run.wait(RUN_TIMEOUT)
   _assert_completed(run.workdir, codes)
-  steps = [r["inner_step"] for r in _learner_records(run.workdir, 1, "train")]
-  restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-  assert steps[restart] > 2, "the restarted learner did not resume its inner state from its checkpoint"
+  # Each process's first (compiling) period ends with a `first_round` record naming the step it started from.
+  starts = [r["start_step"] for r in _learner_records(run.workdir, 1, "first_round")]
+  assert len(starts) == 2 and starts[0] == 0, starts
+  assert starts[1] > 2, "the restarted learner did not resume its inner state from its checkpoint"
   _assert_exactly_once(run.workdir)
 
 

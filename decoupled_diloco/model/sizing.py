@@ -60,8 +60,9 @@ def validate_config(model_cfg: Any) -> None:
   if cfg.attention == 'splash' and cfg.seq_len % 128:
     _refuse(f'model.attention=splash needs seq_len a multiple of 128 (its block), got {cfg.seq_len}: '
             "use --config.model.attention=xla or 'dot_product'")
-  memories = {m.kind for m in jax.devices()[0].addressable_memories()}
-  if cfg.remat == 'offload' and 'pinned_host' not in memories:
+  # Only an offload config asks the backend: validating must not start JAX's backend (a sweep
+  # sets the number of virtual CPU devices after validating its points).
+  if cfg.remat == 'offload' and 'pinned_host' not in {m.kind for m in jax.devices()[0].addressable_memories()}:
     _refuse(f'model.remat=offload needs pinned host memory, which {jax.default_backend()} lacks: '
             "use --config.model.remat=minimal or 'full'")
 

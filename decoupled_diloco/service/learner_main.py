@@ -227,6 +227,7 @@ class LearnerProcess:
     """Trains until the syncer says the budget is spent; returns the learner's summary."""
     self.status, theta = self._ask(lambda: self.client.join())
     self._restore()
+    self.start_step = self.learner.steps  # Where this process took over: 0, or its checkpoint's step.
     self.learner.pull(theta, self.status["versions"])
     self.seq = self.status["acked_seq"] + 1
     if self.group.leader:
@@ -287,7 +288,8 @@ class LearnerProcess:
     if self.compiled:
       self.speed.observe(0, (self.accounting.compute - compute) / steps)
     else:  # Start-up and compilation end here: what a (re)started learner costs before it trains at speed.
-      self._write({"kind": "first_round", "outer_step": learner.base_versions[0], "unix_time": time.time()})
+      self._write({"kind": "first_round", "outer_step": learner.base_versions[0], "unix_time": time.time(),
+                   "start_step": self.start_step})
     self.compiled = True
 
   def _land_due(self) -> None:
