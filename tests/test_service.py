@@ -223,7 +223,7 @@ def test_two_learner_processes_train_to_completion_and_a_chaos_run_ends_within_3
   # Parameter averaging (outer SGD, lr 1, no momentum) on a first-order language, run to near its
   # optimum: undisturbed runs then agree within ~0.5% whatever order the pushes arrive in (Delayed
   # Nesterov's momentum turns that order into 5-10% here), so the 3% bound measures the chaos.
-  longer = ("--config.outer_steps=100", "--config.eval_every=1000", "--config.data.synthetic.order=1",
+  longer = ("--config.outer_steps=250", "--config.eval_every=1000", "--config.data.synthetic.order=1",
             "--config.outer.optimizer=sgd", "--config.outer.momentum=0.0", "--config.outer.lr=1.0")
   undisturbed = cluster(*longer, name="undisturbed")
   undisturbed.start()
