@@ -63,7 +63,8 @@ def test_the_fast_learner_takes_more_local_steps_and_never_waits_for_the_slow_on
   slow_rounds, fast_rounds = ([p["local_steps"] for p in pushes if p["learner"] == m] for m in (0, 1))
   # Round 1 uses declared (equal) speeds; then DyLU measures the slowdown. Last rounds may be cut short.
   assert set(fast_rounds[:-1]) == {H}
-  assert slow_rounds[0] == H and len(slow_rounds) >= 3 and max(slow_rounds[1:]) <= H // 2
+  # (Two rounds are enough to see it; how many fit before the budget is spent depends on load.)
+  assert slow_rounds[0] == H and len(slow_rounds) >= 2 and max(slow_rounds[1:]) <= H // 2
   # Its only waits were for the syncer's own work (the lock it holds to receive and merge),
   # never for the slow learner's compute.
   assert fast["blocked_seconds"] <= summary["syncer_seconds"] + 0.05
