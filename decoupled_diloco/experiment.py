@@ -10,7 +10,6 @@ from typing import Any
 
 from absl import logging
 import jax
-import numpy as np
 
 from decoupled_diloco import compression, fragments, hardware, inner, mesh, model as model_lib, outer, policy
 from decoupled_diloco.data import batches as batches_lib
@@ -18,6 +17,7 @@ from decoupled_diloco.data import sources
 from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.learner import Learner
+from decoupled_diloco.run import evaluator, schedule
 from decoupled_diloco.runtime import failures
 from decoupled_diloco.syncer import Settings, Syncer
 
@@ -30,16 +30,14 @@ RUNTIMES = ("lockstep", "sim", "service", "threads")  # service: experiments.tra
 class Experiment:
   """A ready-to-run experiment; runtimes mutate its learners and syncer as it trains."""
   config: Any
+  plan: schedule.RunPlan          # Budget, cadence, schedules and speeds, derived once from the config.
   model: model_lib.LanguageModel
   corpus: sources.Corpus
   learners: list[Learner]
   syncer: Syncer | None           # None in ddp mode: one group, no outer loop.
-  eval_batches: list[np.ndarray]
-  profiles: list[hardware.HardwareProfile]  # Simulated hardware of each group.
-  flops_per_step: list[float]     # Training FLOPs of one inner step of each group (simulated size).
+  evals: evaluator.EvalSet        # Held-out batches Θ is evaluated on.
   byte_scale: float               # Simulated / real parameter count: real payload bytes -> simulated bytes.
   assignment: tuple[int, ...] = ()  # Fragment id of every param leaf (streaming); all 0 when P = 1.
-  bits_per_byte: float = 1.0 / np.log(2)  # Eval loss (nats/token) -> bits per byte of the eval text.
 
   @property
   def global_params(self):
@@ -72,11 +70,7 @@ def validate(config) -> None:
   """Rejects impossible run shapes with one line that names the fix."""
   _require(config.mode in MODES, f"mode={config.mode!r} is unknown: use one of {MODES}")
   _require(config.runtime in RUNTIMES, f"runtime={config.runtime!r} is unknown: use one of {RUNTIMES}")
-  _require(config.mode != "decoupled" or config.runtime in ("sim", "service", "threads"),
-           "mode='decoupled' needs a clock: add --config.runtime=sim (virtual) or --config.runtime=threads "
-           "(wall clock); the lockstep runtime runs rounds")
-  _require(config.mode != "ddp" or config.runtime != "threads",
-           "runtime='threads' runs modes 'decoupled' and 'diloco': use --config.runtime=lockstep or sim for ddp")
+  schedule.require_supported(config.mode, config.runtime)
   _require(config.inner_steps >= 1, f"inner_steps (H) = {config.inner_steps} must be >= 1: set --config.inner_steps=N")
   _require(config.outer_steps >= 1, f"outer_steps = {config.outer_steps} must be >= 1: set --config.outer_steps=N")
   for name in ("eval_every", "checkpoint_every", "log_every", "eval_batches", "eval_batch_size"):
@@ -171,67 +165,48 @@ def syncer_settings(config) -> Settings:
   return dataclasses.replace(settings, quorum=0)
 
 
-def flops_per_step(config) -> list[float]:
-  """Training FLOPs of one inner step of each group: its batch on this model, or the simulated
-  model and batch (sim.simulated_params / simulated_tokens_per_step) when they are set."""
-  flops_per_token = (6.0 * config.sim.simulated_params if config.sim.simulated_params
-                     else model_lib.flops_per_token(config.model))
-  return [flops_per_token * (config.sim.simulated_tokens_per_step or batch * config.model.seq_len)
-          for batch in config.learners.batch_size]
+def fragment_assignment(config, params) -> tuple[int, ...]:
+  """Fragment id of every param leaf (all 0 unless streaming); () under ddp, which syncs nothing."""
+  if config.mode == "ddp":
+    return ()
+  return fragments.partition(params, config.streaming.num_fragments, config.streaming.strategy)
 
 
-def declared_speeds(profiles, flops) -> list[float]:
-  """Steps per second each group's hardware profile promises: DyLU's declared speeds."""
-  return [1.0 / p.mean_step_seconds(f) for p, f in zip(profiles, flops)]
+def build_learner(config, plan: schedule.RunPlan, index: int, devices, corpus, model, params, param_axes,
+                  rows: range | None = None) -> Learner:
+  """Learner group `index` on `devices`, starting from `params`: what every runtime and a learner
+  process train. `rows`: this process's rows of the group's batch (a multi-process group)."""
+  layout = mesh.layouts_from_config(config.learners)[index]
+  loop = inner.build_inner_loop(model, inner.inner_optimizer(config.inner, plan.expected_steps[index]),
+                                mesh.group_mesh(devices, layout), jax.eval_shape(lambda p: p, params), param_axes,
+                                config.inner.microbatches)
+  shard = batches_lib.learner_batches(corpus, config.model.seq_len, batch_size=config.learners.batch_size[index],
+                                      learner_index=index, num_learners=plan.num_learners, split=config.data.split,
+                                      seed=config.seed, rows=rows, prefetch=config.data.prefetch)
+  return Learner(index, loop, shard, loop.init(params), fragment_assignment(config, params),
+                 compression.Codec.from_config(config.compression), config.streaming.alpha)
 
 
-def expected_steps(config, profiles, flops_per_step) -> list[int]:
-  """Inner steps each learner will take, which sizes its warmup + cosine schedule.
-
-  In rounds (ddp, diloco) every learner takes outer_steps × inner_steps. Decoupled
-  learners share the run's budget of outer_steps × inner_steps × M steps in proportion
-  to their speed (more rounds, or DyLU's longer ones), so a fast learner's cosine is
-  not over before the run is, nor a slow one's barely begun.
-  """
-  per_learner = config.outer_steps * config.inner_steps
-  if config.mode != "decoupled":
-    return [per_learner] * len(profiles)
-  speeds = declared_speeds(profiles, flops_per_step)
-  return [max(1, round(per_learner * len(speeds) * v / sum(speeds))) for v in speeds]
+def build_syncer(config, params) -> Syncer | None:
+  """The syncer that owns Θ (None under ddp): the in-process runtimes' and the syncer process's."""
+  if config.mode == "ddp":
+    return None
+  return Syncer(outer.outer_optimizer(config.outer), params, range(len(config.learners.devices)),
+                syncer_settings(config), assignment=fragment_assignment(config, params),
+                codec=compression.Codec.from_config(config.compression))
 
 
 def build(config, devices=None) -> Experiment:
   """Validates `config` and builds every component; raises ConfigError on bad input."""
   validate(config)
+  plan = schedule.RunPlan.from_config(config)
   devices = jax.devices() if devices is None else devices
   groups = mesh.partition_devices(devices, config.learners.devices)
-  layouts = mesh.layouts_from_config(config.learners)
   corpus = sources.load_corpus(config.data, config.model.seq_len)
   model, params, param_axes = model_lib.build_model(config.model, config.seed)
-  params_shape = jax.eval_shape(lambda p: p, params)
   num_params = config.sim.simulated_params or model_lib.count_params(params)
-  flops = flops_per_step(config)
-  profiles = hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
-
-  learners = []
-  schedule_steps = expected_steps(config, profiles, flops)
-  codec = compression.Codec.from_config(config.compression)
-  assignment = (fragments.partition(params, config.streaming.num_fragments, config.streaming.strategy)
-                if config.mode != "ddp" else ())
-  for index, (group_devices, batch_size) in enumerate(zip(groups, config.learners.batch_size)):
-    optimizer = inner.inner_optimizer(config.inner, schedule_steps[index])
-    loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(group_devices, layouts[index]), params_shape,
-                                  param_axes, config.inner.microbatches)
-    shard = batches_lib.learner_batches(corpus, config.model.seq_len, batch_size=batch_size, learner_index=index,
-                                        num_learners=len(groups), split=config.data.split, seed=config.seed,
-                                        prefetch=config.data.prefetch)
-    learners.append(Learner(index, loop, shard, loop.init(params), assignment, codec, config.streaming.alpha))
-
-  syncer = None
-  if config.mode != "ddp":
-    syncer = Syncer(outer.outer_optimizer(config.outer), params, range(len(learners)), syncer_settings(config),
-                    assignment=assignment, codec=codec)
-  evals = batches_lib.eval_batches(corpus, config.model.seq_len, config.eval_batch_size, config.eval_batches)
-  return Experiment(config, model, corpus, learners, syncer, evals, profiles, flops,
-                    num_params / model_lib.count_params(params), assignment,
-                    batches_lib.bits_per_byte_factor(corpus.tokenizer, evals))
+  learners = [build_learner(config, plan, index, group, corpus, model, params, param_axes)
+              for index, group in enumerate(groups)]
+  syncer = build_syncer(config, params)
+  return Experiment(config, plan, model, corpus, learners, syncer, evaluator.EvalSet.from_corpus(config, corpus),
+                    num_params / model_lib.count_params(params), learners[0].assignment if syncer else ())

@@ -1,7 +1,9 @@
 """One learner group: its compiled inner loop, its data shard and its train state.
 
-A learner only knows how to pull global params, take inner steps and report what it
-did; runtimes decide when each happens. Steps are dispatched without waiting for
+A learner only knows how to start from global params, take inner steps, push its
+pseudo-gradient and land a merged fragment; runtimes decide when each happens. (Verbs by
+layer: a learner pushes and lands, the syncer receives and merges, a learner process's
+client pushes and pulls over the wire.) Steps are dispatched without waiting for
 results, so a runtime that interleaves several groups' steps keeps all their meshes busy.
 """
 
@@ -10,9 +12,8 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 
-from decoupled_diloco import compression, fragments
+from decoupled_diloco import compression, fragments, outer
 from decoupled_diloco.inner import InnerLoop, TrainState
 from decoupled_diloco.syncer import Push
 
@@ -32,12 +33,15 @@ class Learner:
   assignment: tuple = ()        # Fragment id of every param leaf; () = a single fragment.
   codec: compression.Codec = compression.Codec()
   alpha: float = 0.0            # Share of its own params a learner keeps when a merged fragment lands.
+  to_host: Any = jax.device_get  # θ off the group's devices (a multi-process group gathers from all its hosts).
+  keep_pushed: bool = False     # Keep θ_p as pushed, to anchor on when no new Θ_p comes back (learner processes).
   steps: int = 0                # Host mirror of state.step: picks the next batch without a device sync.
   anchors: list = dataclasses.field(default_factory=list)      # Θ_p last received (host); None after a push.
   base_versions: list = dataclasses.field(default_factory=list)
   tokens_since_push: list = dataclasses.field(default_factory=list)
   steps_since_push: list = dataclasses.field(default_factory=list)
   residuals: list = dataclasses.field(default_factory=list)    # Error feedback: what compression has not sent yet.
+  pushed: dict = dataclasses.field(default_factory=dict)       # fragment -> θ_p as pushed (keep_pushed).
   _pending_losses: list = dataclasses.field(default_factory=list)
 
   def __post_init__(self):
@@ -51,10 +55,10 @@ class Learner:
     """P: how many fragments this learner syncs separately."""
     return len(self.anchors)
 
-  def pull(self, global_params, versions) -> None:
-    """Start local work from all of Θ (the run's start, a rejoin); AdamW state carries over.
+  def start_from(self, global_params, versions) -> None:
+    """Start local work from all of Θ (the run's start, a round, a rejoin); AdamW state carries over.
 
-    The local params are freed before Θ arrives, so a pull never holds two parameter
+    The local params are freed before Θ arrives, so this never holds two parameter
     copies on the group's devices. `versions`: one per fragment, or one for all.
     """
     for leaf in jax.tree.leaves(self.state.params):
@@ -65,10 +69,10 @@ class Learner:
       self.anchors[p], self.base_versions[p] = fragments.select(global_params, self.assignment, p), versions[p]
       self.tokens_since_push[p] = self.steps_since_push[p] = 0
 
-  def receive(self, fragment: int, fragment_params, version: int) -> None:
+  def land(self, fragment: int, fragment_params, version: int) -> None:
     """A merged fragment lands: θ_p ← α·θ_p + (1 − α)·Θ_p, and Θ_p anchors the next push.
 
-    With α = 0 the local leaves are freed and replaced (a pull of that fragment), so what
+    With α = 0 the local leaves are freed and replaced (a fresh start of that fragment), so what
     the τ steps taken since the push did to this fragment is dropped, and the next push's
     c^tokens / c^steps count from this receipt (Decoupled DiLoCo): its Δ covers only the
     steps taken after it. α > 0 keeps the share α of θ_p − Θ_p, which holds the τ steps'
@@ -120,16 +124,17 @@ class Learner:
     values = jax.device_get([loss for _, loss in pending])
     return [(step, float(v)) for (step, _), v in zip(pending, values)]
 
-  def push(self, syncer, fragment: int = 0, compute_seconds: float = 0.0) -> Push:
-    """Pseudo-gradient of fragment `fragment` against its anchor, on the host, as it goes on the wire.
+  def push(self, fragment: int = 0, compute_seconds: float = 0.0) -> Push:
+    """Pseudo-gradient Δ_p = Θ_p − θ_p of fragment `fragment` against its anchor, on the host, as it goes
+    on the wire.
 
     fp32 pushes travel as a tree; any other format as a `compression.Compressed`, with
     what it lost kept for the next push when error feedback is on. The anchor is
-    released: the next receive brings a new one, and holding the old Θ_p would keep a
+    released: the next landing brings a new one, and holding the old Θ_p would keep a
     stale copy alive on the host.
     """
-    local = fragments.select(self.state.params, self.assignment, fragment)
-    delta = syncer.pseudo_gradient(self.anchors[fragment], local)
+    local = self.to_host(fragments.select(self.state.params, self.assignment, fragment))
+    delta = outer.pseudo_gradient(self.anchors[fragment], local)
     if self.codec.format == "fp32" and not self.codec.error_feedback:
       payload, wire_bytes = delta, compression.wire_bytes(self.codec, [x.shape for x in jax.tree.leaves(delta)])
     else:
@@ -139,14 +144,19 @@ class Learner:
     push = Push(self.index, payload, self.base_versions[fragment], self.tokens_since_push[fragment],
                 self.steps_since_push[fragment], compute_seconds, fragment, wire_bytes)
     self.anchors[fragment] = None
+    if self.keep_pushed:
+      self.pushed[fragment] = local
     self.tokens_since_push[fragment] = self.steps_since_push[fragment] = 0
     return push
 
-  def evaluate(self, params, eval_batches) -> float:
-    """Mean held-out loss of `params` (from anywhere), computed on this group's mesh."""
-    params = self.loop.put_params(params)
-    losses = [self.loop.loss(params, self.loop.put_batch(b)) for b in eval_batches]
-    return float(np.mean(jax.device_get(losses)))
+  def anchor_on_pushed(self, fragment: int) -> None:
+    """No merge moved Θ_p since the push's base: θ_p as pushed anchors the next push, and the local
+    progress made since goes on (counted from the push)."""
+    self.anchors[fragment] = self.pushed.pop(fragment)
+
+  def evaluate(self, params, evals) -> float:
+    """Mean held-out loss of `params` (from anywhere) on `evals` (run.evaluator.EvalSet), on this group's mesh."""
+    return evals.mean_loss(lambda p, batch: self.loop.loss(p, self.loop.put_batch(batch)), self.loop.put_params(params))
 
 
 @jax.jit

@@ -23,8 +23,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from decoupled_diloco import compression, experiment, fragments, hardware, inner, mesh, model as model_lib, outer
+from decoupled_diloco import compression, fragments, hardware, inner, mesh, model as model_lib, outer
 from decoupled_diloco.model import attention
+from decoupled_diloco.run import schedule
 
 # Share of a chip's HBM kept free for XLA's scratch, fragmentation and the runtime (v6e: 28 of 32 GB usable).
 RESERVED_HBM_FRACTION = 0.125
@@ -178,7 +179,7 @@ def chip_of(config, group: int) -> str:
 def step_seconds(config, group: int) -> float:
   """One inner step at the profile's MFU: training FLOPs / (chips · peak · MFU)."""
   profile = hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)[group]
-  return profile.mean_step_seconds(experiment.flops_per_step(config)[group])
+  return profile.mean_step_seconds(schedule.flops_per_step(config)[group])
 
 
 def link(config, group: int) -> tuple[float, float]:

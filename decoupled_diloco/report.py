@@ -5,7 +5,8 @@ notebook shows inline the same figures `python -m experiments.report` saves. Fig
 matplotlib's object API (a Figure rendered by the Agg canvas, no pyplot): no display or
 global pyplot state is involved. A plot needs records some runs lack (lockstep runs write
 no learner_summary or push records); runs without them are left out of it, and a plot no
-run can feed is not drawn at all.
+run can feed is not drawn at all. Summary records have one schema (run/records.py, docs/records.md):
+every field is there, null where the runtime does not measure it.
 """
 
 import collections
@@ -78,7 +79,7 @@ def staleness_counts(records: list[dict]) -> dict[int, collections.Counter]:
     counts[record["learner"]][int(record["staleness"])] += 1
   if not counts:
     for record in _of(records, "learner_summary"):
-      counts[record["learner"]].update({int(s): n for s, n in record.get("staleness_histogram", {}).items()})
+      counts[record["learner"]].update({int(s): n for s, n in (record["staleness_histogram"] or {}).items()})
   return {learner: c for learner, c in sorted(counts.items()) if c}
 
 
@@ -89,7 +90,7 @@ def summarize_run(records: list[dict]) -> dict:
   summary = (_of(records, "summary") or [{}])[-1]
   staleness = [(s, n) for counter in staleness_counts(records).values() for s, n in counter.items()]
   pushes = sum(n for _, n in staleness)
-  idle = [r["idle_seconds"] / r["time"] for r in learners if r["time"] > 0]
+  idle = [r["idle_seconds"] / r["time"] for r in learners if r["idle_seconds"] is not None and r["time"]]
   return {
       "eval_loss": last.get("eval_loss"), "optimal_loss": last.get("optimal_loss"), "tokens": last.get("tokens"),
       "outer_updates": last.get("outer_step"),
@@ -195,7 +196,7 @@ def utilization(runs: dict[str, list[dict]]) -> Figure | None:
     left = [0.0] * len(learners)
     for field, color in (("busy_seconds", "tab:green"), ("idle_seconds", "tab:orange"),
                          ("finished_early_seconds", "tab:gray")):
-      values = [r.get(field, 0.0) for r in learners]
+      values = [r[field] or 0.0 for r in learners]  # (null: a runtime that does not measure it)
       times.barh(labels, values, left=left, color=color, label=field[:-len("_seconds")].replace("_", " "))
       left = [a + b for a, b in zip(left, values)]
     times.invert_yaxis()

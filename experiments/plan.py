@@ -23,6 +23,7 @@ from ml_collections import config_flags
 
 from decoupled_diloco import experiment, hardware, mesh, model as model_lib, plan
 from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.run import schedule
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (a configs/*.py).", lock_config=True)
 _XLA = flags.DEFINE_bool("xla", True, "Also compile each group's inner step abstractly on virtual CPU devices "
@@ -95,7 +96,7 @@ def print_group(config, group: int, xla: dict | None):
   print(f"    chip HBM {memory.hbm / GB:.0f} GB, {memory.usable / GB:.1f} GB usable "
         f"({plan.RESERVED_HBM_FRACTION:.1%} reserved): {verdict}")
   comm = plan.comm_plan(config, group)
-  flops = experiment.flops_per_step(config)[group]
+  flops = schedule.flops_per_step(config)[group]
   scanned = "; a scanned layer's body counted once" if config.model.scan_layers else ""
   xla_flops = f" (XLA's cost analysis per chip: {xla['flops']:.3g}{scanned})" if xla else ""
   print(f"  compute: {flops:.3g} FLOPs per step, {flops / layout.devices:.3g} per chip{xla_flops}; "

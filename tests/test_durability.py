@@ -142,7 +142,7 @@ def test_the_eval_schedule_skips_any_number_of_intervals_at_once(tmp_path):
   corpus = sources.load_corpus(config.data, config.model.seq_len)
   with metrics_lib.MetricsWriter(str(tmp_path)) as writer:
     recorder = syncer_main.Recorder(writer)
-    evaluator = syncer_main.Evaluator(config, model, corpus, recorder)
+    evaluator = syncer_main.build_evaluator(config, model, corpus, recorder)
     core = syncer_main.build_core(config, params, str(tmp_path), recorder, evaluator)
     core.start(time.time())
     core.tokens_done = 2**62  # As after a push claiming 2**62 tokens (bounding them is the header checks' job).

@@ -59,7 +59,7 @@ def test_failure_settings_that_cannot_be_honoured_are_refused(overrides, message
 def test_a_rejoined_learner_has_theta_and_its_checkpointed_adamw_state():
   exp = experiment.build(tiny_config(mode="decoupled", runtime="sim"))
   learner = exp.learners[0]
-  learner.pull(exp.syncer.params, exp.syncer.versions)
+  learner.start_from(exp.syncer.params, exp.syncer.versions)
   learner.step()
   saved = failures.checkpoint(learner, with_params=False)
   expected_opt, expected_step = _host(learner.state.opt_state), int(learner.state.step)

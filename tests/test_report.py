@@ -7,6 +7,7 @@ import pytest
 
 from decoupled_diloco import report
 from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.run import records as run_records
 
 
 def _lockstep_records():
@@ -28,13 +29,13 @@ def _sim_records(with_pushes=True):
   if with_pushes:
     records += [{"kind": "push", "outer_step": i, "inner_step": 4 * i, "learner": m, "local_steps": 4, "tokens": 40,
                  "staleness": s, "accepted": 1, "time": 5.0 * i, "wall_time": 1.0} for i, (m, s) in enumerate(pushes)]
-  for m, busy, steps in ((0, 18.0, 8), (1, 16.0, 4)):
-    records.append({"kind": "learner_summary", "outer_step": 4, "learner": m, "busy_seconds": busy,
-                    "idle_seconds": 20 - busy, "finished_early_seconds": 0.0, "steps": steps, "tokens": 10 * steps,
-                    "pushes": 2, "dropped": 0, "rejected": 0, "time": 20.0, "wall_time": 3.0,
-                    "staleness_histogram": dict(collections.Counter(str(s) for mm, s in pushes if mm == m))})
-  records.append({"kind": "summary", "outer_step": 4, "eval_loss": 1.6, "virtual_seconds": 20.0, "goodput": 0.85,
-                  "dropped_pushes": 0, "wall_time": 3.0})
+  clock = {"outer_step": 4, "inner_step": 8, "tokens": 120, "time": 20.0, "wall_time": 3.0}
+  for m, busy, steps in ((0, 18.0, 8), (1, 16.0, 4)):  # Built as the runtimes build them: the one schema.
+    records.append(run_records.learner_summary(
+        clock, learner=m, busy_seconds=busy, idle_seconds=20 - busy, finished_early_seconds=0.0, steps=steps,
+        tokens=10 * steps, pushes=2, dropped=0, rejected=0,
+        staleness_histogram=dict(collections.Counter(str(s) for mm, s in pushes if mm == m))))
+  records.append(run_records.summary(clock, eval_loss=1.6, virtual_seconds=20.0, goodput=0.85, dropped_pushes=0))
   return records
 
 

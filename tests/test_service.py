@@ -93,7 +93,7 @@ def test_a_learner_group_of_two_jax_processes_trains_as_one_group(cluster):
   _assert_completed(run.workdir, codes, learner_0=("learner_0.p0", "learner_0.p1"))
   _assert_exactly_once(run.workdir)
   group, = _learner_records(run.workdir, 0, "learner_summary")
-  assert group["processes"] == 2 and group["applied_pushes"] >= 2
+  assert group["processes"] == 2 and group["ack_statuses"]["applied"] >= 2
   losses = [r["loss"] for r in _learner_records(run.workdir, 0, "train")]
   assert losses[-1] < losses[0] - 1.0, losses
   # The group checkpointed its inner state from both processes (orbax writes each one's shards).

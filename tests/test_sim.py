@@ -10,6 +10,7 @@ import pytest
 
 from decoupled_diloco import experiment, hardware, policy
 from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.run import schedule
 from decoupled_diloco.runtime import lockstep, sim
 from tests.helpers import tiny_config
 
@@ -150,9 +151,9 @@ def test_ddp_runs_on_the_clock_with_its_own_pace(tmp_path):
 def test_decoupled_learners_size_their_schedule_by_their_share_of_the_budget():
   config = _hetero()  # speeds (1, 2), budget 4 x 4 x 2 = 32 steps
   profiles = hardware.profiles_from_config(config.learners, 1.0)
-  assert experiment.expected_steps(config, profiles, [1.0, 1.0]) == [11, 21]
+  assert schedule.expected_steps(config, profiles, [1.0, 1.0]) == [11, 21]
   config.mode = "diloco"
-  assert experiment.expected_steps(config, profiles, [1.0, 1.0]) == [16, 16]
+  assert schedule.expected_steps(config, profiles, [1.0, 1.0]) == [16, 16]
 
 
 @pytest.mark.slow  # Long: the fast subset leaves it to CI.

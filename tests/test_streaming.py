@@ -123,7 +123,7 @@ def test_a_landing_fragment_is_blended_with_alpha_and_leaves_the_rest_alone():
   learner = exp.learners[0]
   before = jax.device_get(learner.state.params)
   incoming = jax.tree.map(lambda x: np.full(x.shape, 2.0, np.float32), before)
-  learner.receive(1, fragments.select(incoming, learner.assignment, 1), version=5)
+  learner.land(1, fragments.select(incoming, learner.assignment, 1), version=5)
   after = jax.device_get(learner.state.params)
   for owner, old, new in zip(learner.assignment, jax.tree.leaves(before), jax.tree.leaves(after)):
     np.testing.assert_allclose(new, 0.25 * old + 0.75 * 2.0 if owner == 1 else old, rtol=1e-6)

@@ -113,7 +113,7 @@ def rejoin(learner, saved: Checkpoint, params=None, versions=None) -> None:
   kept = [(s, loss) for s, loss in learner._pending_losses if s < saved.steps]  # pylint: disable=protected-access
   learner._pending_losses = kept  # pylint: disable=protected-access
   if params is not None:
-    learner.pull(params, versions)
+    learner.start_from(params, versions)
 
 
 # Event priorities, after every priority of the virtual clock's own events (runtime/sim.py):
@@ -132,7 +132,7 @@ class Injector:
   def __init__(self, settings: Settings, simulation):
     self.settings, self.sim = settings, simulation
     count = len(simulation.exp.learners)
-    self.chips = [p.chips for p in simulation.exp.profiles]
+    self.chips = [p.chips for p in simulation.plan.profiles]
     self.rngs = [np.random.default_rng([settings.seed, m]) for m in range(count)]
     self.saved = [None] * count
     self.periods = [0] * count

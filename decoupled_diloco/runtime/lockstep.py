@@ -16,34 +16,7 @@ from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.experiment import Experiment
-from decoupled_diloco.runtime import records
-from decoupled_diloco.syncer import SyncerState
-
-
-def run_state(exp: Experiment) -> dict:
-  """The pytrees a checkpoint holds: the syncer's (host) and every learner's (device); the virtual
-  clock's checkpoints hold them too."""
-  state = {f"learner_{l.index}": l.state for l in exp.learners}
-  if exp.syncer is not None:
-    state["syncer_params"] = exp.syncer.params
-    state["syncer_opt_state"] = exp.syncer.state.opt_state
-  return state
-
-
-def restore(exp: Experiment, checkpointer: checkpoint_lib.Checkpointer, step: int) -> None:
-  """Loads checkpoint `step` into the experiment, each tree back onto its own devices."""
-  abstract = checkpoint_lib.abstract_like(run_state(exp))
-  state, metadata = checkpointer.restore(step, abstract)
-  for learner in exp.learners:
-    learner.state = state[f"learner_{learner.index}"]
-    learner.steps = int(learner.state.step)
-  for learner, data_state in zip(exp.learners, metadata.get("data") or ()):
-    if data_state:  # Packed pipelines continue from their saved position instead of replaying.
-      learner.batches.restore(data_state)
-  if exp.syncer is not None:
-    exp.syncer.restore(SyncerState(state["syncer_params"], state["syncer_opt_state"],
-                                   tuple(metadata["syncer_versions"])))
-  logging.info("resumed from checkpoint at outer step %d", step)
+from decoupled_diloco.run import evaluator, records, schedule, state
 
 
 def _round(exp: Experiment) -> dict:
@@ -51,7 +24,7 @@ def _round(exp: Experiment) -> dict:
   syncer = exp.syncer
   if syncer is not None:
     for learner in exp.learners:
-      learner.pull(syncer.params, syncer.version)
+      learner.start_from(syncer.params, syncer.version)
   for _ in range(exp.config.inner_steps):
     for learner in exp.learners:
       learner.step()
@@ -59,7 +32,7 @@ def _round(exp: Experiment) -> dict:
     return {}
   norms, reports = [], []
   for learner in exp.learners:  # One push at a time: the syncer buffers it, nothing else holds it.
-    push = learner.push(syncer)
+    push = learner.push()
     norms.append(_norm(push.delta))
     reports.append(syncer.receive(push, now=0.0)[1])
   assert reports[-1] is not None and not any(reports[:-1]), "the lockstep syncer merges once per round"
@@ -76,9 +49,7 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
   the run); checkpoint there and a later `resume` continues as if never stopped.
   """
   config = exp.config
-  if config.runtime != "lockstep" or config.mode == "decoupled":
-    raise ConfigError(f"the lockstep runtime runs ddp and diloco, not mode={config.mode!r} with "
-                      f"runtime={config.runtime!r}: use decoupled_diloco.runtime.sim")
+  schedule.require_supported(config.mode, "lockstep")
   os.makedirs(workdir, exist_ok=True)
   checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
   start = checkpointer.latest_step() or 0
@@ -87,10 +58,10 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
     raise ConfigError(f"workdir {workdir} already holds a run (checkpoint at outer step {start}): "
                       "pass --config.resume=True to continue it, or pick a new --workdir")
   if start:
-    restore(exp, checkpointer, start)
+    state.restore(exp, checkpointer, start)
   # Records an interrupted run wrote after its last checkpoint (or before its first) are dropped.
   writer = metrics_lib.MetricsWriter(workdir, resume_from_step=start)
-  tokens_per_round = config.inner_steps * sum(l.batches.tokens_per_batch for l in exp.learners)
+  tokens_per_round = exp.plan.tokens_per_round
   begin, eval_loss = time.time(), None
   try:
     last = config.outer_steps if stop_after is None else min(stop_after, config.outer_steps)
@@ -107,11 +78,11 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
       if outer_record:
         writer.write({"kind": "outer", **clock, **outer_record})
       if outer_step % config.eval_every == 0 or outer_step == config.outer_steps:
-        record = records.eval_record(exp, clock)
+        record = evaluator.evaluate(exp, clock)
         eval_loss = record["eval_loss"]
         writer.write(record)
       if outer_step % config.checkpoint_every == 0 or outer_step == last:
-        checkpointer.save(outer_step, run_state(exp), _metadata(exp, outer_step))
+        state.save(checkpointer, exp, outer_step, state.metadata(exp, outer_step))
       round_time = time.time() - round_begin
       logging.info("%s", metrics_lib.format_progress(
           outer_step=outer_step, num_outer_steps=config.outer_steps, step=clock["inner_step"],
@@ -123,8 +94,3 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
     checkpointer.close()
   return {"eval_loss": eval_loss, "optimal_loss": exp.corpus.optimal_loss}
 
-
-def _metadata(exp: Experiment, outer_step: int) -> dict:
-  return {"outer_step": outer_step, "config": exp.config.to_dict(),
-          "syncer_versions": exp.syncer.versions if exp.syncer is not None else None,
-          "data": [learner.batches.state() for learner in exp.learners]}

@@ -34,9 +34,11 @@ from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import compression, fragments
 from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco import policy as policy_lib
-from decoupled_diloco.experiment import Experiment, declared_speeds
+from decoupled_diloco.experiment import Experiment
+from decoupled_diloco.run import account as account_lib
+from decoupled_diloco.run import evaluator, records, schedule
 from decoupled_diloco.runtime import failures as failures_lib
-from decoupled_diloco.runtime import records, sim_checkpoint
+from decoupled_diloco.runtime import sim_checkpoint
 from decoupled_diloco.syncer import MergeReport, PushRejected
 
 # Priorities at equal times: steps that end produce pushes, pushes arrive, then replies
@@ -65,18 +67,12 @@ class Link:
     return start + self.seconds(nbytes)
 
 
-@dataclasses.dataclass
-class LearnerClock:
-  """One learner's timeline and accounting, in virtual seconds."""
+@dataclasses.dataclass(kw_only=True)
+class LearnerClock(account_lib.Account):
+  """One learner's timeline, in virtual seconds, on top of its account."""
   up: Link
   down: Link
-  busy: float = 0.0          # Computing inner steps.
-  useful: float = 0.0        # Busy time whose push was accepted (goodput's numerator).
-  idle: float = 0.0          # Stalled: a fragment it needs (or the run's last merge) has not landed.
-  idle_since: float | None = None
-  stalls: int = 0
   overlapped_steps: int = 0  # Steps computed while at least one fragment was in flight.
-  done_at: float | None = None  # When the token budget left this learner nothing to do.
   period_open: bool = False  # Whether this period's target is set (it is chosen when its first step starts).
   round_compute: float = 0.0
   round_steps: int = 0
@@ -86,10 +82,6 @@ class LearnerClock:
   deferred: set = dataclasses.field(default_factory=set)      # Due again while still in flight: pushed on landing.
   landed: dict = dataclasses.field(default_factory=dict)      # fragment -> (Θ_p, version) waiting to be blended.
   compute_since_push: list = dataclasses.field(default_factory=list)
-  pushes: int = 0
-  dropped: int = 0           # Over-stale: counted by the syncer, not merged.
-  rejected: int = 0          # Malformed: refused by the syncer.
-  staleness: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   epoch: int = 0             # Bumped by a failure: the step and Θ it had under way are void.
   step: float | None = None  # Nominal seconds of the step in progress (None: none is).
 
@@ -106,14 +98,13 @@ class Simulation:
     sim = exp.config.sim
     gbps = sim.learner_link_gbps or (sim.link_gbps,) * len(exp.learners)
     latency = sim.learner_link_latency_seconds or (sim.link_latency_seconds,) * len(exp.learners)
-    self.clocks = [LearnerClock(Link(g, l), Link(g, l), compute_since_push=[0.0] * self.num_fragments)
+    self.clocks = [LearnerClock(up=Link(g, l), down=Link(g, l), compute_since_push=[0.0] * self.num_fragments)
                    for g, l in zip(gbps, latency)]
     self.rngs = [np.random.default_rng([exp.config.sim.seed, m]) for m in range(len(exp.learners))]
-    self.speeds = policy_lib.SpeedTracker(declared_speeds(exp.profiles, exp.flops_per_step))
-    self.steps_left = exp.config.outer_steps * exp.config.inner_steps * len(exp.learners)
-    self.tokens_per_eval = (exp.config.eval_every * exp.config.inner_steps
-                            * sum(l.batches.tokens_per_batch for l in exp.learners))
-    self.next_eval_tokens = self.tokens_per_eval
+    self.plan = exp.plan
+    self.speeds = policy_lib.SpeedTracker(list(self.plan.declared_speeds))
+    self.steps_left = self.plan.budget_steps
+    self.next_eval_tokens = self.plan.tokens_per_eval
     if self.syncer is not None:  # Θ_p travels back in the downlink format; each fragment's share of the model.
       self.downlink = compression.Codec(format=exp.config.compression.downlink_format)
       shapes = [[x.shape for x in jax.tree.leaves(self.syncer.fragment_params(p))]
@@ -155,7 +146,7 @@ class Simulation:
     learner, clock = self.exp.learners[m], self.clocks[m]
     for p in [p for p in clock.landed if clock.in_flight[p] <= learner.steps or p in clock.deferred
               or self.steps_left == 0]:
-      learner.receive(p, *clock.landed.pop(p))  # Counts restart here (the share α carries over).
+      learner.land(p, *clock.landed.pop(p))  # Counts restart here (the share α carries over).
       clock.compute_since_push[p] *= learner.alpha
       del clock.in_flight[p]
     for p in sorted(clock.deferred - clock.in_flight.keys()):
@@ -177,7 +168,7 @@ class Simulation:
     if self.steps_left == 0 and clock.round_steps == 0:
       self._flush_learner(m)
       return
-    seconds = self.exp.profiles[m].step_seconds(self.exp.flops_per_step[m], self.rngs[m])
+    seconds = self.plan.profiles[m].step_seconds(self.plan.flops_per_step[m], self.rngs[m])
     if self.steps_left > 0 and policy_lib.keep_training(self.config.policy, clock.target, clock.round_steps,
                                                         clock.round_compute, seconds):
       self.steps_left -= 1
@@ -242,7 +233,7 @@ class Simulation:
   def _push(self, m: int, p: int) -> None:
     learner, clock = self.exp.learners[m], self.clocks[m]
     clock.unsent.discard(p)
-    push = learner.push(self.syncer, p, compute_seconds=clock.compute_since_push[p])
+    push = learner.push(p, compute_seconds=clock.compute_since_push[p])
     clock.compute_since_push[p] = 0.0
     clock.in_flight[p] = learner.steps + self.overlap
     arrival = clock.up.send(self.now, round(push.wire_bytes * self.exp.byte_scale))
@@ -267,12 +258,8 @@ class Simulation:
       clock.rejected += 1
       self._schedule(self.now, REPLY, self._on_reply, m, fragment)
       return
-    clock.pushes += 1
-    clock.staleness[staleness] += 1
-    if accepted:
-      clock.useful += compute_seconds * self.shares[fragment]
-    else:
-      clock.dropped += 1
+    clock.count_push(staleness, accepted, compute_seconds * self.shares[fragment],
+                     round(push.wire_bytes * self.exp.byte_scale))
     self.writer.write({"kind": "push", **self._clock(self.syncer.version), "learner": m, "fragment": fragment,
                        "local_steps": push.local_steps, "tokens": push.tokens, "staleness": staleness,
                        "accepted": int(accepted), "wire_bytes": push.wire_bytes, "in_flight": in_flight})
@@ -316,9 +303,8 @@ class Simulation:
   def _maybe_evaluate(self, version: int, force: bool = False) -> None:
     if not force and self.tokens < self.next_eval_tokens:
       return
-    while self.next_eval_tokens <= self.tokens:
-      self.next_eval_tokens += self.tokens_per_eval
-    record = records.eval_record(self.exp, self._clock(version))
+    self.next_eval_tokens = schedule.next_multiple(self.tokens, self.plan.tokens_per_eval)
+    record = evaluator.evaluate(self.exp, self._clock(version))
     self.writer.write(record)
     self.last_eval = record
     gap = (f" (optimum {self.exp.corpus.optimal_loss:.3f}, gap {record['eval_loss'] - self.exp.corpus.optimal_loss:.3f})"
@@ -334,7 +320,7 @@ class Simulation:
     """
     for m, learner in enumerate(self.exp.learners if not resumed else []):
       if self.syncer is not None:
-        learner.pull(self.syncer.params, self.syncer.versions)
+        learner.start_from(self.syncer.params, self.syncer.versions)
       self._start_period(m)
     if self.failures:
       self.failures.start()
@@ -354,35 +340,33 @@ class Simulation:
 
   def _summarize(self, version: int) -> dict:
     """Per-learner accounting records and the run's totals (goodput = useful / allocated chip-time)."""
-    chips = [p.chips for p in self.exp.profiles]
-    for m, (clock, learner) in enumerate(zip(self.clocks, self.exp.learners)):
-      if clock.idle_since is not None:  # Pushed last and the run ended before a reply was needed.
-        clock.idle += self.now - clock.idle_since
-        clock.done_at, clock.idle_since = self.now, None
-      self.writer.write({"kind": "learner_summary", **self._clock(version), "learner": m,
-                         "busy_seconds": clock.busy, "idle_seconds": clock.idle,
-                         "finished_early_seconds": self.now - (clock.done_at or self.now), "steps": learner.steps,
-                         "tokens": learner.steps * learner.batches.tokens_per_batch, "pushes": clock.pushes,
-                         "dropped": clock.dropped, "rejected": clock.rejected, "stalls": clock.stalls,
-                         "overlapped_steps": clock.overlapped_steps,
-                         "compute_utilization": clock.busy / self.now if self.now else 0.0,
-                         "bytes_sent": clock.up.bytes, "bytes_received": clock.down.bytes,
-                         "uplink_busy_seconds": clock.up.busy, "downlink_busy_seconds": clock.down.busy,
-                         "staleness_histogram": {str(s): n for s, n in sorted(clock.staleness.items())}})
+    chips = [p.chips for p in self.plan.profiles]
+    clock = self._clock(version)
+    for m, (account, learner) in enumerate(zip(self.clocks, self.exp.learners)):
+      if account.idle_since is not None:  # Pushed last and the run ended before a reply was needed.
+        account.idle += self.now - account.idle_since
+        account.done_at, account.idle_since = self.now, None
+      self.writer.write(records.learner_summary(
+          clock, account, learner=m, steps=learner.steps,
+          tokens=learner.steps * learner.batches.tokens_per_batch,
+          finished_early_seconds=self.now - (account.done_at or self.now),
+          overlapped_steps=account.overlapped_steps,
+          compute_utilization=account.busy / self.now if self.now else 0.0,
+          bytes_sent=account.up.bytes, bytes_received=account.down.bytes,
+          uplink_busy_seconds=account.up.busy, downlink_busy_seconds=account.down.busy))
     allocated = sum(c * self.now for c in chips)
-    useful = sum(c * (clock.useful if self.syncer else clock.busy) for c, clock in zip(chips, self.clocks))
-    summary = {"eval_loss": self.last_eval["eval_loss"], "optimal_loss": self.exp.corpus.optimal_loss,
-               "virtual_seconds": self.now, "goodput": useful / allocated if allocated else 0.0,
-               "compute_utilization": (sum(c * clock.busy for c, clock in zip(chips, self.clocks)) / allocated
-                                       if allocated else 0.0),
-               "bytes_sent": sum(c.up.bytes for c in self.clocks),
-               "outer_updates": version, "steps": [l.steps for l in self.exp.learners],
-               "idle_fraction": [round(c.idle / self.now, 4) if self.now else 0.0 for c in self.clocks],
-               **({("merges" if k == "merges" else f"{k}_pushes"): v for k, v in self.syncer.counts.items()}
-                  if self.syncer else {}),
-               **(self.failures.summary(self.now) if self.failures else {})}
-    self.writer.write({"kind": "summary", **self._clock(version), **{k: v for k, v in summary.items()
-                                                                     if k not in ("steps", "optimal_loss", "idle_fraction")}})
+    useful = sum(c * (account.useful if self.syncer else account.busy) for c, account in zip(chips, self.clocks))
+    summary = records.summary(
+        clock, eval_loss=self.last_eval["eval_loss"], optimal_loss=self.exp.corpus.optimal_loss,
+        outer_updates=version, steps=[l.steps for l in self.exp.learners],
+        steps_done=sum(l.steps for l in self.exp.learners), done=True, virtual_seconds=self.now,
+        goodput=useful / allocated if allocated else 0.0,
+        compute_utilization=(sum(c * a.busy for c, a in zip(chips, self.clocks)) / allocated if allocated else 0.0),
+        bytes_sent=sum(c.up.bytes for c in self.clocks),
+        idle_fraction=[round(c.idle / self.now, 4) if self.now else 0.0 for c in self.clocks],
+        **(records.push_counts(self.syncer.counts) if self.syncer else {}),
+        **(self.failures.summary(self.now) if self.failures else {}))
+    self.writer.write(summary)
     return summary
 
 

@@ -3,8 +3,8 @@
 Rounds do not exist on the virtual clock: at any moment pushes are on the wire, Θ_p is on
 its way back, merges wait for a quorum or a grace window, and every learner is somewhere
 in its period. A checkpoint therefore holds the whole simulation between two events:
-  * the device trees as the lockstep runtime saves them (each learner's TrainState on its
-    own mesh, Θ and the outer states on the host), through orbax;
+  * the device trees as every in-process runtime saves them (run/state.py: each learner's
+    TrainState on its own mesh, Θ and the outer states on the host), through orbax;
   * everything else, pickled into one host byte array saved in the same orbax step (so
     both are written, or neither): the event queue (handlers by name), every learner's
     clock, links, RNG and sync bookkeeping (anchors, versions, counts, residuals, losses
@@ -26,7 +26,7 @@ import numpy as np
 
 from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco.errors import ConfigError
-from decoupled_diloco.runtime import lockstep
+from decoupled_diloco.run import state as state_lib
 
 BLOB = "simulation"  # The orbax item holding the pickled host state.
 _LEARNER_FIELDS = ("anchors", "base_versions", "tokens_since_push", "steps_since_push", "residuals")
@@ -69,10 +69,8 @@ class Cadence:
   marks passed, follows from the tokens, so a resumed run checkpoints where the first would have."""
 
   def __init__(self, checkpointer: checkpoint_lib.Checkpointer, simulation):
-    config = simulation.config
     self.checkpointer, self.simulation = checkpointer, simulation
-    self.interval = config.checkpoint_every * config.inner_steps * sum(
-        l.batches.tokens_per_batch for l in simulation.exp.learners)
+    self.interval = simulation.plan.tokens_per_checkpoint
     self.marks = simulation.tokens // self.interval
 
   def __call__(self) -> None:
@@ -89,11 +87,10 @@ def save(checkpointer: checkpoint_lib.Checkpointer, simulation, done: bool = Fal
   buffer = io.BytesIO()
   _HostPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(_host_state(simulation))
   blob = np.frombuffer(buffer.getvalue(), np.uint8)
-  metadata = {"outer_step": exp.syncer.version if exp.syncer is not None else 0, "config": exp.config.to_dict(),
-              "syncer_versions": exp.syncer.versions if exp.syncer is not None else None,
-              "records": simulation.writer.records, "blob_bytes": int(blob.size), "done": done,
-              **({"summary": summary} if summary is not None else {})}
-  checkpointer.save(sum(l.steps for l in exp.learners), {**lockstep.run_state(exp), BLOB: {"bytes": blob}}, metadata)
+  meta = state_lib.metadata(exp, exp.syncer.version if exp.syncer is not None else 0,
+                            records=simulation.writer.records, blob_bytes=int(blob.size), done=done,
+                            **({"summary": summary} if summary is not None else {}))
+  state_lib.save(checkpointer, exp, sum(l.steps for l in exp.learners), meta, **{BLOB: {"bytes": blob}})
 
 
 def _comparable(config_dict: dict) -> str:
@@ -121,7 +118,7 @@ def latest(checkpointer: checkpoint_lib.Checkpointer, exp, workdir: str) -> dict
 def restore(checkpointer: checkpoint_lib.Checkpointer, simulation, metadata: dict) -> None:
   """Puts `simulation` back where checkpoint `metadata['step']` left it."""
   exp, syncer, step = simulation.exp, simulation.syncer, metadata["step"]
-  lockstep.restore(exp, checkpointer, step)
+  state_lib.restore(exp, checkpointer, step)
   blob, _ = checkpointer.restore(step, {BLOB: {"bytes": np.zeros(metadata["blob_bytes"], np.uint8)}})
   state = pickle.loads(blob[BLOB]["bytes"].tobytes())
   for learner, saved in zip(exp.learners, state["learners"]):

@@ -30,11 +30,8 @@ pseudo-gradient, hand-over, pull) and finished early; they add up to the run. Me
 records are those of the virtual clock, with `time` in wall-clock seconds.
 """
 
-import collections
 import concurrent.futures
 import contextlib
-import dataclasses
-import queue
 import threading
 import time
 
@@ -44,26 +41,11 @@ import jax
 from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco import policy as policy_lib
-from decoupled_diloco.errors import ConfigError
-from decoupled_diloco.experiment import Experiment, declared_speeds
-from decoupled_diloco.runtime import records
+from decoupled_diloco.experiment import Experiment
+from decoupled_diloco.run import account as account_lib
+from decoupled_diloco.run import evaluator as evaluator_lib
+from decoupled_diloco.run import records, schedule, state
 from decoupled_diloco.syncer import MergeReport, Push, PushRejected
-
-
-@dataclasses.dataclass
-class Account:
-  """One learner's wall-clock accounting. `steps` changes under the budget lock; the rest
-  only in the learner's own thread, and is read once every learner thread has ended."""
-  steps: int = 0             # Inner steps finished.
-  busy: float = 0.0
-  useful: float = 0.0        # Busy time of rounds whose push was accepted (goodput's numerator).
-  blocked: float = 0.0
-  done_at: float = 0.0
-  pushes: int = 0
-  dropped: int = 0
-  rejected: int = 0
-  bytes_sent: int = 0
-  staleness: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
 class ThreadedRun:
@@ -71,18 +53,15 @@ class ThreadedRun:
 
   def __init__(self, exp: Experiment, writer: metrics_lib.MetricsWriter):
     config = exp.config
-    if exp.syncer is None or config.mode not in ("decoupled", "diloco"):
-      raise ConfigError(f"the threads runtime runs modes 'decoupled' and 'diloco', not {config.mode!r}: "
-                        "use --config.runtime=lockstep or sim")
+    schedule.require_supported(config.mode, "threads")
     self.exp, self.config, self.writer, self.syncer = exp, config, writer, exp.syncer
     self.blocking = config.mode == "diloco"
     num = len(exp.learners)
-    self.slowdown = tuple(config.learners.slowdown) or (0.0,) * num
-    self.accounts = [Account() for _ in range(num)]
-    self.declared = declared_speeds(exp.profiles, exp.flops_per_step)
+    self.plan = exp.plan
+    self.accounts = [account_lib.Account() for _ in range(num)]
     # Under the budget lock: the budget, tokens done, measured speeds (0 = none yet).
     self.budget = threading.Lock()
-    self.steps_left = config.outer_steps * config.inner_steps * num
+    self.steps_left = self.plan.budget_steps
     self.tokens = 0
     self.measured = policy_lib.SpeedTracker([0.0] * num)
     # Under the syncer lock: the syncer and the coordination below.
@@ -90,16 +69,12 @@ class ThreadedRun:
     self.pushed: set[int] = set()   # diloco: learners that handed their push over since the last merge.
     self.waiting: set[int] = set()  # diloco: learners waiting for a merge.
     self.done: set[int] = set()
-    self.tokens_per_eval = config.eval_every * config.inner_steps * sum(l.batches.tokens_per_batch
-                                                                        for l in exp.learners)
-    self.next_eval_tokens = self.tokens_per_eval
-    self.last_eval_key = None
+    self.next_eval_tokens = self.plan.tokens_per_eval
     self.syncer_seconds = 0.0  # Time the syncer spent receiving and merging (lock held).
     self.stopping, self.failure = False, None
     # Lock order: syncer lock, then budget lock, then write lock; never the other way round.
     self.write_lock = threading.Lock()
-    self.evals: queue.Queue = queue.Queue()
-    self.last_eval = None
+    self.evaluator: evaluator_lib.Evaluator | None = None  # Started with the clock (run()).
     self._start, self._begin = time.monotonic(), time.time()
 
   def now(self) -> float:
@@ -135,7 +110,7 @@ class ThreadedRun:
     try:
       with self._holding(m, self.lock):
         params, versions = self.syncer.params, self.syncer.versions
-      self.exp.learners[m].pull(params, versions)
+      self.exp.learners[m].start_from(params, versions)
       while self._round(m):
         pass
     except BaseException as error:  # pylint: disable=broad-except
@@ -158,7 +133,7 @@ class ThreadedRun:
         self._account_step(m, seconds)
     if steps == 0:
       return False
-    push = learner.push(self.syncer, 0, compute_seconds=compute)
+    push = learner.push(0, compute_seconds=compute)
     with self._holding(m, self.lock):
       # Every step was waited for: draining its losses here only copies scalars.
       extra = {"time": self.now(), "wall_time": time.time() - self._begin}
@@ -173,12 +148,12 @@ class ThreadedRun:
         self._wait(m, lambda: self.syncer.versions[0] > before or self._no_merge_coming())
         self.waiting.discard(m)
       params, version = self.syncer.fragment_params(0), self.syncer.versions[0]
-    learner.receive(0, params, version)
+    learner.land(0, params, version)
     return True
 
   def _target(self, m: int) -> int | None:
     """The round's steps (budget lock held): DyLU on measured speeds once every learner has one."""
-    speeds = self.declared
+    speeds = self.plan.declared_speeds
     if self.config.policy.speed_source == "measured" and min(self.measured.speeds) > 0:
       speeds = self.measured.speeds
     return policy_lib.target_steps(self.config.policy, self.config.inner_steps, speeds[m], max(speeds))
@@ -195,7 +170,7 @@ class ThreadedRun:
 
   def _timed_step(self, m: int) -> float:
     """One inner step, waited for (its wall-clock time is what DyLU measures), plus the slowdown."""
-    return self.exp.learners[m].timed_step(self.slowdown[m])
+    return self.exp.learners[m].timed_step(self.plan.slowdown[m])
 
   def _account_step(self, m: int, seconds: float) -> None:
     """A finished step (budget lock held): tokens, busy time and, after the first, the speed."""
@@ -220,12 +195,7 @@ class ThreadedRun:
       return False
     finally:
       self.syncer_seconds += time.monotonic() - began
-    account.pushes, account.bytes_sent = account.pushes + 1, account.bytes_sent + push.wire_bytes
-    account.staleness[staleness] += 1
-    if accepted:
-      account.useful += push.compute_seconds
-    else:
-      account.dropped += 1
+    account.count_push(staleness, accepted, push.compute_seconds, push.wire_bytes)
     self._write({"kind": "push", **self._clock(self.syncer.version), "learner": m, "fragment": push.fragment,
                  "local_steps": push.local_steps, "tokens": push.tokens, "staleness": staleness,
                  "accepted": int(accepted), "wire_bytes": push.wire_bytes})
@@ -250,15 +220,9 @@ class ThreadedRun:
                  "staleness": list(report.staleness), "weights": list(report.weights), "trigger": trigger})
     self.pushed.clear()
     if clock["tokens"] >= self.next_eval_tokens:
-      while self.next_eval_tokens <= clock["tokens"]:
-        self.next_eval_tokens += self.tokens_per_eval
-      self._enqueue_eval(clock)
+      self.next_eval_tokens = schedule.next_multiple(clock["tokens"], self.plan.tokens_per_eval)
+      self.evaluator.submit(self.syncer.params, clock)  # A snapshot: Θ's arrays are never changed in place.
     self.lock.notify_all()
-
-  def _enqueue_eval(self, clock: dict) -> None:
-    """Hands a snapshot of Θ to the evaluator thread (Θ's arrays are never changed in place)."""
-    self.last_eval_key = (clock["tokens"], clock["outer_step"])
-    self.evals.put((self.syncer.params, clock))
 
   # Helper threads.
   def _timer(self) -> None:
@@ -275,31 +239,20 @@ class ThreadedRun:
         for report in reports:
           self._on_merge(report, "deadline")
 
-  def _evaluator(self) -> None:
-    """Evaluates queued snapshots of Θ in order, off every learner's critical path."""
-    while (item := self.evals.get()) is not None:
-      params, clock = item
-      record = records.eval_record(self.exp, clock, params)
-      self._write(record)
-      self.last_eval = record
-      logging.info("version %d | wall %.1fs | %s tokens | eval %.3f", clock["outer_step"], clock["time"],
-                   f"{clock['tokens']:,}", record["eval_loss"])
-
   def _compile(self, m: int) -> None:
     """Compiles what learner m runs before the clock starts: inner step, pseudo-gradient, push check.
 
     Compilation is not a step time: left in, it would be measured as one (DyLU) and, with
     several groups, spent while the others already train. Ahead-of-time compiling fills
-    the same cache the calls use, and allocates nothing but one batch; the pseudo-gradient
-    and the syncer's push validation run once on the initial params (no state changes).
-    The merge compiles at the first merge of each size, under the syncer's lock.
+    the same cache the calls use, and allocates nothing but one batch; the syncer's push
+    validation runs once on Θ itself (same shapes as a push; no state changes). The merge
+    compiles at the first merge of each size, under the syncer's lock.
     """
     learner = self.exp.learners[m]
     learner.loop.step.lower(learner.state, learner.loop.put_batch(learner.batches.batch(learner.steps))).compile()
     if m == 0:
-      learner.loop.loss.lower(learner.state.params, learner.loop.put_batch(self.exp.eval_batches[0])).compile()
-    delta = self.syncer.pseudo_gradient(self.syncer.fragment_params(0), learner.state.params)
-    self.syncer.validate(Push(m, delta, 0, 1, 1))
+      learner.loop.loss.lower(learner.state.params, learner.loop.put_batch(self.exp.evals.batches[0])).compile()
+    self.syncer.validate(Push(m, self.syncer.fragment_params(0), 0, 1, 1))
 
   def _guarded(self, target):
     def body():
@@ -318,13 +271,14 @@ class ThreadedRun:
 
   def run(self) -> dict:
     """Starts the threads, waits for the budget to be spent, merges what is left, evaluates."""
-    helpers = [threading.Thread(target=self._guarded(self._timer), name="syncer-timer", daemon=True),
-               threading.Thread(target=self._guarded(self._evaluator), name="evaluator", daemon=True)]
+    helpers = [threading.Thread(target=self._guarded(self._timer), name="syncer-timer", daemon=True)]
     learners = [threading.Thread(target=self._learner, args=(m,), name=f"learner-{m}", daemon=True)
                 for m in range(len(self.exp.learners))]
     with concurrent.futures.ThreadPoolExecutor(len(learners)) as pool:
       list(pool.map(self._compile, range(len(learners))))
     self._start, self._begin = time.monotonic(), time.time()
+    self.evaluator = evaluator_lib.Evaluator(lambda params: self.exp.learners[0].evaluate(params, self.exp.evals),
+                                             self.exp.evals, self._write)
     for thread in helpers + learners:
       thread.start()
     for thread in learners:
@@ -336,10 +290,11 @@ class ThreadedRun:
         for report in self.syncer.flush(end):
           self._on_merge(report, "end")
         clock = self._clock(self.syncer.version)
-        if self.last_eval_key != (clock["tokens"], clock["outer_step"]):
-          self._enqueue_eval(clock)
+        last = self.evaluator.last_queued or {}
+        if (last.get("tokens"), last.get("outer_step")) != (clock["tokens"], clock["outer_step"]):
+          self.evaluator.submit(self.syncer.params, clock)
       self.lock.notify_all()
-    self.evals.put(None)
+    self.evaluator.close()
     for thread in helpers:
       thread.join()
     if self.failure is not None:
@@ -349,27 +304,26 @@ class ThreadedRun:
   def _summarize(self, end: float) -> dict:
     """Per-learner accounting records and the run's totals (goodput = useful / allocated device-time)."""
     version, devices = self.syncer.version, self.config.learners.devices
+    clock = self._clock(version)
     theta_bytes = sum(x.nbytes for x in jax.tree.leaves(self.syncer.params))
     for m, (account, learner) in enumerate(zip(self.accounts, self.exp.learners)):
-      self._write({"kind": "learner_summary", **self._clock(version), "learner": m, "busy_seconds": account.busy,
-                   "blocked_seconds": account.blocked, "finished_early_seconds": end - account.done_at,
-                   "idle_seconds": max(0.0, account.done_at - account.busy - account.blocked),
-                   "steps": learner.steps, "tokens": learner.steps * learner.batches.tokens_per_batch,
-                   "pushes": account.pushes, "dropped": account.dropped, "rejected": account.rejected,
-                   "compute_utilization": account.busy / end, "bytes_sent": account.bytes_sent,
-                   "bytes_received": (account.pushes + account.rejected + 1) * theta_bytes,
-                   "staleness_histogram": {str(s): n for s, n in sorted(account.staleness.items())}})
+      account.idle = max(0.0, account.done_at - account.busy - account.blocked)
+      account.bytes_received = (account.pushes + account.rejected + 1) * theta_bytes
+      self._write(records.learner_summary(
+          clock, account, learner=m, steps=learner.steps,
+          tokens=learner.steps * learner.batches.tokens_per_batch, finished_early_seconds=end - account.done_at,
+          wall_seconds=end, compute_utilization=account.busy / end, blocked_fraction=account.blocked / end))
     allocated = sum(d * end for d in devices)
-    summary = {"eval_loss": self.last_eval["eval_loss"], "optimal_loss": self.exp.corpus.optimal_loss,
-               "wall_seconds": end, "syncer_seconds": self.syncer_seconds,
-               "goodput": sum(d * a.useful for d, a in zip(devices, self.accounts)) / allocated,
-               "compute_utilization": sum(d * a.busy for d, a in zip(devices, self.accounts)) / allocated,
-               "bytes_sent": sum(a.bytes_sent for a in self.accounts), "outer_updates": version,
-               "steps": [l.steps for l in self.exp.learners],
-               "blocked_fraction": [round(a.blocked / end, 4) for a in self.accounts],
-               **{("merges" if k == "merges" else f"{k}_pushes"): v for k, v in self.syncer.counts.items()}}
-    self._write({"kind": "summary", **self._clock(version),
-                 **{k: v for k, v in summary.items() if k not in ("steps", "optimal_loss", "blocked_fraction")}})
+    summary = records.summary(
+        clock, eval_loss=self.evaluator.last["eval_loss"], optimal_loss=self.exp.corpus.optimal_loss,
+        outer_updates=version, steps=[l.steps for l in self.exp.learners],
+        steps_done=sum(l.steps for l in self.exp.learners), done=True, wall_seconds=end,
+        syncer_seconds=self.syncer_seconds,
+        goodput=sum(d * a.useful for d, a in zip(devices, self.accounts)) / allocated,
+        compute_utilization=sum(d * a.busy for d, a in zip(devices, self.accounts)) / allocated,
+        bytes_sent=sum(a.bytes_sent for a in self.accounts),
+        blocked_fraction=[round(a.blocked / end, 4) for a in self.accounts], **records.push_counts(self.syncer.counts))
+    self._write(summary)
     return summary
 
 
@@ -383,7 +337,6 @@ def run(exp: Experiment, workdir: str) -> dict:
                summary["wall_seconds"], summary["goodput"], summary["outer_updates"], summary["steps"],
                summary["blocked_fraction"])
   with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
-    state = {f"learner_{l.index}": l.state for l in exp.learners}
-    state.update(syncer_params=exp.syncer.params, syncer_opt_state=exp.syncer.state.opt_state)
-    checkpointer.save(summary["outer_updates"], state, {"config": exp.config.to_dict(), "summary": summary})
+    version = summary["outer_updates"]
+    state.save(checkpointer, exp, version, state.metadata(exp, version, summary=summary))
   return summary

@@ -10,7 +10,7 @@ period (fragments.sync_offsets: P = 1 pushes at the period's end), its exchange 
 then the pull of Θ_p if it moved) runs on a background thread while the steps go on, and
 τ = streaming.overlap_steps steps after the push Θ_p lands: θ_p ← α·θ_p + (1 − α)·Θ_p
 (α = streaming.alpha), waited for if it is not back (`blocked`; τ = 0 waits at once). The
-next push of p counts its steps and tokens from that landing (learner.receive). A fragment
+next push of p counts its steps and tokens from that landing (learner.land). A fragment
 whose turn comes round while it is still in flight (a short period) lands first.
 
 The run's budget counts every step once, in the first push after it (the push header's
@@ -27,6 +27,7 @@ this loop in step; process 0 alone talks to the syncer and writes the metrics, a
 what it heard with the others at the same points of the loop.
 """
 
+import collections
 import concurrent.futures
 import dataclasses
 import os
@@ -36,27 +37,26 @@ import time
 from absl import logging
 import grpc
 import jax
-import numpy as np
 
 from decoupled_diloco import checkpoint as checkpoint_lib
-from decoupled_diloco import compression, experiment, fragments, hardware, inner, mesh, metrics as metrics_lib
+from decoupled_diloco import experiment, fragments, metrics as metrics_lib
 from decoupled_diloco import model as model_lib
 from decoupled_diloco import policy as policy_lib
 from decoupled_diloco import workdir_lock
-from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
 from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.learner import Learner
-from decoupled_diloco.runtime import records
+from decoupled_diloco.run import account as account_lib
+from decoupled_diloco.run import records, schedule
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import group as group_lib
 from decoupled_diloco.service import runconfig, security
 
 
-def build_learner(config, index: int) -> tuple[Learner, list[float]]:
-  """Learner group `index` alone, on this process's devices (its slice of the run), and every
-  group's declared speed (steps per second of its hardware profile), DyLU's declared input."""
+def build_learner(config, plan: schedule.RunPlan, index: int, group: group_lib.GroupLink) -> Learner:
+  """Learner group `index` alone, on this process's devices (its slice of the run), built as the
+  in-process runtimes build theirs; this process reads only its rows of the group's batch."""
   count = config.learners.devices[index]
   devices = jax.devices()
   if len(devices) < count:
@@ -65,58 +65,21 @@ def build_learner(config, index: int) -> tuple[Learner, list[float]]:
   tokenizer_lib.resolve_model_vocab(config)
   corpus = sources.load_corpus(config.data, config.model.seq_len)
   model, params, param_axes = model_lib.build_model(config.model, config.seed)
-  batch_sizes = config.learners.batch_size
-  flops = experiment.flops_per_step(config)
-  profiles = hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
-  schedule_steps = experiment.expected_steps(config, profiles, flops)[index]
-  layout = mesh.layouts_from_config(config.learners)[index]
-  loop = inner.build_inner_loop(model, inner.inner_optimizer(config.inner, schedule_steps),
-                                mesh.group_mesh(devices[:count], layout), jax.eval_shape(lambda p: p, params),
-                                param_axes, config.inner.microbatches)
-  # Each process of a multi-process group reads only its rows of the group's batch (see data/pipeline.py).
-  rows_per_process = batch_sizes[index] // jax.process_count()
+  rows_per_process = config.learners.batch_size[index] // jax.process_count()
   rows = range(jax.process_index() * rows_per_process, (jax.process_index() + 1) * rows_per_process)
-  shard = batches_lib.learner_batches(corpus, config.model.seq_len, batch_size=batch_sizes[index], learner_index=index,
-                                      num_learners=len(batch_sizes), split=config.data.split, seed=config.seed,
-                                      rows=rows, prefetch=config.data.prefetch)
-  assignment = fragments.partition(params, config.streaming.num_fragments, config.streaming.strategy)
-  learner = Learner(index, loop, shard, loop.init(params), assignment,
-                    compression.Codec.from_config(config.compression), config.streaming.alpha)
-  return learner, experiment.declared_speeds(profiles, flops)
+  learner = experiment.build_learner(config, plan, index, devices[:count], corpus, model, params, param_axes, rows)
+  # θ comes off every host of the group; as pushed, it anchors a fragment that no merge moved.
+  learner.to_host, learner.keep_pushed = group.host_copy, True
+  return learner
 
 
-class HostPseudoGradient:
-  """What `Learner.push` needs of a syncer when the syncer is remote: Δ = Θ − θ on this host.
-
-  Keeps the host copy of θ it fetched, so a round that gets no new Θ can anchor on it.
-  """
-
-  def __init__(self, link: group_lib.GroupLink):
-    self.link, self.local = link, None
-
-  def pseudo_gradient(self, anchor, local_params):
-    """Δ in numpy, from θ fetched off the group's devices (all of its hosts) once."""
-    self.local = self.link.host_copy(local_params)
-    return jax.tree.map(np.subtract, anchor, self.local)
-
-
-@dataclasses.dataclass
-class Accounting:
-  """Where a learner's wall-clock went, and what became of its pushes."""
+@dataclasses.dataclass(kw_only=True)
+class ProcessAccount(account_lib.Account):
+  """A learner process's account: busy and blocked in wall-clock seconds, plus its exchanges."""
   begin: float = dataclasses.field(default_factory=time.perf_counter)
-  compute: float = 0.0
-  blocked: float = 0.0   # Waiting for the syncer (an exchange not back τ steps after its push, or the final acks).
   final_ack: float = 0.0  # The part of `blocked` spent on the last push, which no round can hide.
-  exchange: float = 0.0  # Background push + pull time: what a learner without overlap would have waited.
-  statuses: dict = dataclasses.field(default_factory=dict)
-
-  def summary(self) -> dict:
-    """Seconds and fractions for the 'learner_summary' record."""
-    wall = time.perf_counter() - self.begin
-    return {"wall_seconds": wall, "busy_seconds": self.compute, "blocked_seconds": self.blocked,
-            "final_ack_seconds": self.final_ack, "exchange_seconds": self.exchange,
-            "blocked_fraction": self.blocked / wall if wall else 0.0, **{f"{k}_pushes": v for k, v in
-                                                                         self.statuses.items()}}
+  exchange: float = 0.0   # Background push + pull time: what a learner without overlap would have waited.
+  statuses: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # Acks by status.
 
 
 class LearnerProcess:
@@ -134,12 +97,11 @@ class LearnerProcess:
         timeout_seconds=self.service.rpc_timeout_seconds, retry_seconds=self.service.retry_seconds,
         credentials=security.channel_credentials(self.service.tls_ca), data_channel=self.service.data_port >= 0,
         data_tls=security.client_tls_context(self.service.tls_ca)) if self.group.leader else None
-    self.learner, self.declared_speeds = build_learner(config, index)
+    self.plan = schedule.RunPlan.from_config(config)
+    self.learner = build_learner(config, self.plan, index, self.group)
     self.speed = policy_lib.SpeedTracker([0.0])  # This group's measured steps per second (0 = none yet).
     self.compiled = False  # Whether a round ran yet in this process (the first one compiles the step).
-    self.slowdown = (tuple(config.learners.slowdown) or (0.0,) * len(config.learners.devices))[index]
-    self.host = HostPseudoGradient(self.group)
-    self.locals = {}  # fragment -> its host params when last pushed (the anchor if no new Θ_p comes back)
+    self.slowdown = self.plan.slowdown[index]
     self.overlap = config.streaming.overlap_steps  # τ: steps a fragment's exchange may take before it must land.
     self.inflight = {}  # fragment -> (exchange future, push, step by which it lands, its budget share)
     self.budget = [0, 0]  # Steps and tokens since this learner's last push: what the budget has yet to count.
@@ -153,7 +115,7 @@ class LearnerProcess:
     self.writer = metrics_lib.MetricsWriter(self.directory) if self.group.leader else None
     self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(self.directory, "checkpoints"), max_to_keep=1)
     self.exchanges = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="exchange")
-    self.accounting = Accounting()
+    self.account = ProcessAccount()
     self._stop = threading.Event()
 
   def _heartbeats(self) -> None:
@@ -185,7 +147,7 @@ class LearnerProcess:
     try:
       return self._push_and_pull(seq, push, budget)
     finally:
-      self.accounting.exchange += time.perf_counter() - begin
+      self.account.exchange += time.perf_counter() - begin
 
   def _push_and_pull(self, seq: int, push, budget: tuple[int, int]):
     """The leader's exchange: (seq, push reply, status, new Θ or None)."""
@@ -218,21 +180,21 @@ class LearnerProcess:
       logging.info("learner %d restored its inner state at step %d", self.index, self.learner.steps)
 
   def _record_ack(self, seq: int, reply: dict) -> None:
-    self.accounting.statuses[reply["status"]] = self.accounting.statuses.get(reply["status"], 0) + 1
+    self.account.statuses[reply["status"]] += 1
     self._write({"kind": "ack", "outer_step": reply.get("version", self.learner.base_versions[0]),
                        "learner": self.index, "seq": seq, "status": reply["status"],
-                       "wall_time": time.perf_counter() - self.accounting.begin})
+                       "wall_time": time.perf_counter() - self.account.begin})
 
   def run(self) -> dict:
     """Trains until the syncer says the budget is spent; returns the learner's summary."""
     self.status, theta = self._ask(lambda: self.client.join())
     self._restore()
     self.start_step = self.learner.steps  # Where this process took over: 0, or its checkpoint's step.
-    self.learner.pull(theta, self.status["versions"])
+    self.learner.start_from(theta, self.status["versions"])
     self.seq = self.status["acked_seq"] + 1
     if self.group.leader:
       threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
-    self.accounting = Accounting()  # The clock starts with training, not with compilation.
+    self.account = ProcessAccount()  # The clock starts with training, not with compilation.
     self.mark = time.perf_counter()
     logging.info("learner %d joined at version %d (next seq %d, %d steps left)", self.index, self.status["version"],
                  self.seq, self.status["steps_left"])
@@ -251,12 +213,25 @@ class LearnerProcess:
     finally:
       self._stop.set()
       self.exchanges.shutdown(wait=True)
-    summary = {"learner": self.index, "steps": self.learner.steps, "rounds": self.pushes,
-               "retries": self.client.retries if self.client else 0, "processes": self.group.processes,
-               **self.accounting.summary()}
-    self._write({"kind": "learner_summary", "outer_step": self.status["version"], **summary})
+    summary = self._summary()
+    self._write(summary)
     self.close()
     return summary
+
+  def _summary(self) -> dict:
+    """The learner_summary record: wall-clock split into busy and blocked, and the syncer's acks."""
+    account, wall = self.account, time.perf_counter() - self.account.begin
+    clock = {"outer_step": self.status["version"], "inner_step": self.learner.steps, "time": wall, "wall_time": wall}
+    return records.learner_summary(
+        clock, account, learner=self.index, steps=self.learner.steps,
+        tokens=self.learner.steps * self.learner.batches.tokens_per_batch, wall_seconds=wall,
+        compute_utilization=account.busy / wall if wall else 0.0,
+        blocked_fraction=account.blocked / wall if wall else 0.0, final_ack_seconds=account.final_ack,
+        exchange_seconds=account.exchange, rounds=self.pushes, retries=self.client.retries if self.client else 0,
+        processes=self.group.processes, ack_statuses=dict(account.statuses), pushes=sum(account.statuses.values()),
+        dropped=account.statuses["dropped"], rejected=account.statuses["refused"],
+        # What a learner process does not measure: the syncer's side of its pushes, and stalls by count.
+        idle_seconds=None, stalls=None, bytes_sent=None, bytes_received=None, staleness_histogram=None)
 
   def _period(self, steps: int) -> None:
     """One period of `steps` inner steps (H, fewer under DyLU or at the budget's end), as the virtual
@@ -265,7 +240,7 @@ class LearnerProcess:
 
     Its time per step feeds this group's measured speed, except in the first period (compilation).
     """
-    learner, compute = self.learner, self.accounting.compute
+    learner, compute = self.learner, self.account.busy
     for step_in_period in range(1, steps + 1):
       self._land_due()
       if self.status["done"]:
@@ -282,11 +257,11 @@ class LearnerProcess:
         if learner.steps_since_push[fragment]:  # (With α = 0 that landing dropped the steps it was due for.)
           self._send(fragment)
     for record in records.train_records(learner, learner.base_versions[0], self.config.log_every,
-                                        {"wall_time": time.perf_counter() - self.accounting.begin}):
+                                        {"wall_time": time.perf_counter() - self.account.begin}):
       self._write(record)
     self._tick()
     if self.compiled:
-      self.speed.observe(0, (self.accounting.compute - compute) / steps)
+      self.speed.observe(0, (self.account.busy - compute) / steps)
     else:  # Start-up and compilation end here: what a (re)started learner costs before it trains at speed.
       self._write({"kind": "first_round", "outer_step": learner.base_versions[0], "unix_time": time.time(),
                    "start_step": self.start_step})
@@ -303,14 +278,13 @@ class LearnerProcess:
     now = time.perf_counter()
     elapsed, self.mark = now - self.mark, now
     self.compute_since_push = [seconds + elapsed for seconds in self.compute_since_push]
-    self.accounting.compute += elapsed
+    self.account.busy += elapsed
 
   def _send(self, fragment: int) -> None:
     """Δ_p against its anchor, compressed as configured, to the background exchange; the budget's
     count of the steps since the last push of any fragment rides along (core.budget_share)."""
     self._tick()
-    push = self.learner.push(self.host, fragment)
-    self.locals[fragment] = self.host.local
+    push = self.learner.push(fragment)
     push.compute_seconds, self.compute_since_push[fragment] = self.compute_since_push[fragment], 0.0
     budget, self.budget = tuple(self.budget), [0, 0]
     future = self.exchanges.submit(self._exchange, self.seq, push, budget)
@@ -330,14 +304,14 @@ class LearnerProcess:
     seq, reply, self.status, theta = self.group.share(future.result())
     waited = time.perf_counter() - self.mark
     self.mark = time.perf_counter()
-    self.accounting.blocked += waited
+    self.account.blocked += waited
     if final:
-      self.accounting.final_ack += waited
+      self.account.final_ack += waited
     self._record_ack(seq, reply)
     if theta is None:
-      self.learner.anchors[fragment] = self.locals[fragment]
+      self.learner.anchor_on_pushed(fragment)
     else:
-      self.learner.receive(fragment, theta, self.status["versions"][fragment])
+      self.learner.land(fragment, theta, self.status["versions"][fragment])
       self.compute_since_push[fragment] *= self.learner.alpha
 
   def _uncounted(self) -> int:
@@ -362,8 +336,8 @@ class LearnerProcess:
   def _planned_steps(self) -> int:
     """The next period's length, decided by the leader for the whole group (see the module doc)."""
     planned = policy_lib.measured_round_steps(self.config.policy, self.config.inner_steps, self.speed.speeds[0],
-                                              self.status["max_speed"], self.declared_speeds[self.index],
-                                              max(self.declared_speeds))
+                                              self.status["max_speed"], self.plan.declared_speeds[self.index],
+                                              max(self.plan.declared_speeds))
     return self.group.share(planned)
 
   def close(self) -> None:

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 
 from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.run import schedule
 
 ADDRESS_FILE = "syncer_address"
 
@@ -19,8 +20,7 @@ def _require(condition: bool, message: str) -> None:
 def validate(config) -> None:
   """Rejects service settings that cannot work, with the flag to fix."""
   s = config.service
-  _require(config.mode in ("diloco", "decoupled"),
-           f"mode={config.mode!r} has no syncer to serve: use --config.mode=diloco or decoupled with --role")
+  schedule.require_supported(config.mode, "service")
   _require(0 <= s.port <= 65535, f"service.port={s.port} must be in [0, 65535] (0 = a free port)")
   _require(-1 <= s.data_port <= 65535,
            f"service.data_port={s.data_port} must be in [-1, 65535] (0 = a free port, -1 = pushes over gRPC)")
@@ -51,11 +51,6 @@ def check_ports_free(host: str, *ports: int) -> None:
       raise ConfigError(f"cannot listen on {host}:{port} ({error.strerror or error}): stop what holds it, or set "
                         "--config.service.port / --config.service.data_port to a free port (0 = any free port)"
                         ) from error
-
-
-def budget_steps(config) -> int:
-  """The run's inner steps over all learners: outer_steps × inner_steps × M, as in the simulator."""
-  return config.outer_steps * config.inner_steps * len(config.learners.devices)
 
 
 def max_payload_bytes(params) -> int:

@@ -9,7 +9,6 @@ carries on, and the learners (who retry) never notice more than a pause.
 """
 
 import os
-import queue
 import signal
 import threading
 import time
@@ -18,16 +17,16 @@ from absl import logging
 import jax
 
 from decoupled_diloco import checkpoint as checkpoint_lib
-from decoupled_diloco import compression, experiment, fragments, metrics as metrics_lib, model as model_lib, outer
+from decoupled_diloco import experiment, metrics as metrics_lib, model as model_lib
 from decoupled_diloco import workdir_lock
-from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
 from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.run import evaluator as evaluator_lib
+from decoupled_diloco.run import records, schedule
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import limits, runconfig, security, wal
 from decoupled_diloco.service import server as server_lib
-from decoupled_diloco.syncer import Syncer
 
 TICK_SECONDS = 0.2
 
@@ -59,78 +58,40 @@ class Recorder:
         self.writer.write(record)
 
 
-class Evaluator:
-  """Held-out loss of Θ snapshots, computed in one background thread in merge order."""
-
-  def __init__(self, config, model, corpus, recorder: Recorder):
-    self.batches = batches_lib.eval_batches(corpus, config.model.seq_len, config.eval_batch_size,
-                                            config.eval_batches)
-    self.bits_per_byte = batches_lib.bits_per_byte_factor(corpus.tokenizer, self.batches)
-    self.loss = jax.jit(model.loss)
-    self.recorder, self.optimal_loss = recorder, corpus.optimal_loss
-    self.last: dict | None = None
-    self._queue: queue.Queue = queue.Queue()
-    self._thread = threading.Thread(target=self._work, name="eval", daemon=True)
-    self._thread.start()
-
-  def submit(self, params, clock: dict) -> None:
-    """Queues an eval of `params` (a snapshot: merges replace Θ, they never mutate it)."""
-    self._queue.put((params, clock))
-
-  def _work(self) -> None:
-    while (item := self._queue.get()) is not None:
-      params, clock = item
-      loss = float(sum(float(self.loss(params, b)) for b in self.batches) / len(self.batches))
-      record = {"kind": "eval", **clock, "eval_loss": loss, "eval_bits_per_byte": loss * self.bits_per_byte}
-      if self.optimal_loss is not None:
-        record["optimal_loss"] = self.optimal_loss
-      self.recorder.write(record)
-      self.last = record
-      logging.info("version %d | %d tokens | eval %.4f", clock["outer_step"], clock["tokens"], loss)
-
-  def close(self) -> None:
-    """Finishes queued evals."""
-    self._queue.put(None)
-    self._thread.join()
+def build_evaluator(config, model, corpus, recorder: Recorder) -> evaluator_lib.Evaluator:
+  """The background evaluator of Θ snapshots, on this host (jitted model loss), in merge order."""
+  evals, loss = evaluator_lib.EvalSet.from_corpus(config, corpus), jax.jit(model.loss)
+  return evaluator_lib.Evaluator(lambda params: evals.mean_loss(loss, params), evals, recorder.write)
 
 
-def build_core(config, params, workdir: str, recorder: Recorder, evaluator: Evaluator) -> core_lib.SyncerCore:
-  """The syncer (same state machine as the simulator's) wrapped for the service; evals every
-  eval_every × inner_steps × Σ batch tokens, as the simulator does."""
-  num_learners = len(config.learners.devices)
-  syncer = Syncer(outer.outer_optimizer(config.outer), params, range(num_learners), experiment.syncer_settings(config),
-                  codec=compression.Codec.from_config(config.compression),
-                  assignment=fragments.partition(params, config.streaming.num_fragments, config.streaming.strategy))
-  tokens_per_eval = (config.eval_every * config.inner_steps * config.model.seq_len
-                     * sum(config.learners.batch_size))
-  schedule = {"next": tokens_per_eval}
+def build_core(config, params, workdir: str, recorder: Recorder,
+               evaluator: evaluator_lib.Evaluator) -> core_lib.SyncerCore:
+  """The syncer (built as the in-process runtimes build it) wrapped for the service; evals every
+  plan.tokens_per_eval tokens, as the in-process runtimes do."""
+  plan = schedule.RunPlan.from_config(config)
+  due = {"next": plan.tokens_per_eval}
 
   def on_merge(version, params, now):
-    if core.tokens_done >= schedule["next"]:
-      schedule["next"] = next_eval(core.tokens_done, tokens_per_eval)
+    if core.tokens_done >= due["next"]:
+      due["next"] = schedule.next_multiple(core.tokens_done, plan.tokens_per_eval)
       evaluator.submit(params, clock(core, version, now))
 
-  core = core_lib.SyncerCore(syncer, num_learners, runconfig.budget_steps(config), workdir,
+  core = core_lib.SyncerCore(experiment.build_syncer(config, params), plan.num_learners, plan.budget_steps, workdir,
                              checkpoint_every_merges=config.service.checkpoint_every_merges,
                              lease_seconds=config.service.lease_seconds, metadata={"config": config.to_dict()},
                              emit=recorder.write, on_merge=on_merge,
-                             limits=limits.PushLimits.from_config(config, runconfig.budget_steps(config)),
+                             limits=limits.PushLimits.from_config(config, plan.budget_steps),
                              downlink_format=config.compression.downlink_format,
                              truncate_corrupt_log=config.service.truncate_corrupt_log,
-                             min_learners_to_start=config.syncer.min_learners_to_start or num_learners,
+                             min_learners_to_start=config.syncer.min_learners_to_start or plan.num_learners,
                              start_timeout_seconds=config.syncer.start_timeout_seconds)
   return core
-
-
-def next_eval(tokens_done: int, tokens_per_eval: int) -> int:
-  """The first multiple of the eval interval above `tokens_done`: O(1) however far a push jumped."""
-  return (tokens_done // tokens_per_eval + 1) * tokens_per_eval
 
 
 def clock(core: core_lib.SyncerCore, version: int, now: float) -> dict:
   """Where the run is, for records: version, mean steps per learner, tokens, seconds since it began."""
   return {"outer_step": version, "inner_step": core.steps_done // core.num_learners, "tokens": core.tokens_done,
-          "wall_time": now - core.start_time}
+          "time": now - core.start_time, "wall_time": now - core.start_time}
 
 
 def run(config, workdir: str) -> dict:
@@ -161,7 +122,7 @@ def _serve(config, workdir: str, token: str, credentials, model, params, corpus)
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   recorder = Recorder()
-  evaluator = Evaluator(config, model, corpus, recorder)
+  evaluator = build_evaluator(config, model, corpus, recorder)
   core = build_core(config, params, workdir, recorder, evaluator)
   try:
     try:
@@ -248,18 +209,18 @@ def _has_summary(path: str) -> bool:
   return any(r["kind"] == "summary" for r in metrics_lib.read_metrics(path))
 
 
-def _finish(core: core_lib.SyncerCore, evaluator: Evaluator, recorder: Recorder,
+def _finish(core: core_lib.SyncerCore, evaluator: evaluator_lib.Evaluator, recorder: Recorder,
             server: server_lib.SyncerServer, write_summary: bool) -> dict:
   """Final eval, and the run's summary record once it is done (nothing more on SIGTERM)."""
-  if core.done and (evaluator.last is None or evaluator.last["outer_step"] != core.syncer.version):
+  if core.done and (evaluator.last_queued or {}).get("outer_step") != core.syncer.version:
     evaluator.submit(core.syncer.params, clock(core, core.syncer.version, time.time()))
   evaluator.close()
-  last = evaluator.last or {}
-  summary = {"eval_loss": last.get("eval_loss"), "optimal_loss": last.get("optimal_loss"),
-             "outer_updates": core.syncer.version, "steps_done": core.steps_done, "done": core.done,
-             **{f"{k}_pushes": v for k, v in core.counts.items()},
-             "refused_calls": dict(server.rejections)}
+  now = clock(core, core.syncer.version, time.time())
+  counts = {("accepted" if k == "applied" else k): v for k, v in core.counts.items()}
+  summary = records.summary(now, eval_loss=(evaluator.last or {}).get("eval_loss"),
+                            optimal_loss=evaluator.evals.optimal_loss, outer_updates=core.syncer.version,
+                            steps_done=core.steps_done, done=core.done, wall_seconds=now["wall_time"],
+                            refused_calls=dict(server.rejections), **records.push_counts(counts))
   if write_summary:
-    recorder.write({"kind": "summary", **clock(core, core.syncer.version, time.time()),
-                    **{k: v for k, v in summary.items() if k != "optimal_loss"}})
+    recorder.write(summary)
   return summary

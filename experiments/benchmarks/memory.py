@@ -40,7 +40,7 @@ def framework_peak(config, devices) -> tuple[int, int, int]:
   learner, host = exp.learners[0], [exp.syncer.device]
   peak_device = peak_host = 0
   for _ in range(2):
-    learner.pull(exp.syncer.params, exp.syncer.version)
+    learner.start_from(exp.syncer.params, exp.syncer.version)
     for _ in range(config.inner_steps):
       learner.step()
     learner.drain_losses()

@@ -1,0 +1,90 @@
+"""Held-out evaluation of Θ: the eval set, the one eval record, and the one background evaluator.
+
+The virtual clock and the lockstep runtime evaluate in line (their order is the record
+order); the threads runtime and the syncer process hand snapshots of Θ to `Evaluator`, a
+thread that evaluates them in merge order, so no learner and no merge waits for an eval.
+"""
+
+import dataclasses
+import queue
+import threading
+from typing import Callable
+
+from absl import logging
+import jax
+import numpy as np
+
+from decoupled_diloco.data import batches as batches_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSet:
+  """The held-out batches, the loss -> bits-per-byte factor of their text, and the known optimum."""
+  batches: list
+  bits_per_byte: float = 1.0 / np.log(2)
+  optimal_loss: float | None = None
+
+  @classmethod
+  def from_corpus(cls, config, corpus) -> "EvalSet":
+    """config.eval_batches batches of config.eval_batch_size windows of the corpus's eval text."""
+    batches = batches_lib.eval_batches(corpus, config.model.seq_len, config.eval_batch_size, config.eval_batches)
+    return cls(batches, batches_lib.bits_per_byte_factor(corpus.tokenizer, batches), corpus.optimal_loss)
+
+  def mean_loss(self, loss_fn: Callable, params) -> float:
+    """Mean of `loss_fn(params, batch)` over the batches (dispatched together, fetched once)."""
+    return float(np.mean(jax.device_get([loss_fn(params, batch) for batch in self.batches])))
+
+  def record(self, loss: float, clock: dict) -> dict:
+    """The `eval` record: the clock, the loss, its bits per byte and (when known) the optimum."""
+    record = {"kind": "eval", **clock, "eval_loss": loss, "eval_bits_per_byte": loss * self.bits_per_byte}
+    if self.optimal_loss is not None:
+      record["optimal_loss"] = self.optimal_loss
+    return record
+
+
+class Evaluator:
+  """Evaluates queued snapshots of Θ in order on one background thread, writing each record.
+
+  `evaluate(params) -> loss`; `write(record)` must be thread-safe. Snapshots are safe to
+  hold: merges replace Θ's arrays, they never change them in place.
+  """
+
+  def __init__(self, evaluate: Callable, evals: EvalSet, write: Callable[[dict], None]):
+    self.evaluate, self.evals, self.write = evaluate, evals, write
+    self.last: dict | None = None       # The newest record written.
+    self.last_queued: dict | None = None  # The clock of the newest snapshot queued.
+    self.failure: BaseException | None = None
+    self._queue: queue.Queue = queue.Queue()
+    self._thread = threading.Thread(target=self._work, name="evaluator", daemon=True)
+    self._thread.start()
+
+  def submit(self, params, clock: dict) -> None:
+    """Queues an eval of `params` at `clock` (outer_step, tokens, ...)."""
+    self.last_queued = clock
+    self._queue.put((params, clock))
+
+  def _work(self) -> None:
+    try:
+      while (item := self._queue.get()) is not None:
+        params, clock = item
+        record = self.evals.record(self.evaluate(params), clock)
+        self.write(record)
+        self.last = record
+        logging.info("version %d | %s tokens | eval %.4f", clock["outer_step"], f"{clock['tokens']:,}",
+                     record["eval_loss"])
+    except BaseException as error:  # pylint: disable=broad-except  # Re-raised by close().
+      self.failure = error
+
+  def close(self) -> None:
+    """Finishes the queued evals; raises what the thread raised."""
+    self._queue.put(None)
+    self._thread.join()
+    if self.failure is not None:
+      raise self.failure
+
+
+def evaluate(exp, clock: dict, params=None) -> dict:
+  """The eval record of the run's global params (or of a snapshot of them, `params`) at `clock`,
+  computed on learner 0's mesh: in line for the virtual clock and lockstep, in `Evaluator` for threads."""
+  params = exp.global_params if params is None else params
+  return exp.evals.record(exp.learners[0].evaluate(params, exp.evals), clock)

@@ -1,0 +1,80 @@
+"""Metric records every runtime writes the same way: train-loss windows, evals, and the one
+schema of the `learner_summary` and `summary` records (docs/records.md).
+
+A summary record always has every field of its schema; what a runtime does not measure is
+null, so readers (report.py, the notebooks) read one shape whatever ran.
+"""
+
+import os
+
+from decoupled_diloco.errors import ConfigError
+
+# Per learner group, at the run's end. Seconds are virtual under sim, wall-clock otherwise.
+LEARNER_SUMMARY_FIELDS = (
+    "learner", "steps", "tokens", "busy_seconds", "idle_seconds", "blocked_seconds", "finished_early_seconds",
+    "wall_seconds", "compute_utilization", "blocked_fraction", "stalls", "overlapped_steps", "pushes", "dropped",
+    "rejected", "bytes_sent", "bytes_received", "uplink_busy_seconds", "downlink_busy_seconds",
+    "staleness_histogram", "final_ack_seconds", "exchange_seconds", "rounds", "retries", "processes", "ack_statuses")
+# The run's totals, once, when it is done.
+SUMMARY_FIELDS = (
+    "eval_loss", "optimal_loss", "outer_updates", "steps", "steps_done", "done", "virtual_seconds", "wall_seconds",
+    "syncer_seconds", "goodput", "compute_utilization", "bytes_sent", "idle_fraction", "blocked_fraction", "merges",
+    "accepted_pushes", "dropped_pushes", "rejected_pushes", "duplicates_pushes", "late_pushes", "excluded_pushes",
+    "failures", "lost_steps", "down_seconds", "refused_calls")
+# Where the run stood when a record was written.
+CLOCK_FIELDS = ("outer_step", "inner_step", "tokens", "time", "wall_time")
+
+
+def _record(kind: str, schema: tuple, header: tuple, clock: dict, fields: dict) -> dict:
+  unknown = set(fields) - set(schema)
+  if unknown:
+    raise ValueError(f"{kind} record has no fields {sorted(unknown)}: add them to the schema in run/records.py")
+  return {"kind": kind, **{k: clock.get(k) for k in header}, **{k: fields.get(k) for k in schema}}
+
+
+def learner_summary(clock: dict, account=None, **fields) -> dict:
+  """The `learner_summary` record: the clock's outer_step, inner_step, time and wall_time, then every
+  field of LEARNER_SUMMARY_FIELDS: `account`'s (run.account.Account), overridden by `fields`, null
+  where neither has one (`tokens` is the learner's own)."""
+  return _record("learner_summary", LEARNER_SUMMARY_FIELDS, ("outer_step", "inner_step", "time", "wall_time"),
+                 clock, {**(account.fields() if account is not None else {}), **fields})
+
+
+def summary(clock: dict, **fields) -> dict:
+  """The `summary` record: the clock, then every field of SUMMARY_FIELDS (null where `fields` has none)."""
+  return _record("summary", SUMMARY_FIELDS, CLOCK_FIELDS, clock, fields)
+
+
+def push_counts(counts: dict) -> dict:
+  """Summary fields of a syncer's push counters ('accepted', 'dropped', ..., 'merges')."""
+  return {("merges" if k == "merges" else f"{k}_pushes"): v for k, v in counts.items()}
+
+
+def fresh_workdir(workdir: str, resume: bool, no_resume: str) -> str:
+  """For runtimes that cannot resume: refuses `resume` (saying `no_resume`) and a workdir that
+  already holds a run, before anything is written; returns the checkpoints directory."""
+  if resume:
+    raise ConfigError(no_resume)
+  checkpoints = os.path.join(workdir, "checkpoints")
+  if os.path.isdir(checkpoints) and os.listdir(checkpoints):
+    raise ConfigError(f"workdir {workdir} already holds a run: pick a new --workdir")
+  os.makedirs(workdir, exist_ok=True)
+  return checkpoints
+
+
+def train_records(learner, outer_step: int, log_every: int, extra: dict) -> list[dict]:
+  """Mean loss per window of `log_every` inner steps; windows also end where a drain ends.
+
+  Runtimes drain at round (or push) boundaries, so windows never span a checkpoint and a
+  resumed run writes exactly the records the uninterrupted run wrote.
+  """
+  records, window = [], []
+  losses = learner.drain_losses()
+  for i, (step, loss) in enumerate(losses):
+    window.append(loss)
+    if (step + 1) % log_every == 0 or i == len(losses) - 1:
+      records.append({"kind": "train", "outer_step": outer_step, "learner": learner.index,
+                      "inner_step": step + 1, "tokens": (step + 1) * learner.batches.tokens_per_batch,
+                      "loss": sum(window) / len(window), **extra})
+      window = []
+  return records
