@@ -95,7 +95,7 @@ def main(argv: list[str]) -> None:
   message = f"final eval loss {summary['eval_loss']:.4f}"
   if summary["optimal_loss"] is not None:
     message += f" (optimum {summary['optimal_loss']:.4f}, gap {summary['eval_loss'] - summary['optimal_loss']:.4f})"
-  if "virtual_seconds" in summary:
+  if summary.get("virtual_seconds") is not None:
     message += (f"; virtual time {summary['virtual_seconds']:.1f}s, goodput {summary['goodput']:.3f}, "
                 f"{summary['outer_updates']} outer updates, steps per learner {summary['steps']}, "
                 f"idle fraction per learner {summary['idle_fraction']}")

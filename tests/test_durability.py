@@ -20,6 +20,7 @@ from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import metrics as metrics_lib, model as model_lib, workdir_lock
 from decoupled_diloco.data import sources
 from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.run import records as run_records
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import syncer_main, wal
 from experiments.launch_local import LocalCluster
@@ -141,7 +142,7 @@ def test_the_eval_schedule_skips_any_number_of_intervals_at_once(tmp_path):
   model, params, _ = model_lib.build_model(config.model, config.seed)
   corpus = sources.load_corpus(config.data, config.model.seq_len)
   with metrics_lib.MetricsWriter(str(tmp_path)) as writer:
-    recorder = syncer_main.Recorder(writer)
+    recorder = run_records.Recorder(writer)
     evaluator = syncer_main.build_evaluator(config, model, corpus, recorder)
     core = syncer_main.build_core(config, params, str(tmp_path), recorder, evaluator)
     core.start(time.time())

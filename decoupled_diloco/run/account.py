@@ -8,6 +8,10 @@ and its learner_summary record says null for it (records.learner_summary).
 import collections
 import dataclasses
 
+from absl import logging
+
+from decoupled_diloco.syncer import PushRejected
+
 
 @dataclasses.dataclass(kw_only=True)
 class Account:
@@ -43,3 +47,17 @@ class Account:
             "stalls": self.stalls, "pushes": self.pushes, "dropped": self.dropped, "rejected": self.rejected,
             "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "staleness_histogram": {str(s): n for s, n in sorted(self.staleness.items())}}
+
+
+def hand_over(syncer, account: Account, push, now: float, useful_seconds: float, wire_bytes: int):
+  """Gives `push` to the in-process syncer at `now` and accounts it: (accepted, merge report or None,
+  staleness), or None when the syncer refused it as malformed (logged, counted as rejected)."""
+  staleness = syncer.fragments[push.fragment].version - push.base_version
+  try:
+    accepted, report = syncer.receive(push, now)
+  except PushRejected as error:
+    logging.warning("%s", error)
+    account.rejected += 1
+    return None
+  account.count_push(staleness, accepted, useful_seconds, wire_bytes)
+  return accepted, report, staleness

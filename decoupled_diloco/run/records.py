@@ -6,7 +6,9 @@ null, so readers (report.py, the notebooks) read one shape whatever ran.
 """
 
 import os
+import threading
 
+from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco.errors import ConfigError
 
 # Per learner group, at the run's end. Seconds are virtual under sim, wall-clock otherwise.
@@ -45,6 +47,27 @@ def summary(clock: dict, **fields) -> dict:
   return _record("summary", SUMMARY_FIELDS, CLOCK_FIELDS, clock, fields)
 
 
+def push(clock: dict, push_, staleness: int, accepted: bool, **extra) -> dict:
+  """The `push` record of a pseudo-gradient the syncer took."""
+  return {"kind": "push", **clock, "learner": push_.learner, "fragment": push_.fragment,
+          "local_steps": push_.local_steps, "tokens": push_.tokens, "staleness": staleness, "accepted": int(accepted),
+          "wire_bytes": push_.wire_bytes, **extra}
+
+
+def outer(clock: dict, report, **extra) -> dict:
+  """The `outer` record of a merge (syncer.MergeReport)."""
+  return {"kind": "outer", **clock, "fragment": report.fragment, "learners": list(report.learners),
+          "staleness": list(report.staleness), "weights": list(report.weights), **extra}
+
+
+def totals(weights, accounts, end: float, useful) -> dict:
+  """Summary fields over the learners: goodput (`useful` seconds, weighted by each group's devices or
+  chips, over the device-time allocated for `end` seconds) and compute utilization (busy likewise)."""
+  allocated = sum(w * end for w in weights)
+  share = lambda seconds: sum(w * s for w, s in zip(weights, seconds)) / allocated if allocated else 0.0
+  return {"goodput": share(useful), "compute_utilization": share([a.busy for a in accounts])}
+
+
 def push_counts(counts: dict) -> dict:
   """Summary fields of a syncer's push counters ('accepted', 'dropped', ..., 'merges')."""
   return {("merges" if k == "merges" else f"{k}_pushes"): v for k, v in counts.items()}
@@ -78,3 +101,30 @@ def train_records(learner, outer_step: int, log_every: int, extra: dict) -> list
                       "loss": sum(window) / len(window), **extra})
       window = []
   return records
+
+
+class Recorder:
+  """A MetricsWriter shared by threads (learners, the evaluator, gRPC handlers).
+
+  Records written before `attach` wait in memory (the syncer process's log replay: which
+  records the file keeps depends on the checkpoint the restart could use, known only after).
+  """
+
+  def __init__(self, writer: metrics_lib.MetricsWriter | None = None):
+    self.writer, self.lock, self._waiting = writer, threading.Lock(), []
+
+  def attach(self, writer: metrics_lib.MetricsWriter) -> None:
+    """Starts writing into `writer`, the waiting records first."""
+    with self.lock:
+      self.writer = writer
+      for record in self._waiting:
+        writer.write(record)
+      self._waiting.clear()
+
+  def write(self, record: dict) -> None:
+    """Appends one record (thread-safe)."""
+    with self.lock:
+      if self.writer is None:
+        self._waiting.append(record)
+      else:
+        self.writer.write(record)

@@ -1,8 +1,6 @@
 """The run plan: what a config asks of a run, derived once, the same for every runtime and process.
 
-Budget, cadence and speeds used to be recomputed by each runtime and by both service
-processes; here they are one frozen value. (Not to be confused with decoupled_diloco/plan.py,
-the compile plan of a model on a slice.)
+(Not decoupled_diloco/plan.py, which is the compile plan of a model on a slice.)
 """
 
 import dataclasses
@@ -112,10 +110,19 @@ class RunPlan:
 
   @property
   def tokens_per_checkpoint(self) -> int:
-    """Tokens between checkpoints of runtimes that count in tokens: checkpoint_every rounds' worth."""
+    """Tokens between the virtual clock's checkpoints: checkpoint_every rounds' worth."""
     return self.checkpoint_every * self.tokens_per_round
 
 
-def next_multiple(done: int, interval: int) -> int:
-  """The first multiple of `interval` above `done`: the next eval (or checkpoint) mark, however far `done` jumped."""
-  return (done // interval + 1) * interval
+@dataclasses.dataclass
+class Every:
+  """A cadence in tokens (evals, checkpoints): due whenever the tokens done cross its next mark."""
+  interval: int
+  next: int = 0  # The next mark; 0: the first multiple of `interval`.
+
+  def due(self, done: int) -> bool:
+    """Whether `done` tokens reached the next mark; the mark then moves past `done` in O(1), however far it jumped."""
+    if done < (self.next or self.interval):
+      return False
+    self.next = (done // self.interval + 1) * self.interval
+    return True

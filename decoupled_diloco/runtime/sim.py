@@ -39,7 +39,7 @@ from decoupled_diloco.run import account as account_lib
 from decoupled_diloco.run import evaluator, records, schedule
 from decoupled_diloco.runtime import failures as failures_lib
 from decoupled_diloco.runtime import sim_checkpoint
-from decoupled_diloco.syncer import MergeReport, PushRejected
+from decoupled_diloco.syncer import MergeReport
 
 # Priorities at equal times: steps that end produce pushes, pushes arrive, then replies
 # leave with the resulting Θ, and only then do learners start new work.
@@ -104,7 +104,7 @@ class Simulation:
     self.plan = exp.plan
     self.speeds = policy_lib.SpeedTracker(list(self.plan.declared_speeds))
     self.steps_left = self.plan.budget_steps
-    self.next_eval_tokens = self.plan.tokens_per_eval
+    self.eval_due = schedule.Every(self.plan.tokens_per_eval)
     if self.syncer is not None:  # Θ_p travels back in the downlink format; each fragment's share of the model.
       self.downlink = compression.Codec(format=exp.config.compression.downlink_format)
       shapes = [[x.shape for x in jax.tree.leaves(self.syncer.fragment_params(p))]
@@ -249,20 +249,14 @@ class Simulation:
 
   # Syncer side.
   def _on_arrive(self, push, compute_seconds: float, in_flight: int) -> None:
-    m, clock, fragment = push.learner, self.clocks[push.learner], push.fragment
-    staleness = self.syncer.fragments[fragment].version - push.base_version
-    try:
-      accepted, report = self.syncer.receive(push, self.now)
-    except PushRejected as error:
-      logging.warning("%s", error)
-      clock.rejected += 1
+    m, fragment = push.learner, push.fragment
+    taken = account_lib.hand_over(self.syncer, self.clocks[m], push, self.now, compute_seconds * self.shares[fragment],
+                                  round(push.wire_bytes * self.exp.byte_scale))
+    if taken is None:
       self._schedule(self.now, REPLY, self._on_reply, m, fragment)
       return
-    clock.count_push(staleness, accepted, compute_seconds * self.shares[fragment],
-                     round(push.wire_bytes * self.exp.byte_scale))
-    self.writer.write({"kind": "push", **self._clock(self.syncer.version), "learner": m, "fragment": fragment,
-                       "local_steps": push.local_steps, "tokens": push.tokens, "staleness": staleness,
-                       "accepted": int(accepted), "wire_bytes": push.wire_bytes, "in_flight": in_flight})
+    accepted, report, staleness = taken
+    self.writer.write(records.push(self._clock(self.syncer.version), push, staleness, accepted, in_flight=in_flight))
     if self.blocking and accepted:  # Waits for the merge that includes its push (maybe this one).
       self.waiting[fragment].append(m)
     else:
@@ -286,9 +280,7 @@ class Simulation:
       self._schedule(self.now, REPLY, self._on_reply, m, report.fragment)
 
   def _write_outer(self, report: MergeReport) -> None:
-    self.writer.write({"kind": "outer", **self._clock(report.version), "fragment": report.fragment,
-                       "learners": list(report.learners), "staleness": list(report.staleness),
-                       "weights": list(report.weights)})
+    self.writer.write(records.outer(self._clock(report.version), report))
 
   def _on_reply(self, m: int, p: int) -> None:
     """Θ_p leaves the syncer now (a snapshot) and reaches the learner after its downlink's queue."""
@@ -301,9 +293,8 @@ class Simulation:
                    self.clocks[m].epoch)
 
   def _maybe_evaluate(self, version: int, force: bool = False) -> None:
-    if not force and self.tokens < self.next_eval_tokens:
+    if not self.eval_due.due(self.tokens) and not force:
       return
-    self.next_eval_tokens = schedule.next_multiple(self.tokens, self.plan.tokens_per_eval)
     record = evaluator.evaluate(self.exp, self._clock(version))
     self.writer.write(record)
     self.last_eval = record
@@ -354,14 +345,11 @@ class Simulation:
           compute_utilization=account.busy / self.now if self.now else 0.0,
           bytes_sent=account.up.bytes, bytes_received=account.down.bytes,
           uplink_busy_seconds=account.up.busy, downlink_busy_seconds=account.down.busy))
-    allocated = sum(c * self.now for c in chips)
-    useful = sum(c * (account.useful if self.syncer else account.busy) for c, account in zip(chips, self.clocks))
     summary = records.summary(
         clock, eval_loss=self.last_eval["eval_loss"], optimal_loss=self.exp.corpus.optimal_loss,
         outer_updates=version, steps=[l.steps for l in self.exp.learners],
         steps_done=sum(l.steps for l in self.exp.learners), done=True, virtual_seconds=self.now,
-        goodput=useful / allocated if allocated else 0.0,
-        compute_utilization=(sum(c * a.busy for c, a in zip(chips, self.clocks)) / allocated if allocated else 0.0),
+        **records.totals(chips, self.clocks, self.now, [a.useful if self.syncer else a.busy for a in self.clocks]),
         bytes_sent=sum(c.up.bytes for c in self.clocks),
         idle_fraction=[round(c.idle / self.now, 4) if self.now else 0.0 for c in self.clocks],
         **(records.push_counts(self.syncer.counts) if self.syncer else {}),

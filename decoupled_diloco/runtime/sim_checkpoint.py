@@ -26,12 +26,13 @@ import numpy as np
 
 from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.run import schedule
 from decoupled_diloco.run import state as state_lib
 
 BLOB = "simulation"  # The orbax item holding the pickled host state.
 _LEARNER_FIELDS = ("anchors", "base_versions", "tokens_since_push", "steps_since_push", "residuals")
 _FRAGMENT_FIELDS = ("pending", "deadline", "window_start")
-_SIMULATION_FIELDS = ("now", "clocks", "rngs", "speeds", "steps_left", "next_eval_tokens", "waiting", "last_eval")
+_SIMULATION_FIELDS = ("now", "clocks", "rngs", "speeds", "steps_left", "eval_due", "waiting", "last_eval")
 
 
 class _HostPickler(pickle.Pickler):
@@ -70,13 +71,11 @@ class Cadence:
 
   def __init__(self, checkpointer: checkpoint_lib.Checkpointer, simulation):
     self.checkpointer, self.simulation = checkpointer, simulation
-    self.interval = simulation.plan.tokens_per_checkpoint
-    self.marks = simulation.tokens // self.interval
+    self.every = schedule.Every(simulation.plan.tokens_per_checkpoint)
+    self.every.due(simulation.tokens)  # Marks a resumed run has passed already.
 
   def __call__(self) -> None:
-    marks = self.simulation.tokens // self.interval
-    if marks > self.marks and self.simulation.steps_left > 0:
-      self.marks = marks
+    if self.every.due(self.simulation.tokens) and self.simulation.steps_left > 0:
       save(self.checkpointer, self.simulation)
 
 

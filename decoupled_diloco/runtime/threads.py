@@ -45,7 +45,7 @@ from decoupled_diloco.experiment import Experiment
 from decoupled_diloco.run import account as account_lib
 from decoupled_diloco.run import evaluator as evaluator_lib
 from decoupled_diloco.run import records, schedule, state
-from decoupled_diloco.syncer import MergeReport, Push, PushRejected
+from decoupled_diloco.syncer import MergeReport, Push
 
 
 class ThreadedRun:
@@ -54,7 +54,7 @@ class ThreadedRun:
   def __init__(self, exp: Experiment, writer: metrics_lib.MetricsWriter):
     config = exp.config
     schedule.require_supported(config.mode, "threads")
-    self.exp, self.config, self.writer, self.syncer = exp, config, writer, exp.syncer
+    self.exp, self.config, self.writer, self.syncer = exp, config, records.Recorder(writer), exp.syncer
     self.blocking = config.mode == "diloco"
     num = len(exp.learners)
     self.plan = exp.plan
@@ -69,11 +69,10 @@ class ThreadedRun:
     self.pushed: set[int] = set()   # diloco: learners that handed their push over since the last merge.
     self.waiting: set[int] = set()  # diloco: learners waiting for a merge.
     self.done: set[int] = set()
-    self.next_eval_tokens = self.plan.tokens_per_eval
+    self.eval_due = schedule.Every(self.plan.tokens_per_eval)
     self.syncer_seconds = 0.0  # Time the syncer spent receiving and merging (lock held).
     self.stopping, self.failure = False, None
-    # Lock order: syncer lock, then budget lock, then write lock; never the other way round.
-    self.write_lock = threading.Lock()
+    # Lock order: syncer lock, then budget lock, then the writer's lock; never the other way round.
     self.evaluator: evaluator_lib.Evaluator | None = None  # Started with the clock (run()).
     self._start, self._begin = time.monotonic(), time.time()
 
@@ -86,10 +85,6 @@ class ThreadedRun:
       steps, tokens = max(a.steps for a in self.accounts), self.tokens
     return {"outer_step": version, "inner_step": steps, "tokens": tokens, "time": self.now(),
             "wall_time": time.time() - self._begin}
-
-  def _write(self, record: dict) -> None:
-    with self.write_lock:
-      self.writer.write(record)
 
   @contextlib.contextmanager
   def _holding(self, m: int, lock):
@@ -138,7 +133,7 @@ class ThreadedRun:
       # Every step was waited for: draining its losses here only copies scalars.
       extra = {"time": self.now(), "wall_time": time.time() - self._begin}
       for record in records.train_records(learner, self.syncer.version, self.config.log_every, extra):
-        self._write(record)
+        self.writer.write(record)
       if self.blocking:  # Hand over in learner order: the merge then sums as lockstep does.
         self._wait(m, lambda: all(k in self.pushed or k in self.done for k in range(m)))
       before = self.syncer.versions[0]
@@ -184,21 +179,15 @@ class ThreadedRun:
   # Syncer side (syncer lock held).
   def _hand_over(self, m: int, push) -> bool:
     """receive() at wall-clock now; records the push and any merge. True if it was accepted."""
-    account, began = self.accounts[m], time.monotonic()
-    staleness = self.syncer.versions[push.fragment] - push.base_version
+    began = time.monotonic()
     self.pushed.add(m)
-    try:
-      accepted, report = self.syncer.receive(push, self.now())
-    except PushRejected as error:
-      logging.warning("%s", error)
-      account.rejected += 1
+    taken = account_lib.hand_over(self.syncer, self.accounts[m], push, self.now(), push.compute_seconds,
+                                  push.wire_bytes)
+    self.syncer_seconds += time.monotonic() - began
+    if taken is None:
       return False
-    finally:
-      self.syncer_seconds += time.monotonic() - began
-    account.count_push(staleness, accepted, push.compute_seconds, push.wire_bytes)
-    self._write({"kind": "push", **self._clock(self.syncer.version), "learner": m, "fragment": push.fragment,
-                 "local_steps": push.local_steps, "tokens": push.tokens, "staleness": staleness,
-                 "accepted": int(accepted), "wire_bytes": push.wire_bytes})
+    accepted, report, staleness = taken
+    self.writer.write(records.push(self._clock(self.syncer.version), push, staleness, accepted))
     if report is not None:
       self.syncer.observe_sync_seconds(time.monotonic() - began)  # ξ_sync: the merge's own duration.
       self._on_merge(report, "push")
@@ -216,11 +205,9 @@ class ThreadedRun:
     """Records a merge ('push': it completed the quorum; 'deadline': a grace window closed;
     'end': what was left when the budget ran out) and queues Θ's evaluation when it is due."""
     clock = self._clock(report.version)
-    self._write({"kind": "outer", **clock, "fragment": report.fragment, "learners": list(report.learners),
-                 "staleness": list(report.staleness), "weights": list(report.weights), "trigger": trigger})
+    self.writer.write(records.outer(clock, report, trigger=trigger))
     self.pushed.clear()
-    if clock["tokens"] >= self.next_eval_tokens:
-      self.next_eval_tokens = schedule.next_multiple(clock["tokens"], self.plan.tokens_per_eval)
+    if self.eval_due.due(clock["tokens"]):
       self.evaluator.submit(self.syncer.params, clock)  # A snapshot: Θ's arrays are never changed in place.
     self.lock.notify_all()
 
@@ -278,7 +265,7 @@ class ThreadedRun:
       list(pool.map(self._compile, range(len(learners))))
     self._start, self._begin = time.monotonic(), time.time()
     self.evaluator = evaluator_lib.Evaluator(lambda params: self.exp.learners[0].evaluate(params, self.exp.evals),
-                                             self.exp.evals, self._write)
+                                             self.exp.evals, self.writer.write)
     for thread in helpers + learners:
       thread.start()
     for thread in learners:
@@ -309,21 +296,19 @@ class ThreadedRun:
     for m, (account, learner) in enumerate(zip(self.accounts, self.exp.learners)):
       account.idle = max(0.0, account.done_at - account.busy - account.blocked)
       account.bytes_received = (account.pushes + account.rejected + 1) * theta_bytes
-      self._write(records.learner_summary(
+      self.writer.write(records.learner_summary(
           clock, account, learner=m, steps=learner.steps,
           tokens=learner.steps * learner.batches.tokens_per_batch, finished_early_seconds=end - account.done_at,
           wall_seconds=end, compute_utilization=account.busy / end, blocked_fraction=account.blocked / end))
-    allocated = sum(d * end for d in devices)
     summary = records.summary(
         clock, eval_loss=self.evaluator.last["eval_loss"], optimal_loss=self.exp.corpus.optimal_loss,
         outer_updates=version, steps=[l.steps for l in self.exp.learners],
         steps_done=sum(l.steps for l in self.exp.learners), done=True, wall_seconds=end,
         syncer_seconds=self.syncer_seconds,
-        goodput=sum(d * a.useful for d, a in zip(devices, self.accounts)) / allocated,
-        compute_utilization=sum(d * a.busy for d, a in zip(devices, self.accounts)) / allocated,
+        **records.totals(devices, self.accounts, end, [a.useful for a in self.accounts]),
         bytes_sent=sum(a.bytes_sent for a in self.accounts),
         blocked_fraction=[round(a.blocked / end, 4) for a in self.accounts], **records.push_counts(self.syncer.counts))
-    self._write(summary)
+    self.writer.write(summary)
     return summary
 
 

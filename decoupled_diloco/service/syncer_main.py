@@ -31,49 +31,21 @@ from decoupled_diloco.service import server as server_lib
 TICK_SECONDS = 0.2
 
 
-class Recorder:
-  """A MetricsWriter shared by gRPC handler threads and the eval thread.
-
-  Records written before `attach` (the log's replay) wait in memory: which records the
-  file keeps depends on the checkpoint the restart could use, known only after restoring.
-  """
-
-  def __init__(self, writer: metrics_lib.MetricsWriter | None = None):
-    self.writer, self.lock, self._waiting = writer, threading.Lock(), []
-
-  def attach(self, writer: metrics_lib.MetricsWriter) -> None:
-    """Starts writing into `writer`, the waiting records first."""
-    with self.lock:
-      self.writer = writer
-      for record in self._waiting:
-        writer.write(record)
-      self._waiting.clear()
-
-  def write(self, record: dict) -> None:
-    """Appends one record (thread-safe)."""
-    with self.lock:
-      if self.writer is None:
-        self._waiting.append(record)
-      else:
-        self.writer.write(record)
-
-
-def build_evaluator(config, model, corpus, recorder: Recorder) -> evaluator_lib.Evaluator:
+def build_evaluator(config, model, corpus, recorder: records.Recorder) -> evaluator_lib.Evaluator:
   """The background evaluator of Θ snapshots, on this host (jitted model loss), in merge order."""
   evals, loss = evaluator_lib.EvalSet.from_corpus(config, corpus), jax.jit(model.loss)
   return evaluator_lib.Evaluator(lambda params: evals.mean_loss(loss, params), evals, recorder.write)
 
 
-def build_core(config, params, workdir: str, recorder: Recorder,
+def build_core(config, params, workdir: str, recorder: records.Recorder,
                evaluator: evaluator_lib.Evaluator) -> core_lib.SyncerCore:
   """The syncer (built as the in-process runtimes build it) wrapped for the service; evals every
   plan.tokens_per_eval tokens, as the in-process runtimes do."""
   plan = schedule.RunPlan.from_config(config)
-  due = {"next": plan.tokens_per_eval}
+  eval_due = schedule.Every(plan.tokens_per_eval)
 
   def on_merge(version, params, now):
-    if core.tokens_done >= due["next"]:
-      due["next"] = schedule.next_multiple(core.tokens_done, plan.tokens_per_eval)
+    if eval_due.due(core.tokens_done):
       evaluator.submit(params, clock(core, version, now))
 
   core = core_lib.SyncerCore(experiment.build_syncer(config, params), plan.num_learners, plan.budget_steps, workdir,
@@ -121,7 +93,7 @@ def _serve(config, workdir: str, token: str, credentials, model, params, corpus)
   """The syncer's life in a workdir it holds: restore, serve, finish."""
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
-  recorder = Recorder()
+  recorder = records.Recorder()
   evaluator = build_evaluator(config, model, corpus, recorder)
   core = build_core(config, params, workdir, recorder, evaluator)
   try:
@@ -209,7 +181,7 @@ def _has_summary(path: str) -> bool:
   return any(r["kind"] == "summary" for r in metrics_lib.read_metrics(path))
 
 
-def _finish(core: core_lib.SyncerCore, evaluator: evaluator_lib.Evaluator, recorder: Recorder,
+def _finish(core: core_lib.SyncerCore, evaluator: evaluator_lib.Evaluator, recorder: records.Recorder,
             server: server_lib.SyncerServer, write_summary: bool) -> dict:
   """Final eval, and the run's summary record once it is done (nothing more on SIGTERM)."""
   if core.done and (evaluator.last_queued or {}).get("outer_step") != core.syncer.version:
