@@ -92,6 +92,7 @@ class Learner:
       leaves[i] = merged
     self.state = self.state._replace(params=jax.tree.unflatten(treedef, leaves))
     self.anchors[fragment], self.base_versions[fragment] = fragment_params, version
+    self.pushed.pop(fragment, None)  # The new Θ_p anchors: θ_p as pushed is not needed any more.
     self.tokens_since_push[fragment] = round(self.alpha * self.tokens_since_push[fragment])
     self.steps_since_push[fragment] = round(self.alpha * self.steps_since_push[fragment])
 

@@ -34,9 +34,9 @@ from tests.helpers import tiny_config
 from tests.test_sim_resume import OVERRIDES
 since_save, call = [], sim_checkpoint.Cadence.__call__
 def cadence(self):
-  before = self.marks
+  before = self.every.next
   call(self)
-  if since_save or self.marks > before:
+  if since_save or self.every.next > before:
     since_save.append(1)
   if len(since_save) > 15:
     os.kill(os.getpid(), signal.SIGKILL)
@@ -68,6 +68,7 @@ def test_a_killed_simulation_resumes_and_writes_the_uninterrupted_records(tmp_pa
             str(tmp_path / "twice"))
   resumed = sim.run(experiment.build(tiny_config(**{**OVERRIDES, "resume": True})), str(tmp_path / "twice"))
   assert _records(tmp_path / "twice") == expected
-  assert {k: v for k, v in resumed.items() if k != "wall_time"} == reference
+  assert {k: v for k, v in resumed.items() if k != "wall_time"} == {k: v for k, v in reference.items()
+                                                                     if k != "wall_time"}
   with pytest.raises(ConfigError, match="finished run"):
     sim.run(experiment.build(tiny_config(**{**OVERRIDES, "resume": True})), str(tmp_path / "twice"))

@@ -60,13 +60,13 @@ def main(argv) -> None:
   print(f"\n{'row':16s} {'eval loss':>10s} {'goodput':>8s} {'paper':>6s} {'failures':>9s} {'virtual s':>10s}")
   for name, r in results.items():
     print(f"{name:16s} {loss[name]:10.4f} {good[name]:8.1%} {PUBLISHED['goodput'][name]:6.0%} "
-          f"{r.get('failures', 0):9d} {r['virtual_seconds']:10.0f}")
+          f"{r['failures'] or 0:9d} {r['virtual_seconds']:10.0f}")
   common.emit({
       "eval_loss": loss, "goodput": good,
       "decoupled_vs_dp_loss": round(loss["decoupled_m8"] / loss["dp_no_failures"] - 1, 4),
       "goodput_gain_over_elastic_dp": round(good["decoupled_m8"] - good["elastic_dp"], 4),
-      "failures": {n: r.get("failures", 0) for n, r in results.items()},
-      "lost_steps": {n: r.get("lost_steps", 0) for n, r in results.items()},
+      "failures": {n: r["failures"] or 0 for n, r in results.items()},
+      "lost_steps": {n: r["lost_steps"] or 0 for n, r in results.items()},
       "virtual_seconds": {n: round(r["virtual_seconds"], 1) for n, r in results.items()},
       "wall_seconds": {n: r["wall_seconds"] for n, r in results.items()}, "published": PUBLISHED})
 

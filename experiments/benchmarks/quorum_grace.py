@@ -57,7 +57,7 @@ def main(argv) -> None:
       "k1_grace_vs_k_all_loss": round(loss["k1_grace"] / loss["k_all"], 4),
       "k1_vs_k_all_loss": round(loss["k1"] / loss["k_all"], 4),
       "virtual_seconds": {n: round(r["virtual_seconds"], 1) for n, r in results.items()},
-      "merges": {n: r.get("merges", 0) for n, r in results.items()},
+      "merges": {n: r["merges"] or 0 for n, r in results.items()},
       "wall_seconds": {n: r["wall_seconds"] for n, r in results.items()}, "published": PUBLISHED})
 
 
