@@ -1,7 +1,5 @@
 """The run's checkpointed state, one layout for every in-process runtime (lockstep, sim, threads)."""
 
-from absl import logging
-
 from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco.syncer import SyncerState
 
@@ -40,5 +38,4 @@ def restore(exp, checkpointer: checkpoint_lib.Checkpointer, step: int) -> dict:
       learner.batches.restore(data_state)
   if exp.syncer is not None:
     exp.syncer.restore(SyncerState(state["syncer_params"], state["syncer_opt_state"], tuple(meta["syncer_versions"])))
-  logging.info("resumed from checkpoint %d", step)
   return meta

@@ -59,6 +59,7 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
                       "pass --config.resume=True to continue it, or pick a new --workdir")
   if start:
     state.restore(exp, checkpointer, start)
+    logging.info("resumed from checkpoint at outer step %d", start)
   # Records an interrupted run wrote after its last checkpoint (or before its first) are dropped.
   writer = metrics_lib.MetricsWriter(workdir, resume_from_step=start)
   tokens_per_round = exp.plan.tokens_per_round

@@ -21,6 +21,7 @@ import json
 import pickle
 import time
 
+from absl import logging
 import jax
 import numpy as np
 
@@ -118,6 +119,7 @@ def restore(checkpointer: checkpoint_lib.Checkpointer, simulation, metadata: dic
   """Puts `simulation` back where checkpoint `metadata['step']` left it."""
   exp, syncer, step = simulation.exp, simulation.syncer, metadata["step"]
   state_lib.restore(exp, checkpointer, step)
+  logging.info("resumed from checkpoint at %d inner steps", step)
   blob, _ = checkpointer.restore(step, {BLOB: {"bytes": np.zeros(metadata["blob_bytes"], np.uint8)}})
   state = pickle.loads(blob[BLOB]["bytes"].tobytes())
   for learner, saved in zip(exp.learners, state["learners"]):
