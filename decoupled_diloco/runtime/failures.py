@@ -1,6 +1,6 @@
 """Chip failures with real math on the virtual clock: a seeded schedule and what a failure does.
 
-The failure model is the goodput cost model's (`runtime.scale.FailureModel`): every chip
+The failure model is the goodput cost model's (`costmodel.scale.FailureModel`): every chip
 fails as a Poisson process of rate 1 / mtbi_seconds, so a group of c chips fails at rate
 c / MTBI. What a failure does here, to real learners with real state:
 - a Decoupled DiLoCo learner group (mode 'decoupled') goes down: every step since its last
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from decoupled_diloco.errors import ConfigError
-from decoupled_diloco.runtime import scale
+from decoupled_diloco.costmodel import scale
 
 MODES = ("decoupled", "ddp")
 
