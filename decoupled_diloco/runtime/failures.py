@@ -27,10 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decoupled_diloco.errors import ConfigError
+from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.costmodel import scale
+from decoupled_diloco.errors import ConfigError
 
 MODES = ("decoupled", "ddp")
+_FIELDS = ("enabled", "mtbi_seconds", "restart_seconds", "resize_seconds", "domain_chips", "repair_seconds", "elastic",
+           "checkpoint_every", "seed")  # config.failures, described in configs/default.py.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Settings:
   def from_config(cls, config) -> "Settings | None":
     """None when failures are off; ConfigError (naming the fix) for a setting that cannot be honoured."""
     cfg = config.failures
+    settings_lib.refuse_unknown(cfg, "failures", _FIELDS)
     if not cfg.enabled:
       return None
     if config.runtime != "sim":
