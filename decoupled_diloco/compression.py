@@ -71,6 +71,8 @@ class Codec:
   @classmethod
   def from_config(cls, cfg) -> "Codec":
     """The uplink codec of `config.compression`, checked (with its downlink_format) before any training starts."""
+    if isinstance(cfg, cls):
+      return cfg
     codec = settings_lib.from_config(cls, cfg, "compression", extra_keys=("downlink_format",))
     downlink = cfg.get("downlink_format", "fp32")
     if downlink not in DOWNLINK_FORMATS:

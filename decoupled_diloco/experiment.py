@@ -59,8 +59,11 @@ def with_overrides(config, overrides: dict):
   for key, value in overrides.items():
     node = config
     *parents, leaf = key.split(".")
-    for parent in parents:
-      node = node[parent]
+    for name in (*parents, leaf):
+      _require(hasattr(node, "keys") and name in node, f"unknown config key {key!r}: every field is one of "
+               "configs/default.py's; fix the spelling")
+      if name != leaf:
+        node = node[name]
     node[leaf] = value
   return config
 
