@@ -161,4 +161,4 @@ def get_config() -> ml_collections.ConfigDict:
   config.log_every = 10  # Inner steps between train-loss records.
   config.checkpoint_every = 5  # Outer steps between orbax checkpoints (sim: rounds' worth of tokens) and at the end.
   config.resume = False  # Continue from the latest checkpoint in --workdir (runtimes lockstep and sim).
-  return config
+  return config.lock()  # Setting a field default.py lacks (a typo) raises: no field is added unread.

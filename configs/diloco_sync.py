@@ -13,7 +13,7 @@ get_sweep() is the outer-lr x H ablation at this token budget (9 runs, one after
 """
 
 from configs import default
-from decoupled_diloco import sweep
+from decoupled_diloco.research import sweep
 
 
 def get_config():

@@ -16,16 +16,13 @@ The vocabulary needs a subword tokenizer of 128,256 pieces; the byte-level pipel
 bytes (ids < 256), which runs but wastes the table.
 """
 
-from configs import default
+from configs import tpu_1b
 
 
 def get_config():
-  """Decoupled DiLoCo (quorum 1, staleness-weighted) at 8B on v5p + v6e."""
-  config = default.get_config()
-  config.mode = "decoupled"
-  config.runtime = "service"  # One learner process per slice (experiments.launch_tpu starts them).
+  """Decoupled DiLoCo (quorum 1, staleness-weighted) at 8B: the 1B run's slices, data and cadence, scaled up."""
+  config = tpu_1b.get_config()  # Decoupled service over a v5p and a v6e slice, C4, bf16, remat, scanned layers.
   config.outer_steps = 100
-  config.inner_steps = 500
   config.model.vocab_size = 128_256
   config.model.seq_len = 4096
   config.model.d_model = 4096
@@ -36,31 +33,15 @@ def get_config():
   config.model.position = "rope"
   config.model.rope_theta = 500_000.0
   config.model.mlp = "swiglu"
-  config.model.dtype = "bfloat16"
-  config.model.remat = "full"
-  config.model.scan_layers = True
-  config.model.attention = "auto"  # Splash (flash) attention on TPU.
   config.model.loss_chunk = 2048  # Logits over 128k pieces never held for the whole batch in float32.
-  config.data.source = "tfds"
-  config.data.tfds_name = "c4/en"
   config.learners.devices = (256, 256)  # v5p-512 (256 chips) and v6e-256 (256 chips).
-  config.learners.hardware = ("v5p", "v6e")
-  config.learners.layouts = ("data=2,fsdp=128", "fsdp=128,tensor=2")
-  config.learners.batch_size = (256, 256)  # 2 x 1M tokens per inner step.
-  config.learners.mfu = 0.4
+  config.learners.layouts = ("data=2,fsdp=128", "fsdp=128,tensor=2")  # 2 x 1M tokens per inner step.
   config.sim.link_gbps = 50.0
-  config.sim.link_latency_seconds = 0.05
   config.streaming.num_fragments = 8
   config.streaming.overlap_steps = 4
-  config.compression.format = "bf16"
   config.syncer.quorum = 1
   config.syncer.staleness = "polynomial"
   config.outer.optimizer = "delayed_nesterov"
   config.outer.buffer_size = 2
   config.inner.lr = 3e-4
-  config.inner.warmup_steps = 1000
-  config.eval_batch_size = 256
-  config.eval_every = 10
-  config.log_every = 50
-  config.checkpoint_every = 10
   return config

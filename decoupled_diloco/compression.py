@@ -34,9 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.errors import ConfigError
 
 FORMATS = ("fp32", "bf16", "int8", "int4", "fp4", "int2", "topk")
+DOWNLINK_FORMATS = ("fp32", "bf16")  # Θ_p sent back to learners; the syncer keeps fp32.
 _LEVELS = {"int8": 127, "int4": 7, "int2": 1}  # q in [-L, L]; codes are q + L.
 _PACKED_BITS = {"int4": 4, "fp4": 4, "int2": 2}
 _FP4_POWERS = 7  # fp4 magnitudes 2^0 .. 2^-6.
@@ -68,9 +70,15 @@ class Codec:
 
   @classmethod
   def from_config(cls, cfg) -> "Codec":
-    """The codec of `config.compression`, checked before any training starts."""
-    return cls(format=cfg.format, block_size=cfg.block_size, topk_fraction=cfg.topk_fraction,
-               error_feedback=bool(cfg.error_feedback), error_feedback_beta=cfg.error_feedback_beta)
+    """The uplink codec of `config.compression`, checked (with its downlink_format) before any training starts."""
+    if isinstance(cfg, cls):
+      return cfg
+    codec = settings_lib.from_config(cls, cfg, "compression", extra_keys=("downlink_format",))
+    downlink = cfg.get("downlink_format", "fp32")
+    if downlink not in DOWNLINK_FORMATS:
+      raise ConfigError(f"compression.downlink_format={downlink!r} is unknown: use one of {DOWNLINK_FORMATS} "
+                        "(Θ itself is never quantized harder)")
+    return dataclasses.replace(codec, error_feedback=bool(codec.error_feedback))
 
 
 class Compressed(NamedTuple):

@@ -12,17 +12,19 @@ from absl import logging
 import jax
 
 from decoupled_diloco import compression, fragments, hardware, inner, mesh, model as model_lib, outer, policy
+from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.data import batches as batches_lib
+from decoupled_diloco.data import settings as data_settings
 from decoupled_diloco.data import sources
 from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.learner import Learner
 from decoupled_diloco.run import evaluator, schedule
 from decoupled_diloco.runtime import failures
+from decoupled_diloco.service import runconfig
 from decoupled_diloco.syncer import Settings, Syncer
 
 MODES = ("diloco", "decoupled", "ddp")
-DOWNLINK_FORMATS = ("fp32", "bf16")
 RUNTIMES = ("lockstep", "sim", "service", "threads")  # service: experiments.train --role=syncer|learner.
 
 
@@ -55,8 +57,11 @@ def with_overrides(config, overrides: dict):
   for key, value in overrides.items():
     node = config
     *parents, leaf = key.split(".")
-    for parent in parents:
-      node = node[parent]
+    for name in (*parents, leaf):
+      _require(hasattr(node, "keys") and name in node, f"unknown config key {key!r}: every field is one of "
+               "configs/default.py's; fix the spelling")
+      if name != leaf:
+        node = node[name]
     node[leaf] = value
   return config
 
@@ -66,8 +71,40 @@ def _require(condition: bool, message: str) -> None:
     raise ConfigError(message)
 
 
-def validate(config) -> None:
-  """Rejects impossible run shapes with one line that names the fix."""
+def validate(config) -> settings_lib.Groups:
+  """Builds every typed config group, each checking its own fields, and applies the rules that span groups.
+
+  Rejects impossible run shapes with one line that names the fix, before a runtime touches the
+  workdir; returns the groups, so that nothing has to parse the config again.
+  """
+  _validate_run_shape(config)
+  data = data_settings.Settings.from_config(config.data)
+  tokenizer_lib.resolve_model_vocab(config)
+  model = model_lib.Settings.from_config(config.model)
+  inner_settings = inner.Settings.from_config(config.inner)
+  layouts = mesh.layouts_from_config(config.learners)
+  for group, (layout, batch) in enumerate(zip(layouts, config.learners.batch_size)):
+    _require(batch >= 1 and batch % layout.batch_shards == 0,
+             f"learner group {group}: batch_size {batch} is not divisible by its {layout.batch_shards} batch shards "
+             f"(data × fsdp of {layout}): make each learners.batch_size a positive multiple of them")
+    inner.validate_microbatches(inner_settings.microbatches, batch, layout.batch_shards, group)
+  _require(config.eval_batch_size % layouts[0].batch_shards == 0,
+           f"eval_batch_size {config.eval_batch_size} is not divisible by group 0's {layouts[0].batch_shards} batch "
+           "shards (data × fsdp): make it a multiple")
+  outer_settings = syncer = streaming = codec = None
+  if config.mode != "ddp":
+    outer_settings, syncer = outer.Settings.from_config(config.outer), _syncer_group(config)
+    streaming, codec = _streaming_groups(config)
+  policy_settings = policy.Settings.from_config(config.policy)
+  failure_settings = failures.Settings.from_config(config)
+  hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
+  service = runconfig.validate(config) if config.runtime == "service" else None
+  return settings_lib.Groups(model, data, inner_settings, outer_settings, syncer, streaming, codec, policy_settings,
+                             failure_settings, service)
+
+
+def _validate_run_shape(config) -> None:
+  """Mode, runtime, run length, cadences and the learner groups: the top level of the config."""
   _require(config.mode in MODES, f"mode={config.mode!r} is unknown: use one of {MODES}")
   _require(config.runtime in RUNTIMES, f"runtime={config.runtime!r} is unknown: use one of {RUNTIMES}")
   schedule.require_supported(config.mode, config.runtime)
@@ -82,38 +119,8 @@ def validate(config) -> None:
            "give one batch size per group")
   _require(all(count >= 1 for count in devices), f"learners.devices={devices} has a group with < 1 device: "
            "give every group at least 1")
-  layouts = mesh.layouts_from_config(config.learners)
-  for group, (layout, batch) in enumerate(zip(layouts, batch_sizes)):
-    _require(batch >= 1 and batch % layout.batch_shards == 0,
-             f"learner group {group}: batch_size {batch} is not divisible by its {layout.batch_shards} batch shards "
-             f"(data × fsdp of {layout}): make each learners.batch_size a positive multiple of them")
-    inner.validate_microbatches(config.inner.microbatches, batch, layout.batch_shards, group)
-  _require(config.eval_batch_size % layouts[0].batch_shards == 0,
-           f"eval_batch_size {config.eval_batch_size} is not divisible by group 0's {layouts[0].batch_shards} batch "
-           "shards (data × fsdp): make it a multiple")
   _require(config.mode != "ddp" or len(devices) == 1,
            f"mode='ddp' trains one group but learners.devices={devices}: use one group, e.g. (8,)")
-  _require(config.data.split in ("iid", "noniid"),
-           f"data.split={config.data.split!r} is unknown: use 'iid' or 'noniid'")
-  tokenizer_lib.resolve_model_vocab(config)
-  model_lib.validate_config(config.model)
-  inner.validate_config(config.inner)
-  sources.validate_config(config.data)
-  if config.mode != "ddp":
-    outer.outer_optimizer(config.outer)
-    Settings.from_config(config.syncer)
-    _require(config.syncer.quorum <= len(devices),
-             f"syncer.quorum={config.syncer.quorum} exceeds the {len(devices)} learners: it could never be met; "
-             "lower --config.syncer.quorum (0 = all learners)")
-    _require(0 <= config.syncer.min_learners_to_start <= len(devices),
-             f"syncer.min_learners_to_start={config.syncer.min_learners_to_start} must be in [0, {len(devices)}] "
-             "(0 = all learners)")
-    _require(config.syncer.start_timeout_seconds > 0,
-             f"syncer.start_timeout_seconds={config.syncer.start_timeout_seconds} must be > 0")
-    _validate_streaming(config)
-  policy.validate(config.policy)
-  failures.Settings.from_config(config)
-  hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
   slowdown = tuple(config.learners.slowdown)
   _require(len(slowdown) in (0, len(devices)),
            f"learners.slowdown has {len(slowdown)} entries for {len(devices)} learner groups: give one factor per "
@@ -121,19 +128,32 @@ def validate(config) -> None:
   _require(all(f >= 0 for f in slowdown), f"learners.slowdown={slowdown} has a negative factor: use factors >= 0")
 
 
-def _validate_streaming(config) -> None:
-  """Fragments, overlap and compression: checked against the model's real tensors."""
-  streaming = config.streaming
-  compression.Codec.from_config(config.compression)
-  _require(config.compression.downlink_format in DOWNLINK_FORMATS,
-           f"compression.downlink_format={config.compression.downlink_format!r} is unknown: use one of "
-           f"{DOWNLINK_FORMATS} (Θ itself is never quantized harder)")
+def _syncer_group(config) -> Settings:
+  """The merge policy, and the syncer's start rules, against the number of learners."""
+  settings_lib.refuse_unknown(config.syncer, "syncer", (*(f.name for f in dataclasses.fields(Settings)),
+                                                        "min_learners_to_start", "start_timeout_seconds"))
+  settings = Settings.from_config(config.syncer)
+  learners = len(config.learners.devices)
+  _require(settings.quorum <= learners,
+           f"syncer.quorum={settings.quorum} exceeds the {learners} learners: it could never be met; "
+           "lower --config.syncer.quorum (0 = all learners)")
+  _require(0 <= config.syncer.min_learners_to_start <= learners,
+           f"syncer.min_learners_to_start={config.syncer.min_learners_to_start} must be in [0, {learners}] "
+           "(0 = all learners)")
+  _require(config.syncer.start_timeout_seconds > 0,
+           f"syncer.start_timeout_seconds={config.syncer.start_timeout_seconds} must be > 0")
+  return settings
+
+
+def _streaming_groups(config) -> tuple[fragments.Streaming, compression.Codec]:
+  """Fragments, overlap and compression: checked against the model's real tensors, H, runtime and policy."""
+  streaming = fragments.Streaming.from_config(config.streaming)
+  codec = compression.Codec.from_config(config.compression)
   fragments.partition(model_lib.abstract_params(config.model)[1], streaming.num_fragments, streaming.strategy)
   _require(0 <= streaming.overlap_steps < config.inner_steps,
            f"streaming.overlap_steps (tau) = {streaming.overlap_steps} must be in [0, inner_steps={config.inner_steps}): "
            "a merged fragment must land before the same fragment syncs again")
-  _require(0.0 <= streaming.alpha <= 1.0, f"streaming.alpha = {streaming.alpha} must be in [0, 1]")
-  _require(config.runtime in ("sim", "service") or (streaming.num_fragments == 1 and streaming.overlap_steps == 0),
+  _require(config.runtime in ("sim", "service") or not streaming.streams,
            "streaming (num_fragments > 1 or overlap_steps > 0) needs a clock: add --config.runtime=sim, or run "
            "the syncer and learners as processes (--role)")
   _require(streaming.num_fragments == 1 or config.policy.kind != "time_budget",
@@ -145,6 +165,7 @@ def _validate_streaming(config) -> None:
              "give one per group or none")
   _require(min((sim.link_gbps, sim.link_latency_seconds, *sim.learner_link_gbps, *sim.learner_link_latency_seconds)) >= 0,
            "sim link bandwidths and latencies must be >= 0 (bandwidth 0 = unlimited)")
+  return streaming, codec
 
 
 def syncer_settings(config) -> Settings:

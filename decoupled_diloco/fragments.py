@@ -9,16 +9,45 @@ in place of leaves they do not own, so names (and the embedding mask of the merg
 survive, and P = 1 gives back the tree itself.
 """
 
+import dataclasses
 import re
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
+from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.errors import ConfigError
 
 STRATEGIES = ("strided", "tensor", "balanced")
 _BLOCK = re.compile(r"block_(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Streaming:
+  """`config.streaming`, validated on its own; `partition` checks P against the model's tensors."""
+  num_fragments: int = 1   # P: fragments, each synced once per H steps.
+  strategy: str = "strided"
+  overlap_steps: int = 0   # τ: inner steps a learner trains before the merged fragment must be in (< H).
+  alpha: float = 0.0       # θ_p ← α θ_p + (1 − α) Θ_p.
+
+  def __post_init__(self):
+    settings_lib.check((
+        (settings_lib.is_int(self.num_fragments) and self.num_fragments >= 1,
+         f"streaming.num_fragments={self.num_fragments!r} must be an int >= 1: set --config.streaming.num_fragments"),
+        (self.strategy in STRATEGIES, f"streaming.strategy={self.strategy!r} is unknown: use one of {STRATEGIES}"),
+        (0.0 <= self.alpha <= 1.0, f"streaming.alpha = {self.alpha} must be in [0, 1]"),
+    ))
+
+  @classmethod
+  def from_config(cls, streaming_cfg) -> "Streaming":
+    """The streaming group of a config (or a Streaming already); unknown fields are refused by name."""
+    return settings_lib.from_config(cls, streaming_cfg, "streaming")
+
+  @property
+  def streams(self) -> bool:
+    """Whether any fragment syncs apart from the rest or overlaps compute: what needs a clock."""
+    return self.num_fragments > 1 or self.overlap_steps > 0
 
 
 def _layer_of(path) -> int | None:

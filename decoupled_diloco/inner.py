@@ -15,6 +15,7 @@ import optax
 from jax.sharding import Mesh
 
 from decoupled_diloco import mesh as mesh_lib
+from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.model import LanguageModel
 
@@ -26,21 +27,35 @@ class TrainState(NamedTuple):
   opt_state: optax.OptState
 
 
-def validate_config(inner_cfg) -> None:
-  """Refuses AdamW settings that optax would take and train with silently (a negative lr ascends the loss)."""
-  checks = (
-      (inner_cfg.lr > 0, f"inner.lr={inner_cfg.lr} must be > 0"),
-      (inner_cfg.warmup_steps >= 0, f"inner.warmup_steps={inner_cfg.warmup_steps} must be >= 0"),
-      (0 <= inner_cfg.final_lr_fraction <= 1,
-       f"inner.final_lr_fraction={inner_cfg.final_lr_fraction} must be in [0, 1]"),
-      (inner_cfg.weight_decay >= 0, f"inner.weight_decay={inner_cfg.weight_decay} must be >= 0"),
-      (inner_cfg.clip_norm > 0, f"inner.clip_norm={inner_cfg.clip_norm} must be > 0"),
-      (0 <= inner_cfg.b1 < 1, f"inner.b1={inner_cfg.b1} must be in [0, 1)"),
-      (0 <= inner_cfg.b2 < 1, f"inner.b2={inner_cfg.b2} must be in [0, 1)"),
-  )
-  for ok, message in checks:
-    if not ok:
-      raise ConfigError(f"{message}: set --config.{message.split('=', 1)[0]} (defaults in configs/default.py)")
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """`config.inner`, validated: AdamW settings optax would take and train with silently (a negative lr ascends)."""
+  lr: float
+  warmup_steps: int
+  final_lr_fraction: float
+  weight_decay: float
+  clip_norm: float
+  b1: float
+  b2: float
+  microbatches: int = 1  # Checked against each group's batch by `validate_microbatches` (it needs the layout).
+
+  def __post_init__(self):
+    checks = (
+        (self.lr > 0, f"inner.lr={self.lr} must be > 0"),
+        (self.warmup_steps >= 0, f"inner.warmup_steps={self.warmup_steps} must be >= 0"),
+        (0 <= self.final_lr_fraction <= 1, f"inner.final_lr_fraction={self.final_lr_fraction} must be in [0, 1]"),
+        (self.weight_decay >= 0, f"inner.weight_decay={self.weight_decay} must be >= 0"),
+        (self.clip_norm > 0, f"inner.clip_norm={self.clip_norm} must be > 0"),
+        (0 <= self.b1 < 1, f"inner.b1={self.b1} must be in [0, 1)"),
+        (0 <= self.b2 < 1, f"inner.b2={self.b2} must be in [0, 1)"),
+    )
+    settings_lib.check((ok, f"{message}: set --config.{message.split('=', 1)[0]} (defaults in configs/default.py)")
+                       for ok, message in checks)
+
+  @classmethod
+  def from_config(cls, inner_cfg) -> "Settings":
+    """The inner group of a config; unknown fields are refused by name."""
+    return settings_lib.from_config(cls, inner_cfg, "inner")
 
 
 def inner_optimizer(inner_cfg, total_steps: int) -> optax.GradientTransformation:

@@ -8,13 +8,14 @@ An asynchronous syncer, which applies each learner's pseudo-gradient on arrival,
 Delayed Nesterov instead: momentum moves once per N arrivals, as if they were one round.
 """
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from decoupled_diloco.errors import ConfigError
+from decoupled_diloco import settings as settings_lib
 
 
 def pseudo_gradient(global_params, local_params):
@@ -29,8 +30,6 @@ def _sgd(cfg):
 
 def _adam(cfg):
   """Adam with b1 = outer.momentum: 0 means no first moment (RMSProp-like), as the config says."""
-  if not 0 <= cfg.momentum < 1:
-    raise ConfigError(f"outer.momentum={cfg.momentum} must be in [0, 1) for Adam's b1: set --config.outer.momentum")
   return optax.adam(cfg.lr, b1=cfg.momentum)
 
 
@@ -88,28 +87,48 @@ def delayed_nesterov(learning_rate: float, momentum: float, buffer_size: int,
 
 
 def _delayed_nesterov(cfg):
-  """DN from outer.lr, outer.momentum, outer.buffer_size (N, default 1), outer.activation (c, default 0)."""
-  buffer_size, activation = cfg.get("buffer_size", 1), cfg.get("activation", 0.0)
-  if not isinstance(buffer_size, int) or isinstance(buffer_size, bool) or buffer_size < 1:
-    raise ConfigError(f"outer.buffer_size={buffer_size!r} must be an int >= 1: set --config.outer.buffer_size")
-  if not 0 <= activation <= 1 / buffer_size:
-    raise ConfigError(f"outer.activation={activation} must be in [0, 1/outer.buffer_size = {1 / buffer_size:g}] "
-                      "(Liu et al., Alg. 3): set --config.outer.activation in that range")
-  return delayed_nesterov(cfg.lr, cfg.momentum, buffer_size, activation)
+  """DN from outer.lr, outer.momentum, outer.buffer_size (N) and outer.activation (c)."""
+  return delayed_nesterov(cfg.lr, cfg.momentum, cfg.buffer_size, cfg.activation)
 
 
 OUTER_OPTIMIZERS = {"sgd": _sgd, "adam": _adam, "delayed_nesterov": _delayed_nesterov}
 
 
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """`config.outer`, validated: which optax transform the syncer applies to merged pseudo-gradients."""
+  optimizer: str
+  lr: float
+  momentum: float           # SGD's momentum, Adam's b1, Delayed Nesterov's m.
+  nesterov: bool
+  buffer_size: int = 1      # Delayed Nesterov: N arrivals per momentum update.
+  activation: float = 0.0   # Delayed Nesterov: c in [0, 1/N].
+
+  def __post_init__(self):
+    settings_lib.check((
+        (self.optimizer in OUTER_OPTIMIZERS,
+         f"outer.optimizer={self.optimizer!r} is unknown: use one of {sorted(OUTER_OPTIMIZERS)}"),
+        (self.lr > 0, f"outer.lr={self.lr} must be > 0: set --config.outer.lr to a positive value"),
+        (0 <= self.momentum < 1, f"outer.momentum={self.momentum} must be in [0, 1): set --config.outer.momentum, "
+         "e.g. 0.9"),
+        (settings_lib.is_int(self.buffer_size) and self.buffer_size >= 1,
+         f"outer.buffer_size={self.buffer_size!r} must be an int >= 1: set --config.outer.buffer_size"),
+    ))
+    settings_lib.check((
+        (0 <= self.activation <= 1 / self.buffer_size,
+         f"outer.activation={self.activation} must be in [0, 1/outer.buffer_size = {1 / self.buffer_size:g}] "
+         "(Liu et al., Alg. 3): set --config.outer.activation in that range"),))
+
+  @classmethod
+  def from_config(cls, outer_cfg) -> "Settings":
+    """The outer group of a config (or a Settings already); unknown fields are refused by name."""
+    return settings_lib.from_config(cls, outer_cfg, "outer")
+
+
 def outer_optimizer(outer_cfg) -> optax.GradientTransformation:
   """The configured outer optimizer; code that needs another can pass any optax transform."""
-  if outer_cfg.optimizer not in OUTER_OPTIMIZERS:
-    raise ConfigError(f"outer.optimizer={outer_cfg.optimizer!r} is unknown: use one of {sorted(OUTER_OPTIMIZERS)}")
-  if outer_cfg.lr <= 0:
-    raise ConfigError(f"outer.lr={outer_cfg.lr} must be > 0: set --config.outer.lr to a positive value")
-  if not 0 <= outer_cfg.momentum < 1:  # SGD's momentum, Adam's b1, Delayed Nesterov's m.
-    raise ConfigError(f"outer.momentum={outer_cfg.momentum} must be in [0, 1): set --config.outer.momentum, e.g. 0.9")
-  return OUTER_OPTIMIZERS[outer_cfg.optimizer](outer_cfg)
+  settings = Settings.from_config(outer_cfg)
+  return OUTER_OPTIMIZERS[settings.optimizer](settings)
 
 
 def outer_step(optimizer: optax.GradientTransformation, params, opt_state, delta):

@@ -9,20 +9,32 @@ times). A time budget trains until the round's time is up.
 import dataclasses
 import math
 
-from decoupled_diloco.errors import ConfigError
+from decoupled_diloco import settings as settings_lib
 
 POLICIES = ("fixed", "dylu", "time_budget")
 SPEED_SOURCES = ("declared", "measured")
 
 
-def validate(policy_cfg) -> None:
-  """Rejects unknown policies and non-positive budgets early."""
-  if policy_cfg.kind not in POLICIES:
-    raise ConfigError(f"policy.kind={policy_cfg.kind!r} is unknown: use one of {POLICIES}")
-  if policy_cfg.speed_source not in SPEED_SOURCES:
-    raise ConfigError(f"policy.speed_source={policy_cfg.speed_source!r} is unknown: use one of {SPEED_SOURCES}")
-  if policy_cfg.kind == "time_budget" and policy_cfg.round_seconds <= 0:
-    raise ConfigError(f"policy.round_seconds={policy_cfg.round_seconds} must be > 0 for a time budget")
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """`config.policy`, validated: unknown policies and non-positive budgets are refused up front."""
+  kind: str
+  speed_source: str = "declared"
+  round_seconds: float = 0.0
+
+  def __post_init__(self):
+    settings_lib.check((
+        (self.kind in POLICIES, f"policy.kind={self.kind!r} is unknown: use one of {POLICIES}"),
+        (self.speed_source in SPEED_SOURCES,
+         f"policy.speed_source={self.speed_source!r} is unknown: use one of {SPEED_SOURCES}"),
+        (self.kind != "time_budget" or self.round_seconds > 0,
+         f"policy.round_seconds={self.round_seconds} must be > 0 for a time budget"),
+    ))
+
+  @classmethod
+  def from_config(cls, policy_cfg) -> "Settings":
+    """The policy group of a config (or a Settings already); unknown fields are refused by name."""
+    return settings_lib.from_config(cls, policy_cfg, "policy")
 
 
 def dylu_steps(speed: float, max_speed: float, inner_steps: int) -> int:

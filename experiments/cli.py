@@ -26,15 +26,28 @@ def parse_flags(argv: list[str]) -> list[str]:
     fail(f"cannot load --config: {error.msg} in {error.filename} line {error.lineno}: fix the file")
   except (flags.Error, KeyError, AttributeError, ValueError, TypeError, ImportError, NameError) as error:
     text = str(error)
-    if "Did you mean" in text or isinstance(error.__cause__, KeyError):
-      key = text.split("\\n")[0].strip("'\\ ")
+    if "cannot be added since the config is locked" in text:  # The config file sets a field default.py lacks.
+      key = text.split('"')[1] if '"' in text else text
+      fail(f"cannot load --config: it sets {key!r}, which is not a config field: fix the spelling in the config "
+           "file (configs/default.py lists every field)")
+    if "Did you mean" in text or KeyError in (type(error), type(error.__cause__), type(error.__context__)):
+      key = text.split("\\n")[0].strip("'\\\" ")
       hint = text[text.index("Did you mean"):].rstrip("'") if "Did you mean" in text else ""
-      fail(f"unknown config key {key}: fix the --config.* override. {hint}")
+      fail(f"unknown config key {_override_path(argv, key)}: fix the --config.* override. {hint}")
     if "Error whilst parsing config file" in text:  # get_config() raised: its traceback's last line says why.
       fail(f"cannot load --config: get_config() raised {text.strip().splitlines()[-1]}: fix the config file")
     if "has no attribute 'get_config'" in text:
       fail("cannot load --config: the file has no get_config(): pass a configs/*.py that defines one")
     fail(error)
+
+
+def _override_path(argv: list[str], key: str) -> str:
+  """The dotted field of the --config.* override that names `key` (config_flags reports only its last part)."""
+  for arg in argv:
+    path = arg.split("=", 1)[0].lstrip("-")
+    if path.startswith("config.") and key in path.split("."):
+      return path.removeprefix("config.")
+  return key
 
 
 def load_config(config_flag):

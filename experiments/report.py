@@ -7,7 +7,7 @@ Each argument is a run's --workdir or a sweep's (its points' subdirectories). Th
 go to --out (default: DIR/report under the first argument): loss_vs_tokens.png,
 loss_vs_wall_time.png, loss_vs_virtual_time.png, utilization.png, staleness.png (each only
 when some run has the records it needs) and report.md. The plotting code lives in
-decoupled_diloco.report, for notebooks.
+decoupled_diloco.research.report, for notebooks.
 """
 
 import os
@@ -26,7 +26,7 @@ def main(argv: list[str]) -> None:
     sys.stderr.write("error: no run given: pass one or more workdirs, e.g. python -m experiments.report /tmp/dd_demo\n")
     sys.exit(2)
   # Imported here so that `--help` and usage errors stay fast.
-  from decoupled_diloco import report  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.research import report  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
   try:

@@ -34,7 +34,7 @@ def main(argv: list[str]) -> None:
   config_flag = flags.FLAGS["config"]
   config_file, root = config_flags.get_config_filename(config_flag), flags.FLAGS.workdir
   # Imported here so that `--help` and flag errors stay fast.
-  from decoupled_diloco import report, sweep  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.research import report, sweep  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
   try:

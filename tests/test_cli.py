@@ -155,7 +155,8 @@ def test_readme_launch_local_command_runs(tmp_path):
 
 
 @pytest.mark.parametrize("flag, message", [
-    ("--config.outer.lrr=0.5", 'unknown config key lrr: fix the --config.* override. Did you mean "lr"'),
+    ("--config.outer.lrr=0.5", 'unknown config key outer.lrr: fix the --config.* override. Did you mean "lr"'),
+    ("--config.inner.stpes=3", "unknown config key inner.stpes: fix the --config.* override"),
     ("--config.inner_steps=0", "inner_steps (H) = 0 must be >= 1"),
     ("--config.learners.batch_size=(15,16,16,16)", "batch_size 15 is not divisible by its 2 batch shards"),
     ("--config.data.source=text_file", "does not exist"),
@@ -188,6 +189,8 @@ def _assert_refused(result: subprocess.CompletedProcess, message: str, workdir: 
     ("def get_config(:\n  pass\n", "cannot load --config: invalid syntax in"),
     ("def get_config():\n  raise ValueError('no such size')\n", "get_config() raised ValueError: no such size"),
     ("X = 1\n", "the file has no get_config()"),
+    ("from configs import default\ndef get_config():\n  config = default.get_config()\n  config.inner.stpes = 3\n"
+     "  return config\n", "it sets 'stpes', which is not a config field"),
 ])
 @pytest.mark.parametrize("entry_point", ["train", "launch_local"])
 def test_a_config_file_that_does_not_load_is_one_line(entry_point, source, message, tmp_path):

@@ -11,7 +11,8 @@ import pytest
 
 from decoupled_diloco import experiment
 from decoupled_diloco.errors import ConfigError
-from decoupled_diloco.runtime import failures, scale, sim
+from decoupled_diloco.costmodel import scale
+from decoupled_diloco.runtime import failures, sim
 from tests.helpers import tiny_config
 
 FAILING = {"runtime": "sim", "failures.enabled": True, "failures.mtbi_seconds": 30.0,

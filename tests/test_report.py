@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from decoupled_diloco import report
+from decoupled_diloco.research import report
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.run import records as run_records
 

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from decoupled_diloco.errors import ConfigError
-from decoupled_diloco.runtime.scale import SECONDS_PER_YEAR, FailureModel, ScaleSimulation, simulate_goodput
+from decoupled_diloco.costmodel.scale import SECONDS_PER_YEAR, FailureModel, ScaleSimulation, simulate_goodput
 
 NEVER = FailureModel(mtbi_seconds=math.inf)
 CHIPS = 315_360  # Fails at λ = 0.01 /s with the default one-year MTBI per chip.

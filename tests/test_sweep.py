@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from decoupled_diloco import sweep
+from decoupled_diloco.research import sweep
 from decoupled_diloco.errors import ConfigError
 from tests.helpers import tiny_config
 
@@ -21,7 +21,7 @@ SHORTEN = ["--config.outer_steps=2", "--config.inner_steps=3", "--config.data.sy
            "--config.learners.devices=(2,)", "--config.learners.batch_size=(4,)", "--config.eval_batch_size=8"]
 # A sweep over the tests' tiny config; {points} is get_sweep()'s body.
 CONFIG_FILE = '''
-from decoupled_diloco import sweep
+from decoupled_diloco.research import sweep
 from tests import helpers
 
 def get_config():

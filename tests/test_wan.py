@@ -9,7 +9,7 @@ import pytest
 from decoupled_diloco import compression
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.hardware import HardwareProfile
-from decoupled_diloco.runtime import wan
+from decoupled_diloco.costmodel import wan
 from experiments.benchmarks import bandwidth_utilization, wan_walltime
 
 PARAMS, LAYERS = 100_000_000, 8

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 
 from decoupled_diloco.data import documents
+from decoupled_diloco.data import settings as data_settings
 from decoupled_diloco.data import synthetic
 from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
 
-SOURCES = ("synthetic", "text_file", "array_record", "tfds")
 FEW_DOCUMENTS = 4096  # Sources with fewer documents are cut into pieces of data.chunk_bytes (see documents.py).
 
 
@@ -53,20 +53,16 @@ def load_corpus(data_cfg, seq_len: int, train: bool = True) -> Corpus:
   and because a split shorter than one window cannot produce a single batch. `train=False`
   opens the eval split only (the syncer process never touches training data).
   """
+  data_cfg = data_settings.Settings.from_config(data_cfg)
   tokenizer = tokenizer_lib.from_config(data_cfg)
-  if data_cfg.chunk_bytes < 256:
-    raise ConfigError(f"data.chunk_bytes={data_cfg.chunk_bytes} must be >= 256: use e.g. 4096")
   if data_cfg.source == "synthetic":
     corpus = _synthetic(data_cfg, seq_len, train)
   elif data_cfg.source == "text_file":
     corpus = _text_file(data_cfg, tokenizer)
   elif data_cfg.source == "array_record":
     corpus = _array_record(data_cfg, tokenizer)
-  elif data_cfg.source == "tfds":
-    corpus = _tfds(data_cfg, tokenizer, train)
   else:
-    raise ConfigError(
-        f"data.source {data_cfg.source!r} is unknown: use one of {', '.join(SOURCES)}")
+    corpus = _tfds(data_cfg, tokenizer, train)
   if corpus.packed:
     return corpus
   for split in ("train", "eval"):
@@ -76,19 +72,6 @@ def load_corpus(data_cfg, seq_len: int, train: bool = True) -> Corpus:
           f"the {split} split of {corpus.name} has {tokens.size} bytes, fewer than one window of "
           f"seq_len + 1 = {seq_len + 1}: use more data or a smaller model.seq_len")
   return corpus
-
-
-def validate_config(data_cfg) -> None:
-  """Checks the settings shared by all sources before any data loads (a syncer checks before writing)."""
-  _eval_fraction(data_cfg)
-
-
-def _eval_fraction(data_cfg) -> float:
-  """Held-out fraction for sources without their own eval split, validated once."""
-  fraction = float(data_cfg.eval_fraction)
-  if not 0.0 < fraction < 1.0:
-    raise ConfigError(f"data.eval_fraction={fraction} must be in (0, 1): use e.g. 0.1")
-  return fraction
 
 
 def _tail_cut(size: int, fraction: float) -> int:
@@ -103,15 +86,10 @@ def _synthetic(data_cfg, seq_len: int, train: bool) -> Corpus:
   stream so its text is fresh but comes from exactly the distribution `optimal_loss` describes.
   """
   cfg = data_cfg.synthetic
-  if data_cfg.tokenizer != "byte":
-    raise ConfigError("the synthetic language is byte-level: use --config.data.tokenizer=byte with source='synthetic'")
-  if cfg.num_tokens < 1:
-    raise ConfigError(
-        f"data.synthetic.num_tokens={cfg.num_tokens} must be positive: use e.g. 2_000_000")
   language = synthetic.MarkovLanguage.random(
       cfg.alphabet_size, cfg.order, cfg.concentration, cfg.seed)
   chain_length = synthetic.aligned_chain_length(seq_len)
-  num_eval = max(int(round(cfg.num_tokens * _eval_fraction(data_cfg))), chain_length)
+  num_eval = max(int(round(cfg.num_tokens * data_cfg.eval_fraction)), chain_length)
   train_tokens = (language.sample(cfg.num_tokens, np.random.default_rng([cfg.seed, 1]), chain_length)
                   if train else None)
   eval_ = language.sample(num_eval, np.random.default_rng([cfg.seed, 2]), chain_length)
@@ -131,7 +109,7 @@ def _text_file(data_cfg, tokenizer) -> Corpus:
     raise ConfigError(
         f"data.path {str(data_cfg.path)!r} does not exist: point --config.data.path at a text file")
   size = path.stat().st_size
-  cut = _tail_cut(size, _eval_fraction(data_cfg))
+  cut = _tail_cut(size, data_cfg.eval_fraction)
   name = f"text_file({path})"
   if tokenizer.name == "byte":
     data = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
@@ -158,8 +136,6 @@ def _open_tfds(data_cfg):
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (heavy, tfds-only)
 
   name = data_cfg.tfds_name
-  if not name:
-    raise ConfigError("data.source='tfds' needs a dataset: set --config.data.tfds_name, e.g. tiny_shakespeare")
   data_dir = data_cfg.tfds_data_dir or None
   where = data_dir or "the default TFDS data dir"
   try:
@@ -202,7 +178,7 @@ def _tfds(data_cfg, tokenizer, train: bool) -> Corpus:
   train_docs = None
   if held_out is None:
     everything = grain.MapDataset.source(_split_few(documents.RecordDocuments(splits["train"], key, name), chunk))
-    cut = _tail_cut(len(everything), _eval_fraction(data_cfg))
+    cut = _tail_cut(len(everything), data_cfg.eval_fraction)
     train_docs, eval_docs = everything[:cut], everything[cut:]
   else:
     eval_docs = _split_few(documents.RecordDocuments(splits[held_out], key, name), chunk)

@@ -28,11 +28,11 @@ from typing import Any
 
 from flax import nnx
 
-from decoupled_diloco.model.sizing import count_params, flops_per_token, validate_config, with_defaults
+from decoupled_diloco.model.sizing import Settings, count_params, flops_per_token, with_defaults
 from decoupled_diloco.model.transformer import LanguageModel, Transformer
 
 __all__ = ['LanguageModel', 'abstract_params', 'build_model', 'count_params', 'flops_per_token',
-           'is_axes_leaf', 'validate_config']
+           'is_axes_leaf', 'Settings']
 
 
 def is_axes_leaf(x: Any) -> bool:
@@ -54,7 +54,6 @@ def build_model(model_cfg: Any, seed: int) -> tuple[LanguageModel, dict, dict]:
   Returns (model, params, param_axes); see the module docstring for the tree layout and how
   to map over params and param_axes together.
   """
-  validate_config(model_cfg)
   cfg = with_defaults(model_cfg)
   return _split(Transformer(cfg, nnx.Rngs(seed)), cfg.loss_chunk)
 
@@ -64,6 +63,5 @@ def abstract_params(model_cfg: Any) -> tuple[LanguageModel, dict, dict]:
 
   Lets 1B-parameter TPU configs be checked on a laptop and gives checkpoint restore its targets.
   """
-  validate_config(model_cfg)
   cfg = with_defaults(model_cfg)
   return _split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), cfg.loss_chunk)

@@ -5,66 +5,94 @@ Params count (V=vocab_size, T=seq_len, d=d_model, L=num_layers, f=d_ff, h=d/num_
       + L * (2*d*d (q, out) + 2*d*K*h (k, v) + (2 or 3 for SwiGLU)*d*f (MLP) + 2*d (two norms)).
 """
 
+import dataclasses
 import math
 from typing import Any
 
 import jax
 import ml_collections
 
+from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.model import attention, layers
 from decoupled_diloco.model.transformer import DTYPES, REMAT_POLICIES
 
-# Options a model config may leave out (older configs, tests): the GPT-2-style model.
-OPTION_DEFAULTS = dict(position='learned', rope_theta=10_000.0, mlp='gelu', num_kv_heads=0, tie_embeddings=False,
-                       remat='none', scan_layers=False, attention='xla', loss_chunk=0)
 _CHOICES = dict(position=attention.POSITIONS, mlp=layers.MLP_KINDS, remat=tuple(REMAT_POLICIES),
                 attention=attention.IMPLEMENTATIONS, dtype=tuple(DTYPES))
-
-
-def with_defaults(model_cfg: Any) -> ml_collections.ConfigDict:
-  """A copy of model_cfg with every option it lacks set to OPTION_DEFAULTS."""
-  cfg = ml_collections.ConfigDict(dict(model_cfg))
-  for name, value in OPTION_DEFAULTS.items():
-    if name not in cfg:
-      cfg[name] = value
-  return cfg
+_SHAPE = ('vocab_size', 'seq_len', 'd_model', 'num_layers', 'num_heads', 'd_ff')
 
 
 def _refuse(message: str) -> None:
   raise ConfigError(message)
 
 
-def validate_config(model_cfg: Any) -> None:
-  """Rejects impossible model shapes and unknown options up front, before anything is traced."""
-  cfg = with_defaults(model_cfg)
-  for name in ('vocab_size', 'seq_len', 'd_model', 'num_layers', 'num_heads', 'd_ff'):
-    value = cfg.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-      _refuse(f'model.{name} is {value!r}: set --config.model.{name} to a positive int')
-  if cfg.d_model % cfg.num_heads:
-    _refuse(f'model.d_model {cfg.d_model} is not divisible by model.num_heads {cfg.num_heads}: '
-            'pick num_heads that divides d_model')
-  for name, choices in _CHOICES.items():
-    if cfg[name] not in choices:
-      _refuse(f'model.{name} is {cfg[name]!r}: set --config.model.{name} to one of {list(choices)}')
-  kv = cfg.num_kv_heads
-  if not isinstance(kv, int) or kv < 0 or (kv and cfg.num_heads % kv):
-    _refuse(f'model.num_kv_heads is {kv!r}: use 0 (= num_heads) or a divisor of num_heads {cfg.num_heads}')
-  if cfg.position == 'rope' and (cfg.d_model // cfg.num_heads) % 2:
-    _refuse(f'model.position=rope needs an even head dim, got d_model/num_heads = {cfg.d_model // cfg.num_heads}')
-  if cfg.position == 'rope' and not cfg.rope_theta > 0:
-    _refuse(f'model.rope_theta is {cfg.rope_theta!r}: set it > 0 (10000 is standard)')
-  if cfg.loss_chunk < 0 or (cfg.loss_chunk and cfg.seq_len % cfg.loss_chunk):
-    _refuse(f'model.loss_chunk is {cfg.loss_chunk}: use 0 (no chunking) or a divisor of seq_len {cfg.seq_len}')
-  if cfg.attention == 'splash' and cfg.seq_len % 128:
-    _refuse(f'model.attention=splash needs seq_len a multiple of 128 (its block), got {cfg.seq_len}: '
-            "use --config.model.attention=xla or 'dot_product'")
-  # Only an offload config asks the backend: validating must not start JAX's backend (a sweep
-  # sets the number of virtual CPU devices after validating its points).
-  if cfg.remat == 'offload' and 'pinned_host' not in {m.kind for m in jax.devices()[0].addressable_memories()}:
-    _refuse(f'model.remat=offload needs pinned host memory, which {jax.default_backend()} lacks: '
-            "use --config.model.remat=minimal or 'full'")
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """`config.model`, validated: impossible shapes and unknown options are refused before anything is traced.
+
+  The shape fields are required; the options default to the GPT-2-style model (older configs
+  and tests leave them out). Every field is described in configs/default.py.
+  """
+  vocab_size: int
+  seq_len: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  d_ff: int
+  dtype: str = 'float32'
+  position: str = 'learned'
+  rope_theta: float = 10_000.0
+  mlp: str = 'gelu'
+  num_kv_heads: int = 0
+  tie_embeddings: bool = False
+  attention: str = 'xla'
+  remat: str = 'none'
+  scan_layers: bool = False
+  loss_chunk: int = 0
+
+  def __post_init__(self):
+    for name in _SHAPE:
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        _refuse(f'model.{name} is {value!r}: set --config.model.{name} to a positive int')
+    if self.d_model % self.num_heads:
+      _refuse(f'model.d_model {self.d_model} is not divisible by model.num_heads {self.num_heads}: '
+              'pick num_heads that divides d_model')
+    for name, choices in _CHOICES.items():
+      if getattr(self, name) not in choices:
+        _refuse(f'model.{name} is {getattr(self, name)!r}: set --config.model.{name} to one of {list(choices)}')
+    kv = self.num_kv_heads
+    if not isinstance(kv, int) or kv < 0 or (kv and self.num_heads % kv):
+      _refuse(f'model.num_kv_heads is {kv!r}: use 0 (= num_heads) or a divisor of num_heads {self.num_heads}')
+    self._check_options()
+
+  def _check_options(self) -> None:
+    """Options that only some shapes or backends support."""
+    head_dim = self.d_model // self.num_heads
+    if self.position == 'rope' and head_dim % 2:
+      _refuse(f'model.position=rope needs an even head dim, got d_model/num_heads = {head_dim}')
+    if self.position == 'rope' and not self.rope_theta > 0:
+      _refuse(f'model.rope_theta is {self.rope_theta!r}: set it > 0 (10000 is standard)')
+    if self.loss_chunk < 0 or (self.loss_chunk and self.seq_len % self.loss_chunk):
+      _refuse(f'model.loss_chunk is {self.loss_chunk}: use 0 (no chunking) or a divisor of seq_len {self.seq_len}')
+    if self.attention == 'splash' and self.seq_len % 128:
+      _refuse(f'model.attention=splash needs seq_len a multiple of 128 (its block), got {self.seq_len}: '
+              "use --config.model.attention=xla or 'dot_product'")
+    # Only an offload config asks the backend: validating must not start JAX's backend (a sweep
+    # sets the number of virtual CPU devices after validating its points).
+    if self.remat == 'offload' and 'pinned_host' not in {m.kind for m in jax.devices()[0].addressable_memories()}:
+      _refuse(f'model.remat=offload needs pinned host memory, which {jax.default_backend()} lacks: '
+              "use --config.model.remat=minimal or 'full'")
+
+  @classmethod
+  def from_config(cls, model_cfg: Any) -> 'Settings':
+    """The model group of a config (or a Settings already); unknown fields are refused by name."""
+    return settings_lib.from_config(cls, model_cfg, 'model')
+
+
+def with_defaults(model_cfg: Any) -> ml_collections.ConfigDict:
+  """model_cfg validated, with every option it leaves out at its default: the ConfigDict the Transformer reads."""
+  return ml_collections.ConfigDict(dataclasses.asdict(Settings.from_config(model_cfg)))
 
 
 def count_params(params_or_shapes: Any) -> int:
@@ -81,7 +109,6 @@ def flops_per_token(model_cfg: Any) -> float:
   (2 * 2*d*T forward per layer, times 3 for forward+backward; full T x T, ignoring the causal
   mask savings, the convention of PaLM's and MaxText's MFU).
   """
-  validate_config(model_cfg)
   cfg = with_defaults(model_cfg)
   v, t, d = cfg.vocab_size, cfg.seq_len, cfg.d_model
   l, f = cfg.num_layers, cfg.d_ff

@@ -1,6 +1,6 @@
 """Chip failures with real math on the virtual clock: a seeded schedule and what a failure does.
 
-The failure model is the goodput cost model's (`runtime.scale.FailureModel`): every chip
+The failure model is the goodput cost model's (`costmodel.scale.FailureModel`): every chip
 fails as a Poisson process of rate 1 / mtbi_seconds, so a group of c chips fails at rate
 c / MTBI. What a failure does here, to real learners with real state:
 - a Decoupled DiLoCo learner group (mode 'decoupled') goes down: every step since its last
@@ -27,10 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from decoupled_diloco import settings as settings_lib
+from decoupled_diloco.costmodel import scale
 from decoupled_diloco.errors import ConfigError
-from decoupled_diloco.runtime import scale
 
 MODES = ("decoupled", "ddp")
+_FIELDS = ("enabled", "mtbi_seconds", "restart_seconds", "resize_seconds", "domain_chips", "repair_seconds", "elastic",
+           "checkpoint_every", "seed")  # config.failures, described in configs/default.py.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Settings:
   def from_config(cls, config) -> "Settings | None":
     """None when failures are off; ConfigError (naming the fix) for a setting that cannot be honoured."""
     cfg = config.failures
+    settings_lib.refuse_unknown(cfg, "failures", _FIELDS)
     if not cfg.enabled:
       return None
     if config.runtime != "sim":

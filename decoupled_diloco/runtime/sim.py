@@ -34,6 +34,7 @@ from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import compression, fragments
 from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco import policy as policy_lib
+from decoupled_diloco.costmodel.link import Link
 from decoupled_diloco.experiment import Experiment
 from decoupled_diloco.run import account as account_lib
 from decoupled_diloco.run import evaluator, records, schedule
@@ -44,27 +45,6 @@ from decoupled_diloco.syncer import MergeReport
 # Priorities at equal times: steps that end produce pushes, pushes arrive, then replies
 # leave with the resulting Θ, and only then do learners start new work.
 STEP, ARRIVE, DEADLINE, REPLY, RECEIVE = range(5)
-
-
-@dataclasses.dataclass
-class Link:
-  """One direction of a learner's wide-area link: transfers queue first-in first-out."""
-  gbps: float                # 0 = unlimited.
-  latency: float             # One-way seconds added to every transfer.
-  free_at: float = 0.0       # When the transfer queued last leaves the link.
-  busy: float = 0.0          # Seconds spent sending.
-  bytes: int = 0
-
-  def seconds(self, nbytes: int) -> float:
-    """Time one transfer of `nbytes` takes on an idle link (latency included)."""
-    return self.latency + (nbytes / (self.gbps * 1e9 / 8) if self.gbps else 0.0)
-
-  def send(self, now: float, nbytes: int) -> float:
-    """Queues a transfer behind those already on the link; returns its arrival time."""
-    start = max(now, self.free_at)
-    sending = self.seconds(nbytes) - self.latency
-    self.free_at, self.busy, self.bytes = start + sending, self.busy + sending, self.bytes + nbytes
-    return start + self.seconds(nbytes)
 
 
 @dataclasses.dataclass(kw_only=True)

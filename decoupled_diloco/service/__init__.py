@@ -8,6 +8,7 @@
   server.py      gRPC methods Join/Pull/Push/Heartbeat/PushTicket, refusals as gRPC statuses, bulk slots
   datachannel.py push payloads over a ticketed TCP socket (separate pools, transfer deadlines)
   client.py      a learner's calls with retries and backoff
-  runconfig.py   checks of config.service and what both processes derive from the config
+  settings.py    config.service as a typed, validated group
+  runconfig.py   what both processes derive from the config (address file, budget, payload bound)
   syncer_main.py / learner_main.py   the two processes (experiments.train --role=...)
 """

@@ -8,30 +8,15 @@ import numpy as np
 
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.run import schedule
+from decoupled_diloco.service import settings
 
 ADDRESS_FILE = "syncer_address"
 
 
-def _require(condition: bool, message: str) -> None:
-  if not condition:
-    raise ConfigError(message)
-
-
-def validate(config) -> None:
-  """Rejects service settings that cannot work, with the flag to fix."""
-  s = config.service
+def validate(config) -> settings.Settings:
+  """The service group of a config the syncer and learner processes can serve; ConfigError naming the flag if not."""
   schedule.require_supported(config.mode, "service")
-  _require(0 <= s.port <= 65535, f"service.port={s.port} must be in [0, 65535] (0 = a free port)")
-  _require(-1 <= s.data_port <= 65535,
-           f"service.data_port={s.data_port} must be in [-1, 65535] (0 = a free port, -1 = pushes over gRPC)")
-  _require(64 << 10 <= s.chunk_bytes <= 64 << 20,
-           f"service.chunk_bytes={s.chunk_bytes} must be in [64 KiB, 64 MiB]: set --config.service.chunk_bytes")
-  _require(s.checkpoint_every_merges >= 1,
-           f"service.checkpoint_every_merges={s.checkpoint_every_merges} must be >= 1")
-  for name in ("lease_seconds", "linger_seconds", "rpc_timeout_seconds", "retry_seconds"):
-    _require(s[name] > 0, f"service.{name}={s[name]} must be > 0: set --config.service.{name}")
-  _require(s.learner_checkpoint_every >= 0,
-           f"service.learner_checkpoint_every={s.learner_checkpoint_every} must be >= 0 (0 = never)")
+  return settings.Settings.from_config(config.service)
 
 
 def check_ports_free(host: str, *ports: int) -> None:

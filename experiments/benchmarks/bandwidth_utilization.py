@@ -1,7 +1,7 @@
 """Gbit/s each scheme needs to reach 50/80/90/95/99% compute utilization (Streaming DiLoCo Table 4).
 
 Bisection on the per-link bandwidth (every link alike) with the cost model of
-`decoupled_diloco.runtime.wan`, for a 1B and a 12B model. Matched to Table 4 of
+`decoupled_diloco.costmodel.wan`, for a 1B and a 12B model. Matched to Table 4 of
 Streaming DiLoCo (arXiv 2501.18512) where it states its setup: step times of pure
 compute 0.1 s for 1B (24 layers); for 12B, 48 layers (its 10B has 48) and 0.8 s x 12/10
 = 0.96 s (its 10B step at the same hardware and batch, step time proportional to the
@@ -28,7 +28,7 @@ import math
 import time
 
 from decoupled_diloco.hardware import HardwareProfile
-from decoupled_diloco.runtime import wan
+from decoupled_diloco.costmodel import wan
 from experiments.benchmarks import common
 
 TARGETS = (0.50, 0.80, 0.90, 0.95, 0.99)

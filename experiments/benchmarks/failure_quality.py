@@ -55,20 +55,12 @@ def rows() -> dict:
 def main(argv) -> None:
   """Runs the three rows and prints the table and the JSON line."""
   del argv
-  results = {name: shakespeare.run(name, cfg) for name, cfg in rows().items()}
-  loss, good = ({n: round(r[k], 4) for n, r in results.items()} for k in ("eval_loss", "goodput"))
-  print(f"\n{'row':16s} {'eval loss':>10s} {'goodput':>8s} {'paper':>6s} {'failures':>9s} {'virtual s':>10s}")
-  for name, r in results.items():
-    print(f"{name:16s} {loss[name]:10.4f} {good[name]:8.1%} {PUBLISHED['goodput'][name]:6.0%} "
-          f"{r['failures'] or 0:9d} {r['virtual_seconds']:10.0f}")
+  results, figures = shakespeare.compare(rows(), PUBLISHED["goodput"], counts=("failures",))
+  loss, good = figures["eval_loss"], figures["goodput"]
   common.emit({
-      "eval_loss": loss, "goodput": good,
-      "decoupled_vs_dp_loss": round(loss["decoupled_m8"] / loss["dp_no_failures"] - 1, 4),
+      **figures, "decoupled_vs_dp_loss": round(loss["decoupled_m8"] / loss["dp_no_failures"] - 1, 4),
       "goodput_gain_over_elastic_dp": round(good["decoupled_m8"] - good["elastic_dp"], 4),
-      "failures": {n: r["failures"] or 0 for n, r in results.items()},
-      "lost_steps": {n: r["lost_steps"] or 0 for n, r in results.items()},
-      "virtual_seconds": {n: round(r["virtual_seconds"], 1) for n, r in results.items()},
-      "wall_seconds": {n: r["wall_seconds"] for n, r in results.items()}, "published": PUBLISHED})
+      "lost_steps": {n: r.get("lost_steps") or 0 for n, r in results.items()}, "published": PUBLISHED})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Goodput under chip failures, 150k to 2.4M chips: data-parallel vs Decoupled DiLoCo.
 
-Cost-model learner groups driven by the real syncer (`decoupled_diloco.runtime.scale`);
+Cost-model learner groups driven by the real syncer (`decoupled_diloco.costmodel.scale`);
 every chip fails as a seeded Poisson process with a mean time between interruptions of
 one year, so N chips fail at rate λ = N / 3.15e7 s (one failure every 26 s at 1.2M).
 Rows: `dp` (one group, any failure stalls everything for a full restart), `elastic_dp`
@@ -38,7 +38,7 @@ import dataclasses
 import multiprocessing
 import time
 
-from decoupled_diloco.runtime import scale
+from decoupled_diloco.costmodel import scale
 from experiments.benchmarks import common
 
 CHIP_COUNTS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)

@@ -46,19 +46,10 @@ def rows() -> dict:
 def main(argv) -> None:
   """Runs the three rows and prints the table and the JSON line."""
   del argv
-  results = {name: shakespeare.run(name, cfg) for name, cfg in rows().items()}
-  loss, good = ({n: round(r[k], 4) for n, r in results.items()} for k in ("eval_loss", "goodput"))
-  print(f"\n{'row':10s} {'eval loss':>10s} {'vs k_all':>9s} {'goodput':>8s} {'paper':>6s} {'virtual s':>10s}")
-  for name, r in results.items():
-    print(f"{name:10s} {loss[name]:10.4f} {loss[name] / loss['k_all']:9.4f} {good[name]:8.1%} "
-          f"{PUBLISHED['goodput'][name]:6.0%} {r['virtual_seconds']:10.0f}")
-  common.emit({
-      "eval_loss": loss, "goodput": good,
-      "k1_grace_vs_k_all_loss": round(loss["k1_grace"] / loss["k_all"], 4),
-      "k1_vs_k_all_loss": round(loss["k1"] / loss["k_all"], 4),
-      "virtual_seconds": {n: round(r["virtual_seconds"], 1) for n, r in results.items()},
-      "merges": {n: r["merges"] or 0 for n, r in results.items()},
-      "wall_seconds": {n: r["wall_seconds"] for n, r in results.items()}, "published": PUBLISHED})
+  _, figures = shakespeare.compare(rows(), PUBLISHED["goodput"], counts=("merges",))
+  loss = figures["eval_loss"]
+  common.emit({**figures, "k1_grace_vs_k_all_loss": round(loss["k1_grace"] / loss["k_all"], 4),
+               "k1_vs_k_all_loss": round(loss["k1"] / loss["k_all"], 4), "published": PUBLISHED})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The setting the paper-experiment benchmarks share: tiny Shakespeare on the virtual clock.
+"""The setting the paper-experiment benchmarks share: tiny Shakespeare on the virtual clock, and their table.
 
 failure_quality, quorum_grace and learners_sweep train the same byte-level model
 (configs/tiny_shakespeare.py) on the same text with the same global batch, so their
@@ -62,3 +62,26 @@ def run(name: str, cfg) -> dict:
   print(f"{name}: eval {summary['eval_loss']:.4f}, goodput {summary['goodput']:.3f}, virtual "
         f"{summary['virtual_seconds']:.0f} s, {summary['wall_seconds']} s wall", flush=True)
   return summary
+
+
+def compare(rows: dict, published_goodput: dict, counts: tuple[str, ...] = ()) -> tuple[dict, dict]:
+  """Runs every row and prints one table; returns the summaries and the JSON fields every row has.
+
+  failure_quality and quorum_grace compare rows against their first (the synchronous baseline)
+  the same way: eval loss, its ratio to the baseline, goodput next to the paper's, and the
+  summary `counts` a benchmark studies (failures, merges), so they share this one table.
+  """
+  results = {name: run(name, cfg) for name, cfg in rows.items()}
+  loss, good = ({n: round(r[k], 4) for n, r in results.items()} for k in ("eval_loss", "goodput"))
+  base = next(iter(loss))
+  width = max(len(name) for name in rows) + 2
+  print(f"\n{'row':{width}s} {'eval loss':>10s} {'vs ' + base:>{len(base) + 4}s} {'goodput':>8s} {'paper':>6s} "
+        + "".join(f"{c:>10s} " for c in counts) + f"{'virtual s':>10s}")
+  for name, r in results.items():
+    print(f"{name:{width}s} {loss[name]:10.4f} {loss[name] / loss[base]:{len(base) + 4}.4f} {good[name]:8.1%} "
+          f"{published_goodput[name]:6.0%} " + "".join(f"{r.get(c) or 0:10d} " for c in counts)
+          + f"{r['virtual_seconds']:10.0f}")
+  return results, {
+      "eval_loss": loss, "goodput": good, **{c: {n: r.get(c) or 0 for n, r in results.items()} for c in counts},
+      "virtual_seconds": {n: round(r["virtual_seconds"], 1) for n, r in results.items()},
+      "wall_seconds": {n: r["wall_seconds"] for n, r in results.items()}}

@@ -1,6 +1,6 @@
 """A 12B model across 4 regions on 2-5 Gbit/s: data-parallel vs DiLoCo vs decoupled streaming.
 
-Cost-model learners (`decoupled_diloco.runtime.wan`, no math): time to train a fixed
+Cost-model learners (`decoupled_diloco.costmodel.wan`, no math): time to train a fixed
 token budget, compute utilization and WAN bytes of three schemes on the same slices.
 Published (Decoupled DiLoCo, arXiv 2604.21428): a 12B model across four US regions on
 2-5 Gbit/s trained more than 20x faster than conventional synchronization; Streaming
@@ -28,7 +28,7 @@ import functools
 import time
 
 from decoupled_diloco.hardware import HardwareProfile
-from decoupled_diloco.runtime import wan
+from decoupled_diloco.costmodel import wan
 from experiments.benchmarks import common
 
 PARAMS = 12_000_000_000

@@ -38,7 +38,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 
@@ -118,10 +117,9 @@ class ScaleSimulation:
     if elastic and num_chips // num_learners < failure_model.domain_chips:
       raise ConfigError(f"a group of {num_chips // num_learners} chips is smaller than one failure domain "
                         f"({failure_model.domain_chips} chips): use fewer learners or a smaller domain_chips")
-    self.policy = ml_collections.ConfigDict({"kind": policy_kind, "speed_source": "declared", "round_seconds": 0.0})
     if policy_kind == "time_budget":
       raise ConfigError("policy 'time_budget' needs measured step times: use 'fixed' or 'dylu' for scale runs")
-    policy_lib.validate(self.policy)
+    self.policy = policy_lib.Settings(kind=policy_kind)
     # Every group has the same chips and step time, so the policy's H is one number.
     self.target = policy_lib.target_steps(self.policy, inner_steps, 1.0, 1.0)
     self.elastic, self.fm, self.step = elastic, failure_model, step_seconds

@@ -35,7 +35,8 @@ from absl import logging
 import ml_collections
 import numpy as np
 
-from decoupled_diloco import experiment, metrics, report
+from decoupled_diloco import experiment, metrics
+from decoupled_diloco.research import report
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.runtime import lockstep, sim, threads
 
@@ -200,7 +201,7 @@ def load_sweep(config_file: str) -> list:
   spec.loader.exec_module(module)
   if not hasattr(module, "get_sweep"):
     raise ConfigError(f"{config_file} defines no get_sweep(): add one returning a list of override dicts "
-                      "or decoupled_diloco.sweep.product(...)")
+                      "or decoupled_diloco.research.sweep.product(...)")
   return module.get_sweep()
 
 

@@ -20,7 +20,7 @@ seconds, averaged over chips) and the bytes that crossed the WAN, for three sche
   A sync pushes the fragment, compressed by `compression.wire_bytes` (int4 by default),
   to the syncer and gets the merged fragment back in the same format (the published
   system sends 4 bits both ways). Transfers queue FIFO on each learner's up and down link
-  (`sim.Link`); the syncer sends the reply once the whole push has arrived (store and
+  (`link.Link`); the syncer sends the reply once the whole push has arrived (store and
   forward) and its own links are never the bottleneck. The learner keeps computing and
   stalls only when the fragment it pushed after step k has not landed by the end of step
   k + τ. Each learner runs at its own speed and never waits for another; the run ends
@@ -42,7 +42,7 @@ from decoupled_diloco import compression
 from decoupled_diloco import fragments
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.hardware import CHIP_PEAK_FLOPS, RELATIVE, HardwareProfile
-from decoupled_diloco.runtime.sim import Link
+from decoupled_diloco.costmodel.link import Link
 
 SCHEMES = ("ddp", "diloco", "streaming")
 FLOPS_PER_PARAM_TOKEN = 6  # Forward + backward of a dense decoder (Kaplan et al. 2020).

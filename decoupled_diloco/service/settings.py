@@ -1,0 +1,52 @@
+"""`config.service` as a typed, frozen group: addresses, secrets, stream sizes, checkpoints and timeouts.
+
+The syncer and every learner process build it from the same config, and `experiment.validate`
+builds it for runtime='service' before anything is written, so a bad port or timeout costs one
+error line naming the flag, in the launcher as in each process.
+"""
+
+import dataclasses
+
+from decoupled_diloco import settings as settings_lib
+
+_TIMEOUTS = ("lease_seconds", "linger_seconds", "rpc_timeout_seconds", "retry_seconds")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """`config.service`, validated; every field is described in configs/default.py."""
+  host: str
+  port: int                      # 0 = a free one.
+  data_port: int                 # 0 = a free one, -1 = pushes over gRPC.
+  token_file: str
+  tls_cert: str
+  tls_key: str
+  tls_ca: str
+  chunk_bytes: int
+  checkpoint_every_merges: int
+  truncate_corrupt_log: bool
+  lease_seconds: float
+  linger_seconds: float
+  rpc_timeout_seconds: float
+  retry_seconds: float
+  learner_checkpoint_every: int  # 0 = never.
+
+  def __post_init__(self):
+    settings_lib.check((
+        (0 <= self.port <= 65535, f"service.port={self.port} must be in [0, 65535] (0 = a free port)"),
+        (-1 <= self.data_port <= 65535,
+         f"service.data_port={self.data_port} must be in [-1, 65535] (0 = a free port, -1 = pushes over gRPC)"),
+        (64 << 10 <= self.chunk_bytes <= 64 << 20,
+         f"service.chunk_bytes={self.chunk_bytes} must be in [64 KiB, 64 MiB]: set --config.service.chunk_bytes"),
+        (self.checkpoint_every_merges >= 1,
+         f"service.checkpoint_every_merges={self.checkpoint_every_merges} must be >= 1"),
+        *((getattr(self, name) > 0, f"service.{name}={getattr(self, name)} must be > 0: set --config.service.{name}")
+          for name in _TIMEOUTS),
+        (self.learner_checkpoint_every >= 0,
+         f"service.learner_checkpoint_every={self.learner_checkpoint_every} must be >= 0 (0 = never)"),
+    ))
+
+  @classmethod
+  def from_config(cls, service_cfg) -> "Settings":
+    """The service group of a config (or a Settings already); unknown fields are refused by name."""
+    return settings_lib.from_config(cls, service_cfg, "service")
