@@ -31,7 +31,7 @@ import time
 from absl import logging
 
 from decoupled_diloco import policy as policy_lib
-from decoupled_diloco.service import admission, durable, membership, pullcache, wire
+from decoupled_diloco.service import admission, durable, membership, pullcache, wal, wire
 from decoupled_diloco.service import limits as limits_lib
 from decoupled_diloco.syncer import MergeReport, Push, PushRejected, Syncer, SyncerState
 
@@ -79,8 +79,9 @@ class SyncerCore:
     self.speeds = policy_lib.SpeedTracker([0.0] * num_learners)  # Steps per second (0 = no push yet).
     self.counts = {"applied": 0, "dropped": 0, "duplicates": 0, "late": 0, "rejected": 0, "excluded": 0}
     self.refused = collections.Counter()  # Refused calls by reason: the server counts into it.
-    # (fragment, log record, payload) of pushes since their fragment's last merge: a checkpoint carries them.
-    self._unabsorbed: list[tuple[int, dict, bytes]] = []
+    # (fragment, log record, where its payload lies in the log) of pushes since their fragment's last merge:
+    # a checkpoint carries them. Their bytes are not kept: a merge's pushes are folded and released.
+    self._unabsorbed: list[tuple[int, dict, wal.Location]] = []
     self._merges_since_checkpoint = 0
     self._checkpoint_due = False  # A checkpoint for the next tick (periodic, or the run's end).
     self.store = durable.Store(directory, truncate_corrupt_log)
@@ -124,7 +125,7 @@ class SyncerCore:
     version = self.syncer.version
     if self.store.latest_step() == version:
       return  # The log already holds everything since that checkpoint.
-    carried = [(dict(record, carried=True), payload) for _, record, payload in self._unabsorbed]
+    carried = [(dict(record, carried=True), location) for _, record, location in self._unabsorbed]
     pending_steps = sum(budget_share(r["header"])[0] for r, _ in carried)
     pending_tokens = sum(budget_share(r["header"])[1] for r, _ in carried)
     meta = {**self.metadata, "versions": list(self.syncer.versions), "segment": version, "done": self.done,
@@ -132,7 +133,9 @@ class SyncerCore:
             "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens,
             "counts": self.counts, "refused": dict(self.refused), "estimates": self.syncer.estimates,
             "incarnations": {str(m): n for m, n in self.incarnations.items()}}
-    if not self.store.save(version, self._state_trees(), meta, carried, now):
+    locations = self.store.rotate(version, carried)
+    self._unabsorbed = [(f, record, location) for (f, record, _), location in zip(self._unabsorbed, locations)]
+    if not self.store.save(version, self._state_trees(), meta, now):
       return  # Retried by a later tick; the log holds everything meanwhile.
     self._merges_since_checkpoint, self._checkpoint_due = 0, False
     logging.info("syncer checkpoint at version %d (%d pushes carried in the log)", version, len(carried))
@@ -149,14 +152,14 @@ class SyncerCore:
     again (a carried push only if its record was one of those dropped).
     """
     applied = set()
-    for record, payload in self.store.records_from(first_segment):
+    for record, payload, location in self.store.records_from(first_segment):
       if record["type"] == "push":
         header = record["header"]
         key = (header["learner"], header["seq"])
         if key in applied or not (record.get("carried") or header["seq"] > self.acked[header["learner"]]):
           continue
         applied.add(key)
-        self._apply(header, wire.decode(payload), payload, record["now"], replay=True,
+        self._apply(header, wire.decode(payload), location, record["now"], replay=True,
                     record_it=not record.get("carried") or record["outer_step"] > step,
                     count_it=not record.get("carried"))
       elif record["type"] == "merge":
@@ -300,6 +303,8 @@ class SyncerCore:
              count_it: bool = True) -> bool:
     """validate → log (fsync) → receive() → bookkeeping → merges; the ack may follow once this returns.
 
+    `payload`: the push's bytes as received, or on replay where the log holds them (wal.Location).
+
     A push that fails validation is never logged; one that is logged is applied (replay
     validated it the first time, so it does not check it again).
 
@@ -316,7 +321,7 @@ class SyncerCore:
     record = {"type": "push", "header": header, "now": now, "outer_step": outer_step}
     if not replay:
       push = syncer.check(push)
-      self.store.append(record, payload)
+      payload = self.store.append(record, payload)  # From here on, only where the log holds it.
     accepted, report = syncer.receive(push, now, checked=not replay)
     self.acked[header["learner"]] = max(self.acked[header["learner"]], header["seq"])
     steps, tokens = budget_share(header)
@@ -343,6 +348,7 @@ class SyncerCore:
         continue
       if log and not replay:
         self.store.append({"type": "merge", "fragment": report.fragment, "now": now})
+      self.pulls.forget(report.fragment)
       self._unabsorbed = [entry for entry in self._unabsorbed if entry[0] != report.fragment]
       self._merges_since_checkpoint += 1
       self.emit({"kind": "outer", "outer_step": report.version, "fragment": report.fragment,

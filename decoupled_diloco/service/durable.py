@@ -45,18 +45,19 @@ class Store:
     """Appends go on after the newest segment's intact records (`segment` if the log has none)."""
     self.log = wal.Log(self.wal_dir, max(wal.segments(self.wal_dir), default=segment))
 
-  def append(self, record: dict, payload=b"") -> None:
-    """Logs one record durably, or stops the store (fail-stop) and raises Stopped."""
-    self._durably(self.log.append, record, payload)
+  def append(self, record: dict, payload=b"") -> wal.Location:
+    """Logs one record durably (returns where its payload lies), or stops the store (fail-stop) and raises
+    Stopped."""
+    return self._durably(self.log.append, record, payload)
 
-  def _durably(self, write, *args) -> None:
+  def _durably(self, write, *args):
     """Runs a log write; if it fails, the syncer stops serving (fail-stop) rather than run ahead of its log.
 
     Nothing the failed write was about has been applied or acknowledged (validate → log →
     apply → ack), so a restart from the log holds every acknowledged push.
     """
     try:
-      write(*args)
+      return write(*args)
     except wal.LogWriteError as error:
       self.failed = Stopped(f"the syncer stopped serving: {error}; free the disk, then restart it with "
                             "--config.resume=True (nothing acknowledged is lost)")
@@ -72,14 +73,18 @@ class Store:
     """The newest checkpoint's version (None: a fresh workdir)."""
     return self.checkpointer.latest_step()
 
-  def save(self, version: int, trees: dict, meta: dict, carried: list[tuple[dict, bytes]], now: float) -> bool:
-    """Rotates the log onto `carried` (what the checkpoint does not hold), then saves checkpoint `version`.
+  def rotate(self, version: int, carried: list[tuple[dict, bytes | wal.Location]]) -> list[wal.Location]:
+    """Starts log segment `version` with `carried` (what checkpoint `version` will not hold); returns where
+    their payloads now lie. Run before `save`; a failed rotation is fail-stop."""
+    return self._durably(self.log.rotate, version, carried)
 
-    Returns whether it was saved. A failed save (a full disk: orbax reports tensorstore's I/O
-    errors as ValueError) is logged and retried after CHECKPOINT_RETRY_SECONDS: the log
-    holds everything, so the syncer serves on. A failed rotation is fail-stop.
+  def save(self, version: int, trees: dict, meta: dict, now: float) -> bool:
+    """Saves checkpoint `version` (after `rotate` started its log segment); returns whether it was saved.
+
+    A failed save (a full disk: orbax reports tensorstore's I/O errors as ValueError) is
+    logged and retried after CHECKPOINT_RETRY_SECONDS: the log holds everything, so the
+    syncer serves on.
     """
-    self._durably(self.log.rotate, version, carried)
     try:
       self.checkpointer.save(version, trees, meta)
     except (OSError, ValueError) as error:
@@ -117,7 +122,7 @@ class Store:
                                            "from a backup, or start a new --workdir")
 
   def records_from(self, first_segment: int):
-    """Yields (record, payload) of every logged record from segment `first_segment` on, in order.
+    """Yields (record, payload, its wal.Location) of every logged record from segment `first_segment` on.
 
     A corrupt record in the middle of a segment stops start-up (wal.CorruptLog) unless the
     operator asked to truncate there; a torn last record is dropped.
@@ -125,7 +130,7 @@ class Store:
     wal.recover(self.wal_dir, self.truncate_corrupt_log)
     for segment in wal.segments(self.wal_dir):
       if segment >= first_segment:
-        yield from wal.read_segment(wal.segment_path(self.wal_dir, segment))
+        yield from wal.records(wal.segment_path(self.wal_dir, segment), segment)
 
   def close(self) -> None:
     """Closes the log and the checkpointer."""

@@ -2,6 +2,8 @@
 
 Why a cache: with M learners pulling after every merge, encoding Θ_p once per version of
 fragment p (not once per pull) keeps the syncer's lock short and its CPU free for merges.
+It holds only the current version: `forget` drops a fragment's entry when it merges, so an
+old Θ_p (which fp32 parts view without a copy) is freed at once, not at the next pull.
 """
 
 import jax
@@ -38,6 +40,10 @@ class PullCache:
       parts = wire.encode(self._downlink(syncer.fragment_params(fragment)))
       self._fragments[fragment] = (version, parts)
     return parts
+
+  def forget(self, fragment: int) -> None:
+    """Drops fragment `fragment`'s encoded Θ (it merged: that version is no longer current)."""
+    self._fragments.pop(fragment, None)
 
   def _downlink(self, tree):
     """Θ as compression.downlink_format sends it (bf16 halves the bytes; learners widen it back to fp32)."""

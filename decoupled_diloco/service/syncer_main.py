@@ -9,7 +9,6 @@ carries on, and the learners (who retry) never notice more than a pause.
 """
 
 import os
-import queue
 import signal
 import threading
 import time
@@ -60,7 +59,11 @@ class Recorder:
 
 
 class Evaluator:
-  """Held-out loss of Θ snapshots, computed in one background thread in merge order."""
+  """Held-out loss of Θ snapshots, computed in one background thread in merge order.
+
+  At most one snapshot waits (each holds a copy of Θ): a newer one replaces it, and eval
+  records count the replaced ones in `evals_skipped` (since the start of this process).
+  """
 
   def __init__(self, config, model, corpus, recorder: Recorder):
     self.batches = batches_lib.eval_batches(corpus, config.model.seq_len, config.eval_batch_size,
@@ -69,19 +72,38 @@ class Evaluator:
     self.loss = jax.jit(model.loss)
     self.recorder, self.optimal_loss = recorder, corpus.optimal_loss
     self.last: dict | None = None
-    self._queue: queue.Queue = queue.Queue()
+    self.skipped = 0
+    self._waiting: tuple | None = None  # The snapshot to evaluate next: (params, clock).
+    self._closed = False
+    self._ready = threading.Condition()
     self._thread = threading.Thread(target=self._work, name="eval", daemon=True)
     self._thread.start()
 
   def submit(self, params, clock: dict) -> None:
-    """Queues an eval of `params` (a snapshot: merges replace Θ, they never mutate it)."""
-    self._queue.put((params, clock))
+    """Queues an eval of `params` (a snapshot: merges replace Θ, they never mutate it); one still waiting
+    is skipped (counted): the latest Θ is the one worth evaluating, and memory stays bounded."""
+    with self._ready:
+      if self._waiting is not None:
+        self.skipped += 1
+        logging.warning("eval of version %d skipped: version %d is newer", self._waiting[1]["outer_step"],
+                        clock["outer_step"])
+      self._waiting = (params, clock)
+      self._ready.notify()
+
+  def _next(self) -> tuple | None:
+    """The snapshot to evaluate next and the skipped count so far, or None once closed and drained."""
+    with self._ready:
+      while self._waiting is None and not self._closed:
+        self._ready.wait()
+      item, self._waiting = self._waiting, None
+      return None if item is None else (*item, self.skipped)
 
   def _work(self) -> None:
-    while (item := self._queue.get()) is not None:
-      params, clock = item
+    while (item := self._next()) is not None:
+      params, clock, skipped = item
       loss = float(sum(float(self.loss(params, b)) for b in self.batches) / len(self.batches))
-      record = {"kind": "eval", **clock, "eval_loss": loss, "eval_bits_per_byte": loss * self.bits_per_byte}
+      record = {"kind": "eval", **clock, "eval_loss": loss, "eval_bits_per_byte": loss * self.bits_per_byte,
+                "evals_skipped": skipped}
       if self.optimal_loss is not None:
         record["optimal_loss"] = self.optimal_loss
       self.recorder.write(record)
@@ -89,8 +111,10 @@ class Evaluator:
       logging.info("version %d | %d tokens | eval %.4f", clock["outer_step"], clock["tokens"], loss)
 
   def close(self) -> None:
-    """Finishes queued evals."""
-    self._queue.put(None)
+    """Finishes the waiting eval, if any."""
+    with self._ready:
+      self._closed = True
+      self._ready.notify()
     self._thread.join()
 
 
