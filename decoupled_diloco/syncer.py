@@ -383,7 +383,7 @@ class Syncer:
     sums, radii = _fold_leaves(fragment.rda, sums, radii, self._delta_leaves(push),
                                merge.fold_scale(weight, damping, ref))
     total = weight / ref + (0.0 if accumulator is None else accumulator.total)
-    fragment.accumulator = merge.Accumulator(sums, radii, total, ref)
+    fragment.accumulator = merge.Accumulator(jax.block_until_ready(sums), radii, total, ref)  # Done with the push.
 
   def merge(self, now: float, fragment: int = 0) -> MergeReport | None:
     """Merges fragment `fragment`'s open pushes and takes one outer step on it.
@@ -447,7 +447,9 @@ def _jit_merged(rda, sums, radii, inverse_total, dtypes):
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _jit_outer_step(optimizer, params, opt_state, merged):
+def _jit_outer_step(optimizer, params, merged, opt_state):
+  # JAX pairs donated buffers with outputs in argument order: the merge's become the new Θ and the outer
+  # state's its own update, so each output is written where its elementwise inputs are (no copy).
   return outer.outer_step(optimizer, params, opt_state, merged)
 
 
@@ -464,4 +466,4 @@ def _merge_and_step(optimizer, rda: tuple, params, opt_state, accumulator: merge
   leaves, treedef = jax.tree.flatten(params)
   merged = _jit_merged(rda, accumulator.sums, accumulator.radii, inverse_total,
                        tuple(np.dtype(leaf.dtype) for leaf in leaves))
-  return _jit_outer_step(optimizer, params, opt_state, jax.tree.unflatten(treedef, merged))
+  return _jit_outer_step(optimizer, params, jax.tree.unflatten(treedef, merged), opt_state)
