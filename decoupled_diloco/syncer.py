@@ -14,7 +14,6 @@ every learner group's mesh, so no learner holds an extra device copy of it.
 """
 
 import dataclasses
-import functools
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from decoupled_diloco import compression, fragments, merge, outer
+from decoupled_diloco import accumulate, compression, fragments, merge, outer
 from decoupled_diloco.errors import ConfigError
 
 
@@ -347,11 +346,11 @@ class Syncer:
     for state in self.fragments:
       zeros = self.to_host(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state.params))
       _jit_all_finite(zeros)
-      sums, radii = _fold_leaves(state.rda, None, None, jax.tree.leaves(zeros), np.float32(1))
-      sums, radii = _fold_leaves(state.rda, sums, radii, jax.tree.leaves(zeros), np.float32(1))
+      sums, radii = accumulate.fold(state.rda, None, None, jax.tree.leaves(zeros), np.float32(1))
+      sums, radii = accumulate.fold(state.rda, sums, radii, jax.tree.leaves(zeros), np.float32(1))
       opt_state = jax.tree.map(jnp.copy, state.opt_state)  # The merge donates it.
-      jax.block_until_ready(_merge_and_step(self.optimizer, state.rda, state.params, opt_state,
-                                            merge.Accumulator(sums, radii, 2.0, 1.0), np.float32(0.5)))
+      jax.block_until_ready(accumulate.merge_and_step(self.optimizer, state.rda, state.params, opt_state,
+                                                      merge.Accumulator(sums, radii, 2.0, 1.0), np.float32(0.5)))
 
   @property
   def estimates(self) -> dict[str, float]:
@@ -380,8 +379,8 @@ class Syncer:
     ref = weight if accumulator is None else accumulator.ref
     sums, radii = (None, None) if accumulator is None else (accumulator.sums, accumulator.radii)
     fragment.accumulator = None  # Its buffers are donated to the fold.
-    sums, radii = _fold_leaves(fragment.rda, sums, radii, self._delta_leaves(push),
-                               merge.fold_scale(weight, damping, ref))
+    sums, radii = accumulate.fold(fragment.rda, sums, radii, self._delta_leaves(push),
+                                  merge.fold_scale(weight, damping, ref))
     total = weight / ref + (0.0 if accumulator is None else accumulator.total)
     fragment.accumulator = merge.Accumulator(jax.block_until_ready(sums), radii, total, ref)  # Done with the push.
 
@@ -401,8 +400,8 @@ class Syncer:
     weights = (merge.normalized_weights(weights) * np.asarray(damping)).astype(np.float32)
     staleness = tuple(state.version - p.base_version for p in state.pending)
     accumulator, state.accumulator = state.accumulator, None  # Donated to the merge.
-    state.params, state.opt_state = _merge_and_step(self.optimizer, state.rda, state.params, state.opt_state,
-                                                    accumulator, np.float32(1.0 / accumulator.total))
+    state.params, state.opt_state = accumulate.merge_and_step(
+        self.optimizer, state.rda, state.params, state.opt_state, accumulator, np.float32(1.0 / accumulator.total))
     state.version += 1
     report = MergeReport(self.version, tuple(p.learner for p in state.pending), staleness,
                          tuple(float(w) for w in weights), now, fragment)
@@ -423,47 +422,3 @@ def _jit_all_finite(tree):
   # x·0 is 0 for finite x and NaN for NaN/±Inf, and a sum keeps a NaN: one fused pass that
   # XLA's CPU backend runs ~5x faster than a reduction of isfinite's booleans.
   return jnp.isfinite(sum(jnp.sum(x * 0, dtype=jnp.float32) for x in jax.tree.leaves(tree)))
-
-
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
-def _jit_accumulate(rda, total, radius, delta, scale):
-  return merge.accumulate_leaf(total, radius, delta, scale, rda)
-
-
-def _fold_leaves(rda: tuple, sums, radii, leaves, scale) -> tuple[list, list]:
-  """Running sums with one push's tensors folded in, one tensor at a time (each tensor's sums are donated,
-  so the fold is in place and a decoded tensor is dropped before the next is decoded)."""
-  sums = list(sums) if sums is not None else [None] * len(rda)
-  radii = list(radii) if radii is not None else [None] * len(rda)
-  for k, (flag, leaf) in enumerate(zip(rda, leaves, strict=True)):
-    sums[k], radii[k] = _jit_accumulate(flag, sums[k], radii[k], leaf, scale)
-  return sums, radii
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=1)
-def _jit_merged(rda, sums, radii, inverse_total, dtypes):
-  return [merge.merged_leaf(total, radius, inverse_total, flag, dtype)
-          for total, radius, flag, dtype in zip(sums, radii, rda, dtypes, strict=True)]
-
-
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _jit_outer_step(optimizer, params, merged, opt_state):
-  # JAX pairs donated buffers with outputs in argument order: the merge's become the new Θ and the outer
-  # state's its own update, so each output is written where its elementwise inputs are (no copy).
-  return outer.outer_step(optimizer, params, opt_state, merged)
-
-
-def _merge_and_step(optimizer, rda: tuple, params, opt_state, accumulator: merge.Accumulator, inverse_total):
-  """(Θ, outer state) after one outer step with the merge of `accumulator`'s pushes.
-
-  Two jits, the merge materialised in between, in the sums' buffers (donated): fused into the
-  outer step, XLA contracts its multiply-adds differently from the batch merge's, which the
-  demo's final loss showed (1.3405 → 1.3407); apart, the mean of equal shares is the batch
-  merge bit for bit. Donated too: the outer state (updated in place) and the merge (its
-  buffers become the new Θ). Θ itself is not: in-process runtimes hand it to learners as
-  their anchor, and it is freed once nobody holds it.
-  """
-  leaves, treedef = jax.tree.flatten(params)
-  merged = _jit_merged(rda, accumulator.sums, accumulator.radii, inverse_total,
-                       tuple(np.dtype(leaf.dtype) for leaf in leaves))
-  return _jit_outer_step(optimizer, params, jax.tree.unflatten(treedef, merged), opt_state)
