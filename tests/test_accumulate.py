@@ -160,3 +160,13 @@ def test_dropped_over_stale_push_is_not_kept():
   before = _held_bytes()
   assert syncer.receive(Push(0, _deltas(1)[0], 0, 10, 1), now=0.0) == (False, None)
   assert syncer.pending == [] and _held_bytes() == before and syncer.counts["dropped"] == 1
+
+
+def test_a_merge_leaves_only_theta_and_the_outer_state():
+  """The sums become the merge and then Θ, the outer state is updated in place: nothing else is left."""
+  syncer = _syncer(Settings(merge_rule="rda"), 2, optimizer=_NESTEROV)
+  before = _held_bytes()
+  for m, delta in enumerate(_deltas(2)):
+    syncer.receive(Push(m, delta, _VERSION, 10, 1), now=0.0)
+  assert syncer.version == _VERSION + 1 and syncer.fragments[0].accumulator is None
+  assert _held_bytes() == before
