@@ -301,8 +301,8 @@ def _valid_shapes(shapes) -> bool:
       for shape in shapes)
 
 
-def decode(codec: Codec, compressed: Compressed) -> list[jax.Array]:
-  """float32 tensors back from a payload; ValueError (never a crash) if it is malformed.
+def check(codec: Codec, compressed: Compressed) -> None:
+  """Raises ValueError (never a crash) unless `compressed` is a well-formed payload of `codec`.
 
   The syncer turns the ValueError into a rejected push, so a garbage payload from a
   faulty learner can never corrupt or kill the global parameters.
@@ -318,15 +318,25 @@ def decode(codec: Codec, compressed: Compressed) -> list[jax.Array]:
     raise ValueError(f"payload has {count} leaves for {len(compressed.shapes)} shapes")
   for index, (shape, payload) in enumerate(zip(compressed.shapes, compressed.leaves)):
     _check_payload(codec, index, shape, payload)
-  decoded = []
-  for shape, payload in zip(compressed.shapes, compressed.leaves):
-    if codec.format in ("fp32", "bf16"):
-      decoded.append(_to_float32(payload["values"]))
-    elif codec.format == "topk":
-      decoded.append(_decode_topk(payload, shape))
-    else:
-      decoded.append(_decode_blockwise(payload, codec.format, codec.block_size, shape))
-  return decoded
+
+
+def decode(codec: Codec, compressed: Compressed) -> list[jax.Array]:
+  """float32 tensors back from a payload; ValueError (see `check`) if it is malformed."""
+  check(codec, compressed)
+  return [decode_leaf(codec, shape, payload) for shape, payload in zip(compressed.shapes, compressed.leaves)]
+
+
+def decode_leaf(codec: Codec, shape, payload) -> jax.Array:
+  """One float32 tensor of a payload that `check` accepted.
+
+  Why one at a time: the syncer folds each decoded tensor into its running sums at once, so
+  a push never exists decoded whole.
+  """
+  if codec.format in ("fp32", "bf16"):
+    return _to_float32(payload["values"])
+  if codec.format == "topk":
+    return _decode_topk(payload, tuple(shape))
+  return _decode_blockwise(payload, codec.format, codec.block_size, tuple(shape))
 
 
 _accumulate = jax.jit(lambda residual, delta, beta: beta * residual + delta.astype(jnp.float32))

@@ -4,10 +4,16 @@ Learners that processed more tokens carry more signal, so the synchronous merge 
 token-weighted mean; with equal shards it is the plain mean of DiLoCo. Asynchronous and
 Decoupled DiLoCo add merge weights (staleness, tokens per step) and radial-directional
 averaging, which keeps the merged norm from shrinking when learners disagree.
+
+The syncer merges by streaming accumulation (`Accumulator`, `accumulate`, `merged`): each
+push is folded into running sums as it arrives and its buffer released, so host memory does
+not grow with the number of pushes per merge. `merge_deltas` is the batch definition the
+streaming form equals (to float32 rounding; bit for bit when the folded weights are exact).
 """
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -165,3 +171,62 @@ def merge_deltas(deltas: Sequence, weights, rule: str, averaged_mask=None):
     return _rda_leaf(weights, *leaves)
 
   return jax.tree.map(leaf_rule, averaged_mask, *deltas)
+
+
+class Accumulator(NamedTuple):
+  """One fragment's open pushes as running sums: what a merge needs, whatever their number.
+
+  With a_i = f(s_i)·t_i / t_ref (staleness factor × token weight, relative to the first
+  push's token weight t_ref, so equal weights fold with a_i = 1 exactly):
+    sums[k]   Σ a_i Δ_i[k]      for leaves merged by the weighted mean (every leaf under 'mean',
+                                 embeddings under 'rda'), float32;
+              Σ a_i φ(Δ_i[k])   for RDA leaves;
+    radii[k]  Σ a_i ‖Δ_i[k]‖    for RDA leaves (float32 scalar), None for mean leaves;
+    total     Σ t_i / t_ref     (float64): the token shares t_i / Σ t_j depend on the whole set,
+                                 so they are applied once, at merge time, from this sum.
+  """
+  sums: list
+  radii: list
+  total: float
+  ref: float
+
+
+def fold_scale(weight: float, damping: float, ref: float) -> np.float32:
+  """a_i = f(s_i)·t_i / t_ref in float32 (`weight` = t_i): the factor a push is folded with."""
+  return np.float32(damping * (weight / ref))
+
+
+def accumulate_leaf(total, radius, delta, scale, rda: bool):
+  """One tensor of one push folded into its running sums: (Σ + a·Δ or a·φ(Δ), radius + a·‖Δ‖).
+
+  `total` None starts the sums with this push. Jit-friendly; `rda` is static.
+  """
+  x = delta.astype(jnp.float32)
+  term = scale * (_direction(x) if rda else x)
+  total = term if total is None else total + term
+  if not rda:
+    return total, None
+  step = scale * _norm(x)
+  return total, step if radius is None else radius + step
+
+
+def merged_leaf(total, radius, inverse_total, rda: bool, dtype):
+  """The merge of one tensor from its sums; `inverse_total` = t_ref / Σ t_j (float32).
+
+  Mean: Σ a_i Δ_i · t_ref/Σt = Σ f(s_i)·(t_i/Σt)·Δ_i. RDA: the radius scales the same way,
+  and the direction is φ of the scaled direction sum (φ ignores the scale up to rounding;
+  scaling first keeps the batch merge's rounding when the shares are powers of two).
+  """
+  if not rda:
+    return total * inverse_total
+  return ((radius * inverse_total) * _direction(total * inverse_total)).astype(dtype)
+
+
+def rda_leaves(rule: str, averaged: Sequence[bool]) -> tuple[bool, ...]:
+  """Per leaf (in `jax.tree.leaves` order): True where `rule` merges it by RDA, False where by the mean.
+
+  `averaged`: the embedding mask's leaves (averaged plainly under 'rda').
+  """
+  if rule not in MERGE_RULES:
+    raise ValueError(f"merge rule {rule!r} is unknown: use one of {MERGE_RULES}")
+  return tuple(rule == "rda" and not bool(a) for a in averaged)

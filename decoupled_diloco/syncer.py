@@ -1,9 +1,11 @@
 """The syncer: owner of Θ and the outer optimizer state, and the state machine that merges.
 
 Learners push pseudo-gradients whenever they are ready; the syncer validates each push,
-drops over-stale ones, and merges what has arrived once a quorum of learners reported
-(and an adaptive grace window, if any, closed): weights = staleness × tokens, merge rule
-= weighted mean or RDA, then one outer step. It does no I/O and reads no clock: runtimes
+drops over-stale ones, folds each accepted one into its fragment's running sums at once
+(`merge.Accumulator`: the push's buffer is released, so memory does not grow with the
+pushes per merge) and merges once a quorum of learners reported (and an adaptive grace
+window, if any, closed): weights = staleness × tokens, merge rule = weighted mean or RDA,
+then one outer step. It does no I/O and reads no clock: runtimes
 pass `now` in (virtual or wall-clock seconds) and decide when to call what, so the same
 machine runs under the lockstep, virtual-clock and networked runtimes.
 
@@ -12,7 +14,7 @@ every learner group's mesh, so no learner holds an extra device copy of it.
 """
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from decoupled_diloco import compression, fragments, merge, outer
+from decoupled_diloco import accumulate, compression, fragments, merge, outer
 from decoupled_diloco.errors import ConfigError
 
 
@@ -106,13 +108,14 @@ def host_device() -> jax.Device:
 
 @dataclasses.dataclass
 class _Fragment:
-  """One fragment's share of the syncer: its slice of Θ, outer state, version and queue."""
+  """One fragment's share of the syncer: its slice of Θ, outer state, version and open pushes."""
   params: Any                 # Θ_p: the params' tree with None where other fragments own leaves.
   opt_state: Any
-  averaged: tuple             # Static per-leaf flags: averaged plainly (embeddings) under RDA.
+  rda: tuple                  # Static per-leaf flags: merged by RDA (else by the weighted mean).
   leaf_specs: list            # (shape, dtype) every pushed leaf must have.
   version: int = 0
-  pending: list = dataclasses.field(default_factory=list)
+  pending: list = dataclasses.field(default_factory=list)  # Accepted pushes' headers (delta None).
+  accumulator: merge.Accumulator | None = None  # Their running sums; None while no push is open.
   deadline: float | None = None
   window_start: float | None = None
 
@@ -143,7 +146,7 @@ class Syncer:
 
   def _new_fragment(self, params) -> _Fragment:
     return _Fragment(params, jax.jit(self.optimizer.init)(params),
-                     tuple(jax.tree.leaves(merge.embedding_mask(params))),
+                     merge.rda_leaves(self.settings.merge_rule, jax.tree.leaves(merge.embedding_mask(params))),
                      [(x.shape, np.dtype(x.dtype)) for x in jax.tree.leaves(params)])
 
   @property
@@ -167,16 +170,23 @@ class Syncer:
     return SyncerState(self.params, tuple(f.opt_state for f in self.fragments), self.versions)
 
   def restore(self, state: SyncerState) -> None:
-    """Takes a checkpointed state back (onto the syncer's device); pending pushes are dropped."""
+    """Takes a checkpointed state back (onto the syncer's device); open pushes are dropped."""
     params = jax.device_put(state.params, self.device)
     for p, fragment in enumerate(self.fragments):
       fragment.params = fragments.select(params, self.assignment, p)
       fragment.opt_state = jax.device_put(state.opt_state[p], self.device)
       fragment.version, fragment.pending, fragment.deadline, fragment.window_start = state.version[p], [], None, None
+      fragment.accumulator = None
+
+  def adopt(self, accumulator: merge.Accumulator | None) -> merge.Accumulator | None:
+    """An accumulator read back from a checkpoint (numpy sums), placed on the syncer's device."""
+    if accumulator is None:
+      return None
+    return accumulator._replace(sums=self.to_host(accumulator.sums), radii=self.to_host(accumulator.radii))
 
   @property
   def pending(self) -> list[Push]:
-    """Accepted pushes not merged yet, over all fragments."""
+    """Accepted pushes not merged yet, over all fragments: their headers (`delta` None, it is folded)."""
     return [push for f in self.fragments for push in f.pending]
 
   @property
@@ -220,28 +230,46 @@ class Syncer:
     if push.tokens < 1 or push.local_steps < 1:
       raise PushRejected(f"{who} rejected: tokens={push.tokens}, local_steps={push.local_steps}; "
                          "need tokens >= 1 and local_steps >= 1")
-    if jax.tree.structure(push.delta) != jax.tree.structure(fragment.params):
+    if isinstance(push.delta, compression.Compressed):  # Decoded: float32 tensors of the payload's shapes.
+      if len(push.delta.shapes) != len(fragment.leaf_specs):
+        raise PushRejected(f"{who} rejected: {len(push.delta.shapes)} tensors for fragment {push.fragment}'s "
+                           f"{len(fragment.leaf_specs)}")
+      specs = [(tuple(shape), np.dtype(np.float32)) for shape in push.delta.shapes]
+    elif jax.tree.structure(push.delta) != jax.tree.structure(fragment.params):
       raise PushRejected(f"{who} rejected: pseudo-gradient tree structure differs from fragment "
                          f"{push.fragment}'s params")
-    for (path, leaf), (shape, dtype) in zip(jax.tree_util.tree_leaves_with_path(push.delta), fragment.leaf_specs):
-      got = (tuple(np.shape(leaf)), np.dtype(getattr(leaf, "dtype", type(leaf))))
+    else:
+      specs = [(tuple(np.shape(leaf)), np.dtype(getattr(leaf, "dtype", type(leaf)))) for leaf in
+               jax.tree.leaves(push.delta)]
+    for (path, _), got, (shape, dtype) in zip(jax.tree_util.tree_leaves_with_path(fragment.params), specs,
+                                              fragment.leaf_specs):
       if got != (shape, dtype):
         raise PushRejected(f"{who} rejected: {jax.tree_util.keystr(path)} is {got[1]}{list(got[0])}, "
                            f"expected {dtype}{list(shape)}")
-    if not bool(_jit_all_finite(push.delta)):
+    if not self._finite(push):
       raise PushRejected(f"{who} rejected: the pseudo-gradient holds NaN or Inf (did the learner diverge?)")
 
+  def _finite(self, push: Push) -> bool:
+    """No NaN or Inf in the push: one fused pass over a tree, or decoded tensor by tensor (never whole)."""
+    if isinstance(push.delta, compression.Compressed):
+      return all(bool(_jit_all_finite(leaf)) for leaf in self._delta_leaves(push))
+    return bool(_jit_all_finite(push.delta))
+
+  def _delta_leaves(self, push: Push) -> Iterator:
+    """The push's float tensors in leaf order, a compressed one decoded one tensor at a time."""
+    if isinstance(push.delta, compression.Compressed):
+      return (compression.decode_leaf(self.codec, shape, payload)
+              for shape, payload in zip(push.delta.shapes, push.delta.leaves))
+    return iter(jax.tree.leaves(push.delta))
+
   def _decoded(self, push: Push) -> Push:
-    """The push with its delta on the syncer's device, decoded to float32 if it came compressed."""
+    """The push with its delta on the syncer's device; a compressed one checked, left encoded
+    (it is decoded tensor by tensor straight into the accumulator)."""
     delta = push.delta
     if isinstance(delta, compression.Compressed):
-      if not 0 <= push.fragment < len(self.fragments):
-        raise ValueError(f"fragment {push.fragment} is not in [0, {len(self.fragments)})")
-      leaves = compression.decode(self.codec, delta._replace(leaves=self.to_host(delta.leaves)))
-      structure = jax.tree.structure(self.fragments[push.fragment].params)
-      if len(leaves) != structure.num_leaves:
-        raise ValueError(f"{len(leaves)} tensors for fragment {push.fragment}'s {structure.num_leaves}")
-      delta = jax.tree.unflatten(structure, leaves)
+      delta = delta._replace(leaves=self.to_host(delta.leaves))
+      compression.check(self.codec, delta)
+      return dataclasses.replace(push, delta=delta)
     return dataclasses.replace(push, delta=self.to_host(delta))
 
   def check(self, push: Push) -> Push:
@@ -250,7 +278,7 @@ class Syncer:
     Separate from `receive` so that a service can validate a push, log it, then apply it:
     a refused push must never reach its write-ahead log.
     """
-    # Explicit move onto the syncer's device (and decoding) first: a merge must never
+    # Explicit move onto the syncer's device (and the payload's check) first: a merge must never
     # meet a leaf that lives elsewhere after the push was accepted.
     try:
       push = self._decoded(push)
@@ -269,7 +297,9 @@ class Syncer:
     """Takes a push at time `now`: (accepted, report of the merge it triggered, if any).
 
     Rejected pushes raise PushRejected before anything changes; over-stale ones are
-    dropped and counted. `checked`: the push is what `check` returned (not checked twice).
+    dropped and counted (and not kept). An accepted one is folded into its fragment's
+    running sums here: the caller's reference to its delta is the last one.
+    `checked`: the push is what `check` returned (not checked twice).
     """
     if not checked:
       push = self.check(push)
@@ -281,7 +311,8 @@ class Syncer:
     self._xi_update("step", push.compute_seconds / push.local_steps)
     if fragment.window_start is None:
       fragment.window_start = now
-    fragment.pending.append(push)
+    self._fold(fragment, push)
+    fragment.pending.append(dataclasses.replace(push, delta=None))
     reporters = len({p.learner for p in fragment.pending})
     if reporters < self.quorum:
       return True, None
@@ -307,7 +338,7 @@ class Syncer:
     return [self.merge(now, p) for p, f in enumerate(self.fragments) if f.pending]
 
   def warm_up(self) -> None:
-    """Compiles the push check and the merge of 1..M pushes of every fragment, changing nothing.
+    """Compiles the push check, the first and later folds and the merge of every fragment, changing nothing.
 
     Why: a networked syncer would otherwise compile them while answering the first
     pushes, and every learner's first exchange would wait for XLA.
@@ -315,10 +346,11 @@ class Syncer:
     for state in self.fragments:
       zeros = self.to_host(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state.params))
       _jit_all_finite(zeros)
-      for count in range(1, len(self.learners) + 1):
-        weights = np.full(count, 1 / count, np.float32)
-        jax.block_until_ready(_jit_merge_and_step(self.optimizer, self.settings.merge_rule, state.averaged,
-                                                  state.params, state.opt_state, [zeros] * count, weights))
+      sums, radii = accumulate.fold(state.rda, None, None, jax.tree.leaves(zeros), np.float32(1))
+      sums, radii = accumulate.fold(state.rda, sums, radii, jax.tree.leaves(zeros), np.float32(1))
+      opt_state = jax.tree.map(jnp.copy, state.opt_state)  # The merge donates it.
+      jax.block_until_ready(accumulate.merge_and_step(self.optimizer, state.rda, state.params, opt_state,
+                                                      merge.Accumulator(sums, radii, 2.0, 1.0), np.float32(0.5)))
 
   @property
   def estimates(self) -> dict[str, float]:
@@ -334,27 +366,44 @@ class Syncer:
     """Runtimes report how long a merge + broadcast took (ξ_sync of the grace window)."""
     self._xi_update("sync", seconds)
 
+  def _weight_and_damping(self, fragment: _Fragment, push: Push) -> tuple[float, float]:
+    """(t_i, f(s_i)): the push's token weight and staleness factor (its version is the merge's)."""
+    s = self.settings
+    return (merge.token_weight(push.tokens, push.local_steps, s.token_weighting),
+            merge.staleness_weight(fragment.version - push.base_version, s.staleness, s.staleness_a, s.staleness_b))
+
+  def _fold(self, fragment: _Fragment, push: Push) -> None:
+    """Adds an accepted push to its fragment's running sums (see `merge.Accumulator`), tensor by tensor."""
+    weight, damping = self._weight_and_damping(fragment, push)
+    accumulator = fragment.accumulator
+    ref = weight if accumulator is None else accumulator.ref
+    sums, radii = (None, None) if accumulator is None else (accumulator.sums, accumulator.radii)
+    fragment.accumulator = None  # Its buffers are donated to the fold.
+    sums, radii = accumulate.fold(fragment.rda, sums, radii, self._delta_leaves(push),
+                                  merge.fold_scale(weight, damping, ref))
+    total = weight / ref + (0.0 if accumulator is None else accumulator.total)
+    fragment.accumulator = merge.Accumulator(jax.block_until_ready(sums), radii, total, ref)  # Done with the push.
+
   def merge(self, now: float, fragment: int = 0) -> MergeReport | None:
-    """Merges fragment `fragment`'s pending pushes and takes one outer step on it.
+    """Merges fragment `fragment`'s open pushes and takes one outer step on it.
 
     Weight of push i: its token weight normalised over the merge, times its staleness
     factor, un-normalised: w_i = f(s_i) · t_i / Σ_j t_j. Staleness damps rather than
     re-balances, so a lone stale push (quorum 1) is still scaled down; with staleness 0
-    everywhere this is exactly DiLoCo's token-weighted mean.
+    everywhere this is exactly DiLoCo's token-weighted mean. The pushes were folded into
+    running sums on arrival; the shares t_i / Σ_j t_j are applied here, from Σ_j t_j.
     """
     state = self.fragments[fragment]
     if not state.pending:
       return None
-    s = self.settings
-    staleness = [state.version - p.base_version for p in state.pending]
-    shares = merge.normalized_weights([merge.token_weight(p.tokens, p.local_steps, s.token_weighting)
-                                       for p in state.pending])
-    damping = [merge.staleness_weight(st, s.staleness, s.staleness_a, s.staleness_b) for st in staleness]
-    weights = (shares * np.asarray(damping)).astype(np.float32)
-    state.params, state.opt_state = _jit_merge_and_step(self.optimizer, s.merge_rule, state.averaged, state.params,
-                                                        state.opt_state, [p.delta for p in state.pending], weights)
+    weights, damping = zip(*(self._weight_and_damping(state, p) for p in state.pending))
+    weights = (merge.normalized_weights(weights) * np.asarray(damping)).astype(np.float32)
+    staleness = tuple(state.version - p.base_version for p in state.pending)
+    accumulator, state.accumulator = state.accumulator, None  # Donated to the merge.
+    state.params, state.opt_state = accumulate.merge_and_step(
+        self.optimizer, state.rda, state.params, state.opt_state, accumulator, np.float32(1.0 / accumulator.total))
     state.version += 1
-    report = MergeReport(self.version, tuple(p.learner for p in state.pending), tuple(staleness),
+    report = MergeReport(self.version, tuple(p.learner for p in state.pending), staleness,
                          tuple(float(w) for w in weights), now, fragment)
     state.pending, state.deadline, state.window_start = [], None, None
     self.counts["merges"] += 1
@@ -373,10 +422,3 @@ def _jit_all_finite(tree):
   # x·0 is 0 for finite x and NaN for NaN/±Inf, and a sum keeps a NaN: one fused pass that
   # XLA's CPU backend runs ~5x faster than a reduction of isfinite's booleans.
   return jnp.isfinite(sum(jnp.sum(x * 0, dtype=jnp.float32) for x in jax.tree.leaves(tree)))
-
-
-@jax.jit(static_argnums=(0, 1, 2))
-def _jit_merge_and_step(optimizer, rule, averaged_leaves, params, opt_state, deltas, weights):
-  averaged = jax.tree.unflatten(jax.tree.structure(params), averaged_leaves)
-  merged = merge.merge_deltas(deltas, weights, rule, averaged)
-  return outer.outer_step(optimizer, params, opt_state, merged)

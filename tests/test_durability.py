@@ -67,8 +67,8 @@ def test_a_full_disk_stops_the_syncer_without_applying_or_losing_anything(params
                lambda: _push(core, params, 1, 1)):
     with pytest.raises(core_lib.Stopped):
       call()
-  core.log.close()
-  core.checkpointer.close()
+  core.store.log.close()
+  core.store.checkpointer.close()
   os.remove(filler)
   again = _core(params, tiny_disk, quorum=2)  # The operator freed the disk and restarted the syncer.
   assert (again.syncer.version, again.acked) == (1, {0: 0, 1: 0})
@@ -127,8 +127,8 @@ def test_a_corrupt_log_stops_the_syncer_from_restoring(params, tmp_path):
   for seq in range(3):
     _push(core, params, 0, seq)
     _push(core, params, 1, seq)
-  core.log.close()
-  core.checkpointer.close()
+  core.store.log.close()
+  core.store.checkpointer.close()
   path = wal.segment_path(str(tmp_path / "wal"), 0)
   with open(path, "r+b") as f:
     f.seek(200)
@@ -204,7 +204,7 @@ def _checkpointed_core(params, directory):
     if seq < 2:
       core.tick(time.time())
   _push(core, params, 0, 3)
-  assert core.checkpointer.all_steps() == [1, 2] and core.syncer.version == 3
+  assert core.store.checkpointer.all_steps() == [1, 2] and core.syncer.version == 3
   return core
 
 
@@ -223,13 +223,13 @@ def _flip_params(directory, step):
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_plus_the_log(params, tmp_path):
   core = _checkpointed_core(params, tmp_path)
   before, acked, steps = jax.device_get(core.syncer.params), dict(core.acked), core.steps_done
-  core.log.close()  # SIGKILL.
-  core.checkpointer.close()
+  core.store.log.close()  # SIGKILL.
+  core.store.checkpointer.close()
   _flip_params(tmp_path, 2)
   again = _core(params, tmp_path, quorum=2, every=1)
   assert (again.syncer.version, again.acked, again.steps_done) == (3, acked, steps)
   assert _leaves_equal(before, again.syncer.params) and len(again.syncer.pending) == 1
-  assert again.checkpointer.all_steps() == [1] and os.path.isdir(tmp_path / "checkpoints" / "2.corrupt")
+  assert again.store.checkpointer.all_steps() == [1] and os.path.isdir(tmp_path / "checkpoints" / "2.corrupt")
   again.close()
 
 
@@ -248,11 +248,11 @@ def test_a_crash_between_log_rotation_and_checkpoint_save_loses_nothing(params, 
   _push(core, params, 0, 0)
   _push(core, params, 1, 0)  # Merge: version 1, checkpoint due.
   _push(core, params, 0, 1)  # Pending: carried into the new segment.
-  core.log.rotate(1, [(dict(r, carried=True), p) for _, r, p in core._unabsorbed])  # pylint: disable=protected-access
+  core.store.log.rotate(1, [(dict(r, carried=True), p) for _, r, p in core._unabsorbed])  # pylint: disable=protected-access
   _push(core, params, 1, 1)  # Merge: version 2, logged in segment 1; then SIGKILL before checkpoint 1 is saved.
   before, acked = jax.device_get(core.syncer.params), dict(core.acked)
-  core.log.close()
-  core.checkpointer.close()
+  core.store.log.close()
+  core.store.checkpointer.close()
   again = _core(params, tmp_path, quorum=2, every=1)
   assert (again.syncer.version, again.acked) == (2, acked) and _leaves_equal(before, again.syncer.params)
   again.close()
@@ -264,16 +264,16 @@ def test_a_full_checkpoint_disk_keeps_the_syncer_serving_and_retries(params, tin
   _push(core, params, 1, 0)  # Version 1: a checkpoint is due.
   filler = _fill(str(tiny_disk), 150 << 10)  # Room for log records, not for a checkpoint.
   core.tick(time.time())
-  assert core.checkpointer.all_steps() == [0]  # The save failed...
+  assert core.store.checkpointer.all_steps() == [0]  # The save failed...
   assert _push(core, params, 0, 1)["status"] == "applied"  # ...and the syncer serves on from its log.
   os.remove(filler)
   core.tick(time.time())
-  assert core.checkpointer.all_steps() == [0]  # Not retried at once...
+  assert core.store.checkpointer.all_steps() == [0]  # Not retried at once...
   core.tick(time.time() + core_lib.CHECKPOINT_RETRY_SECONDS)
-  assert core.checkpointer.all_steps() == [0, 1]  # ...but once the retry is due.
+  assert core.store.checkpointer.all_steps() == [0, 1]  # ...but once the retry is due.
   before, acked = jax.device_get(core.syncer.params), dict(core.acked)
-  core.log.close()
-  core.checkpointer.close()
+  core.store.log.close()
+  core.store.checkpointer.close()
   again = _core(params, tiny_disk, quorum=2, every=1)
   assert (again.syncer.version, again.acked, len(again.syncer.pending)) == (1, acked, 1)
   assert _leaves_equal(before, again.syncer.params)
@@ -293,8 +293,8 @@ def test_push_counters_and_refused_calls_survive_a_restart(params, tmp_path):
   _push(core, params, 0, 2, base=0)  # ...and one after it, in the log only.
   counts = dict(core.counts)
   assert counts["applied"] == 4 and counts["duplicates"] == 1 and counts["rejected"] == 1
-  core.log.close()  # SIGKILL.
-  core.checkpointer.close()
+  core.store.log.close()  # SIGKILL.
+  core.store.checkpointer.close()
   again = _core(params, tmp_path, quorum=2, every=1)
   assert again.counts == counts and again.refused == {"unauthenticated": 2}
   again.close()
@@ -311,14 +311,14 @@ def test_a_stale_learner_incarnation_is_refused_once_a_newer_one_joined_and_afte
     _push(core, params, 0, 1, incarnation=1)  # The predecessor wakes up.
   assert core.acked[0] == 0 and core.counts["rejected"] == 1
   assert _push(core, params, 0, 1, incarnation=2)["status"] == "applied"
-  core.log.close()  # SIGKILL: the incarnation is in the log.
-  core.checkpointer.close()
+  core.store.log.close()  # SIGKILL: the incarnation is in the log.
+  core.store.checkpointer.close()
   again = _core(params, tmp_path, quorum=2, every=1)
   with pytest.raises(core_lib.PushRejected, match="incarnation 1"):
     _push(again, params, 0, 2, incarnation=1)
   assert _push(again, params, 1, 0)["status"] == "applied"  # A merge...
   again.tick(time.time())  # ...and a checkpoint, whose log segment no longer holds the join.
-  assert again.checkpointer.latest_step() == 1
+  assert again.store.checkpointer.latest_step() == 1
   again.close()
   third = _core(params, tmp_path, quorum=2, every=1)
   assert third.status(0, tells_done=False)["incarnation"] == 2

@@ -129,15 +129,15 @@ def test_core_applies_each_push_once_and_replays_exactly_after_a_crash(params, t
   for seq in range(3):  # 3 merges (quorum 2): checkpoints at versions 0 and 2, the rest in the log.
     assert _push(core, params, 0, seq)["status"] == "applied"
     assert _push(core, params, 1, seq, value=0.02)["status"] == "applied"
-    assert core.checkpointer.latest_step() == 2 * (seq // 2)  # Due after 2 merges, but not taken by a push...
+    assert core.store.checkpointer.latest_step() == 2 * (seq // 2)  # Due after 2 merges, but not taken by a push...
     core.tick(time.time())  # ...the service's next tick takes it.
   assert _push(core, params, 0, 3)["status"] == "applied"  # Pending at the crash.
   assert _push(core, params, 0, 3)["status"] == "duplicate"
   assert core.counts["duplicates"] == 1
   before, version, acked, steps = jax.device_get(core.syncer.params), core.syncer.version, dict(core.acked), \
       core.steps_done
-  core.log.close()  # SIGKILL: no checkpoint, only what the log holds.
-  core.checkpointer.close()
+  core.store.log.close()  # SIGKILL: no checkpoint, only what the log holds.
+  core.store.checkpointer.close()
   kept = [r for r in records if r["outer_step"] <= 2]  # What the restarted writer keeps (checkpoint 2).
   again = _core(params, tmp_path, emit=kept.append)
   assert (again.syncer.version, again.acked, again.steps_done) == (version, acked, steps) == (3, {0: 3, 1: 2}, 28)
@@ -170,8 +170,8 @@ def test_core_remembers_across_restarts_who_heard_the_run_is_over(params, tmp_pa
   core.heartbeat(0, time.time())  # A side thread's heartbeat does not count...
   assert core.told_done == {1}
   core.pull(0, 0, -1, time.time())  # ...the learner's own call does.
-  core.log.close()
-  core.checkpointer.close()
+  core.store.log.close()
+  core.store.checkpointer.close()
   again = _core(params, tmp_path)
   assert again.done and again.all_told_done()
   again.close()
@@ -328,12 +328,12 @@ def test_joins_wait_at_the_start_barrier_until_enough_learners_or_the_timeout(pa
              for m in joining]
   threads[0].start()
   time.sleep(0.3)
-  assert not returned and not core.started  # Learner 0 waits at the barrier.
+  assert not returned and not core.barrier.started  # Learner 0 waits at the barrier.
   for thread in threads[1:]:
     thread.start()
   for thread in threads:
     thread.join(timeout=10)
-  assert sorted(returned) == joining and core.started
+  assert sorted(returned) == joining and core.barrier.started
   starts = [r for r in records if r["kind"] == "start"]
   assert len(starts) == 1 and starts[0]["learners"] == joining and starts[0]["timed_out"] == timed_out
   core.close()

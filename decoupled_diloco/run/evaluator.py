@@ -5,8 +5,8 @@ order); the threads runtime and the syncer process hand snapshots of Θ to `Eval
 thread that evaluates them in merge order, so no learner and no merge waits for an eval.
 """
 
+import collections
 import dataclasses
-import queue
 import threading
 from typing import Callable
 
@@ -43,31 +43,55 @@ class EvalSet:
 
 
 class Evaluator:
-  """Evaluates queued snapshots of Θ in order on one background thread, writing each record.
+  """Evaluates snapshots of Θ in order on one background thread, writing each record.
 
   `evaluate(params) -> loss`; `write(record)` must be thread-safe. Snapshots are safe to
-  hold: merges replace Θ's arrays, they never change them in place.
+  hold: merges replace Θ's arrays, they never change them in place. Each waiting snapshot is
+  a copy of Θ, so a syncer process bounds them (`max_waiting=1`: the latest Θ is the one
+  worth evaluating; records count the replaced ones in `evals_skipped`); the threads runtime
+  evaluates every one (`max_waiting=None`), as the virtual clock does.
   """
 
-  def __init__(self, evaluate: Callable, evals: EvalSet, write: Callable[[dict], None]):
-    self.evaluate, self.evals, self.write = evaluate, evals, write
+  def __init__(self, evaluate: Callable, evals: EvalSet, write: Callable[[dict], None],
+               max_waiting: int | None = None):
+    self.evaluate, self.evals, self.write, self.max_waiting = evaluate, evals, write, max_waiting
     self.last: dict | None = None       # The newest record written.
     self.last_queued: dict | None = None  # The clock of the newest snapshot queued.
+    self.skipped = 0                     # Snapshots replaced by newer ones before their eval.
     self.failure: BaseException | None = None
-    self._queue: queue.Queue = queue.Queue()
+    self._waiting: collections.deque = collections.deque()
+    self._closed = False
+    self._ready = threading.Condition()
     self._thread = threading.Thread(target=self._work, name="evaluator", daemon=True)
     self._thread.start()
 
   def submit(self, params, clock: dict) -> None:
-    """Queues an eval of `params` at `clock` (outer_step, tokens, ...)."""
-    self.last_queued = clock
-    self._queue.put((params, clock))
+    """Queues an eval of `params` at `clock` (outer_step, tokens, ...), dropping the oldest waiting
+    snapshot when `max_waiting` are already queued."""
+    with self._ready:
+      self.last_queued = clock
+      if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
+        dropped = self._waiting.popleft()[1]
+        self.skipped += 1
+        logging.warning("eval of version %d skipped: version %d is newer", dropped["outer_step"],
+                        clock["outer_step"])
+      self._waiting.append((params, clock))
+      self._ready.notify()
+
+  def _next(self) -> tuple | None:
+    """The next snapshot and the skipped count so far, or None once closed and drained."""
+    with self._ready:
+      while not self._waiting and not self._closed:
+        self._ready.wait()
+      return (*self._waiting.popleft(), self.skipped) if self._waiting else None
 
   def _work(self) -> None:
     try:
-      while (item := self._queue.get()) is not None:
-        params, clock = item
+      while (item := self._next()) is not None:
+        params, clock, skipped = item
         record = self.evals.record(self.evaluate(params), clock)
+        if self.max_waiting is not None:
+          record["evals_skipped"] = skipped
         self.write(record)
         self.last = record
         logging.info("version %d | %s tokens | eval %.4f", clock["outer_step"], f"{clock['tokens']:,}",
@@ -77,7 +101,9 @@ class Evaluator:
 
   def close(self) -> None:
     """Finishes the queued evals; raises what the thread raised."""
-    self._queue.put(None)
+    with self._ready:
+      self._closed = True
+      self._ready.notify()
     self._thread.join()
     if self.failure is not None:
       raise self.failure

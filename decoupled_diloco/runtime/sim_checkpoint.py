@@ -8,7 +8,7 @@ in its period. A checkpoint therefore holds the whole simulation between two eve
   * everything else, pickled into one host byte array saved in the same orbax step (so
     both are written, or neither): the event queue (handlers by name), every learner's
     clock, links, RNG and sync bookkeeping (anchors, versions, counts, residuals, losses
-    not yet logged), the syncer's pending pushes, grace windows, counters and ξ EMAs, the
+    not yet logged), the syncer's open pushes (headers and running sums), grace windows, counters and ξ EMAs, the
     speed tracker, the budget left, and how many metric records had been written.
 jax.Arrays are pickled as numpy arrays of the same values: every later computation on
 them is the same float32 arithmetic. Steps are the learners' inner steps in total, so
@@ -32,7 +32,7 @@ from decoupled_diloco.run import state as state_lib
 
 BLOB = "simulation"  # The orbax item holding the pickled host state.
 _LEARNER_FIELDS = ("anchors", "base_versions", "tokens_since_push", "steps_since_push", "residuals")
-_FRAGMENT_FIELDS = ("pending", "deadline", "window_start")
+_FRAGMENT_FIELDS = ("pending", "deadline", "window_start", "accumulator")
 _SIMULATION_FIELDS = ("now", "clocks", "rngs", "speeds", "steps_left", "eval_due", "waiting", "last_eval")
 
 
@@ -136,5 +136,6 @@ def restore(checkpointer: checkpoint_lib.Checkpointer, simulation, metadata: dic
     for fragment, saved in zip(syncer.fragments, state["syncer"]["fragments"]):
       for field in _FRAGMENT_FIELDS:
         setattr(fragment, field, saved[field])
+      fragment.accumulator = syncer.adopt(fragment.accumulator)
     syncer.counts = state["syncer"]["counts"]
     syncer.restore_estimates(state["syncer"]["estimates"])

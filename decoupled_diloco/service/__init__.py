@@ -2,7 +2,11 @@
 
   wire.py        bytes on the wire: msgpack headers, self-describing array payloads, chunks
   wal.py         the syncer's write-ahead log (an ack means the push is on disk)
-  core.py        SyncerCore: exactly-once pushes, checkpoints + log replay, leases, budget
+  core.py        SyncerCore: the state machine (exactly-once pushes, merges, replay, budget)
+  durable.py     its write-ahead log + verified checkpoints, fail-stop on a failed append
+  admission.py   known learner, current incarnation, float32 arrays (with limits.py: bounded headers)
+  membership.py  start barrier, leases and the quorum they lower
+  pullcache.py   Θ for joins and pulls in the downlink format, encoded once per fragment version
   security.py    run secret (env/file), per-learner credentials derived from it, TLS credentials
   limits.py      upper bounds on push headers (tokens, local_steps, seq)
   server.py      gRPC methods Join/Pull/Push/Heartbeat/PushTicket, refusals as gRPC statuses, bulk slots

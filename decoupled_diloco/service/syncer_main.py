@@ -34,7 +34,7 @@ TICK_SECONDS = 0.2
 def build_evaluator(config, model, corpus, recorder: records.Recorder) -> evaluator_lib.Evaluator:
   """The background evaluator of Θ snapshots, on this host (jitted model loss), in merge order."""
   evals, loss = evaluator_lib.EvalSet.from_corpus(config, corpus), jax.jit(model.loss)
-  return evaluator_lib.Evaluator(lambda params: evals.mean_loss(loss, params), evals, recorder.write)
+  return evaluator_lib.Evaluator(lambda params: evals.mean_loss(loss, params), evals, recorder.write, max_waiting=1)
 
 
 def build_core(config, params, workdir: str, recorder: records.Recorder,

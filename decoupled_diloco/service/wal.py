@@ -24,7 +24,8 @@ raises `LogWriteError`: the caller must stop serving (nothing unlogged was appli
 import os
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 from absl import logging
 import msgpack
@@ -86,6 +87,13 @@ def _scan(data: memoryview, path: str) -> Iterator[tuple[int, dict, memoryview]]
     yield position, record, data[start + meta_length:end]
 
 
+class Location(NamedTuple):
+  """Where a logged payload lies: the syncer keeps this, not the bytes, of pushes it must carry over."""
+  segment: int
+  offset: int
+  nbytes: int
+
+
 def _read(path: str) -> memoryview:
   with open(path, "rb") as f:
     return memoryview(f.read())
@@ -96,7 +104,26 @@ def read_segment(path: str) -> list[tuple[dict, memoryview]]:
 
   Raises CorruptLog on damage other than a torn tail (`Log` has truncated that already).
   """
-  return [(record, payload) for _, record, payload in _scan(_read(path), path)]
+  return [(record, payload) for record, payload, _ in records(path, -1)]
+
+
+def records(path: str, segment: int) -> Iterator[tuple[dict, memoryview, Location]]:
+  """(record, payload, where the payload lies) of every intact record of segment `segment` at `path`."""
+  for end, record, payload in _scan(_read(path), path):
+    yield record, payload, Location(segment, end - payload.nbytes, payload.nbytes)
+
+
+def read_payload(directory: str, location: Location) -> bytes:
+  """The payload bytes at `location` (one record's, read alone: the segment is not loaded)."""
+  fd = os.open(segment_path(directory, location.segment), os.O_RDONLY)
+  try:
+    data = os.pread(fd, location.nbytes, location.offset)
+  finally:
+    os.close(fd)
+  if len(data) != location.nbytes:
+    raise CorruptLog(f"{segment_path(directory, location.segment)}: payload at offset {location.offset} is cut "
+                     f"short ({len(data)} of {location.nbytes} bytes)")
+  return data
 
 
 def recover(directory: str, truncate_corrupt: bool) -> None:
@@ -149,8 +176,9 @@ class Log:
     self._file.seek(self._offset)
     self.segment = segment
 
-  def append(self, record: dict, payload=b"") -> None:
-    """Writes and fsyncs one record (a dict of msgpack-able values) and its payload bytes.
+  def append(self, record: dict, payload=b"") -> Location:
+    """Writes and fsyncs one record (a dict of msgpack-able values) and its payload bytes; returns where
+    the payload lies.
 
     On failure the segment is cut back to its last good record and LogWriteError raised:
     the record is not in the log, and the caller must not act on it.
@@ -166,7 +194,9 @@ class Log:
     except OSError as error:
       self._roll_back()
       raise LogWriteError(error.errno, f"write-ahead log append to {self._file.name} failed ({error})") from error
-    self._offset += _FRAME.size + len(meta) + payload.nbytes
+    location = Location(self.segment, self._offset + _FRAME.size + len(meta), payload.nbytes)
+    self._offset = location.offset + payload.nbytes
+    return location
 
   def _roll_back(self) -> None:
     """Cuts a failed append off (best effort: a torn tail is recovered at the next start anyway)."""
@@ -178,8 +208,9 @@ class Log:
     except OSError as error:
       logging.error("could not roll back the failed append (%s); the next start drops its torn tail", error)
 
-  def rotate(self, segment: int, records: list[tuple[dict, bytes]]) -> None:
-    """Starts segment `segment` holding `records` (what the next checkpoint does not cover).
+  def rotate(self, segment: int, carried: Iterable[tuple[dict, bytes | Location]]) -> list[Location]:
+    """Starts segment `segment` holding `carried` (what the next checkpoint does not cover); returns where
+    their payloads now lie. A payload given as a Location is read from its segment then, one at a time.
 
     The new segment is written aside and renamed into place, complete and durable, before
     the caller writes the checkpoint that points at it: a crash leaves either the old file
@@ -189,10 +220,11 @@ class Log:
     self._file.close()
     path = segment_path(self.directory, segment)
     self._file, self._offset, self.segment = open(f"{path}.tmp", "w+b"), 0, segment
-    for record, payload in records:
-      self.append(record, payload)
+    locations = [self.append(record, read_payload(self.directory, payload) if isinstance(payload, Location)
+                             else payload) for record, payload in carried]
     os.replace(f"{path}.tmp", path)
     _fsync_directory(self.directory)
+    return locations
 
   def drop_before(self, segment: int) -> None:
     """Deletes segments older than `segment` (the oldest checkpoint kept covers them)."""

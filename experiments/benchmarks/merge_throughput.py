@@ -5,11 +5,12 @@ r"""Syncer merge throughput: M pushes of N params (weighting + outer step) vs a 
 One block hands M float32 pseudo-gradients of N parameters to `Syncer.receive` with quorum
 M, as the syncer service does: each is a decoded wire payload (received into an aligned
 buffer, read-only). Each push is put on the host device (zero-copy: XLA aliases the
-aligned buffer) and validated (shapes, dtypes, NaN/Inf); the last one triggers the merge
-(token × staleness weights, weighted mean) and the outer step (Nesterov SGD). The baseline copies the same M·N·4 bytes with numpy (`np.copyto` into
-preallocated buffers), interleaved with the syncer in the same run. Key `ratio` = numpy
-seconds / syncer seconds, i.e. the syncer's bytes/s as a fraction of a memory copy's
-(target >= 0.25).
+aligned buffer), validated (shapes, dtypes, NaN/Inf) and folded into the running sums
+(streaming accumulation); the last one triggers the merge (token × staleness weights,
+weighted mean) and the outer step (Nesterov SGD). The baseline copies the same M·N·4 bytes
+with numpy (`np.copyto` into preallocated buffers), interleaved with the syncer in the same
+run. Key `ratio` = numpy seconds / syncer seconds, i.e. the syncer's bytes/s as a fraction
+of a memory copy's (target >= 0.5).
 """
 
 from absl import app

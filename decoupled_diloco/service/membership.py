@@ -1,0 +1,71 @@
+"""Who takes part in the syncer's rounds: the start barrier, and the quorum that leases shrink and calls restore.
+
+Why separate from the core's state machine: these decide *who* a merge waits for, not what
+it merges. A learner that compiles slowly must not find the budget spent by the others
+(the barrier), and a dead learner must not hold the living up (leases lower the quorum to
+the learners still calling; a call brings an excluded one back).
+"""
+
+import dataclasses
+import threading
+import time
+
+from absl import logging
+
+from decoupled_diloco.syncer import MergeReport, Syncer
+
+
+class StartBarrier:
+  """Joins wait until `required` learners joined, or `timeout_seconds` after the syncer started.
+
+  `required` = 1 means no wait. The barrier also counts as passed once a push arrives (the
+  learners of a restarted syncer have started long ago). Callers hold `lock`.
+  """
+
+  def __init__(self, lock: threading.RLock, required: int, timeout_seconds: float):
+    self.required, self.timeout_seconds = required, timeout_seconds
+    self.joined: set[int] = set()
+    self.started = False  # Barrier passed (or timed out), or a push arrived (a restarted syncer's learners).
+    self._condition = threading.Condition(lock)
+
+  def join(self, learner: int, start_time: float, version: int, keep_alive) -> dict | None:
+    """Waits (the lock released meanwhile) until the barrier is open; `keep_alive()` after each wait.
+
+    Returns the 'start' metric record if this join opened the barrier (naming who had joined,
+    with a warning if it timed out), else None: the start is reported once.
+    """
+    self.joined.add(learner)
+    while not self.started:
+      left = start_time + self.timeout_seconds - time.time()
+      if len(self.joined) >= self.required or left <= 0:
+        self.started = True
+        self._condition.notify_all()
+        return self._opened(timed_out=len(self.joined) < self.required, version=version, start_time=start_time)
+      self._condition.wait(min(left, 1.0))
+      keep_alive()
+    return None
+
+  def _opened(self, timed_out: bool, version: int, start_time: float) -> dict:
+    if timed_out:
+      logging.warning("start barrier timed out after %.0fs with learners %s of the %d required: starting without "
+                      "the others", self.timeout_seconds, sorted(self.joined), self.required)
+    return {"kind": "start", "outer_step": version, "learners": sorted(self.joined), "required": self.required,
+            "timed_out": int(timed_out), "wall_time": time.time() - start_time}
+
+
+def live_learners(learners, last_seen: dict[int, float], now: float, lease_seconds: float) -> list[int]:
+  """The learners heard from within their lease (one never heard from counts as just seen)."""
+  return sorted(m for m in learners if now - last_seen.get(m, now) <= lease_seconds)
+
+
+def set_live(syncer: Syncer, learners: list[int], quorum_setting: int) -> None:
+  """Only live learners count towards the quorum (a quorum larger than them is lowered to them)."""
+  syncer.learners = frozenset(learners)
+  quorum = min(quorum_setting, len(learners)) if quorum_setting else 0
+  syncer.settings = dataclasses.replace(syncer.settings, quorum=quorum)
+
+
+def quorum_merges(syncer: Syncer, now: float) -> list[MergeReport]:
+  """Merges fragments whose pending pushes meet the (just lowered) quorum."""
+  return [syncer.merge(now, p) for p, f in enumerate(syncer.fragments)
+          if f.pending and len({push.learner for push in f.pending}) >= syncer.quorum]

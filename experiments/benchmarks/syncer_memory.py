@@ -1,0 +1,157 @@
+r"""Syncer host memory: peak bytes per parameter at the syncer while M pushes arrive at once.
+
+  python -m experiments.benchmarks.syncer_memory [--params=100000000] [--counts=1,2,4,8,16]
+
+For each push format (fp32, int4) and M, a fresh child process runs the service's state
+machine (`SyncerCore`: write-ahead log on disk, pull cache, no network) over N float32
+parameters in 10 tensors, M learners, quorum M, outer Nesterov SGD: a pull of Θ (as every
+learner does after a merge), then M pushes one after the other, the last one merging, then
+a pull of the new Θ. Each payload is read from a file into the aligned buffer the service
+assembles a push in (`wire.assemble`) and handed to `SyncerCore.push`, as the server does,
+so one receive buffer is live at a time. The child's peak RSS over that phase (VmHWM,
+reset through /proc/self/clear_refs after the setup, whose orbax checkpoint at version 0
+is not part of a merge) minus the idle process's, per parameter, is the figure. The idle
+process is the same child with a 10,000-parameter model (imports, JAX, compiled merges,
+orbax, the log: everything but the parameters); its peak RSS is reported beside the figure
+(`idle_rss_mb`).
+Keys: host_bytes_per_param {M: B/param} (fp32 pushes), int4_host_bytes_per_param,
+steady_bytes_per_param (after the merge and pull, fp32), idle_rss_mb. Target <= 16.
+"""
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+import numpy as np
+
+from experiments.benchmarks import common
+
+_PARAMS = flags.DEFINE_integer("params", 100_000_000, "N: parameters of Θ (split into 10 tensors).")
+_COUNTS = flags.DEFINE_list("counts", ["1", "2", "4", "8", "16"], "M: pushes per merge (= learners, quorum).")
+_CHILD = flags.DEFINE_string("child", "", "Internal: run one measurement, FORMAT:M with payload file --payload.")
+_PAYLOAD = flags.DEFINE_string("payload", "", "Internal: the payload file of the child.")
+_LEAVES = 10
+_IDLE_PARAMS = 10_000  # The idle process's model: the syncer without (nearly any) parameters.
+_CHUNK = 4 << 20
+
+
+def _status_kb(field: str) -> int:
+  with open("/proc/self/status", encoding="ascii") as f:
+    return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _shapes(n: int) -> dict:
+  return {f"block_{i}": {"w": (n // _LEAVES,)} for i in range(_LEAVES)}
+
+
+def _write_payload(path: str, fmt: str, n: int) -> int:
+  """One push's payload (a random Δ of N params, `fmt`) written to `path`; returns its bytes."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco import compression  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.service import wire  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  leaves = [rng.standard_normal(shape, dtype=np.float32) * 1e-3
+            for shape in jax.tree.leaves(_shapes(n), is_leaf=lambda x: isinstance(x, tuple))]
+  if fmt == "fp32":
+    payload = jax.tree.unflatten(jax.tree.structure(_shapes(n), is_leaf=lambda x: isinstance(x, tuple)), leaves)
+  else:
+    payload = compression.encode(compression.Codec(format=fmt), leaves)
+    payload = payload._replace(leaves=tuple(jax.tree.map(np.asarray, payload.leaves)))
+  size = 0
+  with open(path, "wb") as f:
+    for part in wire.encode(payload):
+      size += f.write(part)
+  return size
+
+
+def _child(fmt: str, count: int, path: str, n: int) -> dict:
+  """One measurement in this (fresh) process (peak and final RSS in KiB): see the module docstring."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from ml_collections import ConfigDict  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco import compression, outer  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.service import core as core_lib  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.service import wire  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.syncer import Settings, Syncer  # pylint: disable=g-import-not-at-top
+  params = jax.tree.map(lambda shape: jnp.full(shape, 0.01, jnp.float32), _shapes(n),
+                        is_leaf=lambda x: isinstance(x, tuple))
+  optimizer = outer.outer_optimizer(ConfigDict({"optimizer": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}))
+  syncer = Syncer(optimizer, params, range(count), Settings(quorum=count, token_weighting="tokens"),
+                  codec=compression.Codec(format=fmt))
+  del params
+  syncer.warm_up()  # As the service does: nothing is compiled during the measured phase.
+  size = os.path.getsize(path)
+  with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as directory:
+    core = core_lib.SyncerCore(syncer, count, budget_steps=10**9, directory=directory,
+                               checkpoint_every_merges=10**6, lease_seconds=1e9, metadata={})
+    core.start(time.time())
+    core.pull(0, 0, -1, time.time())  # Θ encoded for pulls, as after every merge.
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+      f.write("5")  # Peak RSS from here on.
+    for learner in range(count):
+      with open(path, "rb") as f:
+        chunks = iter(lambda: f.read(_CHUNK), b"")
+        payload = wire.assemble(chunks, size, size, _CHUNK)
+      payload.flags.writeable = False
+      header = {"learner": learner, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 1024 * (learner + 1),
+                "local_steps": 16, "budget_steps": 16, "budget_tokens": 1024, "compute_seconds": 1.0,
+                "payload_bytes": size, "incarnation": 0}
+      reply = core.push(header, payload, time.time())
+      assert reply["status"] == "applied", reply
+      del payload
+    assert core.syncer.version == 1, "the M-th push must merge"
+    core.pull(0, 0, 0, time.time())
+    jax.block_until_ready(core.syncer.params)
+    gc.collect()  # JAX frees the last push's buffer at a collection (see wire.aligned_buffer).
+    peak_kb, steady_kb = _status_kb("VmHWM"), _status_kb("VmRSS")
+    core.close()
+  return {"format": fmt, "pushes": count, "payload_bytes": size, "peak_kb": peak_kb, "steady_kb": steady_kb}
+
+
+def _run_child(fmt: str, count: int, path: str, n: int) -> dict:
+  command = [sys.executable, "-m", "experiments.benchmarks.syncer_memory", f"--child={fmt}:{count}",
+             f"--payload={path}", f"--params={n}"]
+  result = subprocess.run(command, capture_output=True, text=True, check=False)
+  if result.returncode:
+    raise RuntimeError(f"child {fmt} M={count} failed:\n{result.stderr[-3000:]}")
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main(argv) -> None:
+  """Measures every (format, M) in its own process; one JSON line at the end."""
+  del argv
+  n = _PARAMS.value
+  if _CHILD.value:
+    fmt, count = _CHILD.value.split(":")
+    print(json.dumps(_child(fmt, int(count), _PAYLOAD.value, n)))
+    return
+  rows, idle_kb = {}, {}
+  with tempfile.TemporaryDirectory() as directory:
+    for fmt in ("fp32", "int4"):
+      for size in (_IDLE_PARAMS, n):
+        _write_payload(os.path.join(directory, f"{fmt}_{size}.payload"), fmt, size)
+      for count in map(int, _COUNTS.value):
+        idle_kb[fmt, count] = _run_child(fmt, count, os.path.join(directory, f"{fmt}_{_IDLE_PARAMS}.payload"),
+                                         _IDLE_PARAMS)["peak_kb"]
+        row = _run_child(fmt, count, os.path.join(directory, f"{fmt}_{n}.payload"), n)
+        rows[fmt, count] = {**row, "idle_rss_mb": round(idle_kb[fmt, count] / 1024, 1),
+                            "peak_bytes_per_param": round((row["peak_kb"] - idle_kb[fmt, count]) * 1024 / n, 2),
+                            "steady_bytes_per_param": round((row["steady_kb"] - idle_kb[fmt, count]) * 1024 / n, 2)}
+        print(json.dumps(rows[fmt, count]), flush=True)
+  common.emit({"benchmark": "syncer_memory", "params": n,
+               "host_bytes_per_param": {m: r["peak_bytes_per_param"] for (f, m), r in rows.items() if f == "fp32"},
+               "int4_host_bytes_per_param": {m: r["peak_bytes_per_param"]
+                                             for (f, m), r in rows.items() if f == "int4"},
+               "steady_bytes_per_param": {m: r["steady_bytes_per_param"] for (f, m), r in rows.items() if f == "fp32"},
+               "idle_rss_mb": max(r["idle_rss_mb"] for r in rows.values()),
+               "payload_bytes": {f: r["payload_bytes"] for (f, m), r in rows.items()}})
+
+
+if __name__ == "__main__":
+  app.run(main)
