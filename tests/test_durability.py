@@ -21,7 +21,7 @@ from decoupled_diloco import metrics as metrics_lib, model as model_lib, workdir
 from decoupled_diloco.data import sources
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.service import core as core_lib
-from decoupled_diloco.service import syncer_main, wal
+from decoupled_diloco.service import durable, syncer_main, wal
 from experiments.launch_local import LocalCluster
 from tests import service_config
 from tests.test_service_units import _core, _leaves_equal, _push, params  # pylint: disable=unused-import
@@ -268,7 +268,7 @@ def test_a_full_checkpoint_disk_keeps_the_syncer_serving_and_retries(params, tin
   os.remove(filler)
   core.tick(time.time())
   assert core.store.checkpointer.all_steps() == [0]  # Not retried at once...
-  core.tick(time.time() + core_lib.CHECKPOINT_RETRY_SECONDS)
+  core.tick(time.time() + durable.CHECKPOINT_RETRY_SECONDS)
   assert core.store.checkpointer.all_steps() == [0, 1]  # ...but once the retry is due.
   before, acked = jax.device_get(core.syncer.params), dict(core.acked)
   core.store.log.close()

@@ -253,6 +253,7 @@ class LearnerProcess:
       self.exchanges.shutdown(wait=True)
     summary = {"learner": self.index, "steps": self.learner.steps, "rounds": self.pushes,
                "retries": self.client.retries if self.client else 0, "processes": self.group.processes,
+               "syncer_restarts": self.client.syncer_restarts if self.client else 0,
                **self.accounting.summary()}
     self._write({"kind": "learner_summary", "outer_step": self.status["version"], **summary})
     self.close()

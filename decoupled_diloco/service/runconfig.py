@@ -7,6 +7,7 @@ import jax
 import numpy as np
 
 from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.service import server
 
 ADDRESS_FILE = "syncer_address"
 
@@ -28,10 +29,21 @@ def validate(config) -> None:
            f"service.chunk_bytes={s.chunk_bytes} must be in [64 KiB, 64 MiB]: set --config.service.chunk_bytes")
   _require(s.checkpoint_every_merges >= 1,
            f"service.checkpoint_every_merges={s.checkpoint_every_merges} must be >= 1")
-  for name in ("lease_seconds", "linger_seconds", "rpc_timeout_seconds", "retry_seconds"):
+  for name in ("lease_seconds", "linger_seconds", "rpc_timeout_seconds", "retry_seconds", "keepalive_seconds",
+               "keepalive_timeout_seconds"):
     _require(s[name] > 0, f"service.{name}={s[name]} must be > 0: set --config.service.{name}")
+  threads = bulk_workers(len(config.learners.devices)) + server.CONTROL_WORKERS
+  _require(s.max_concurrent_rpcs >= threads,
+           f"service.max_concurrent_rpcs={s.max_concurrent_rpcs} is below the {threads} calls the syncer's threads "
+           f"serve at once with {len(config.learners.devices)} learners: set --config.service.max_concurrent_rpcs "
+           f">= {threads}")
   _require(s.learner_checkpoint_every >= 0,
            f"service.learner_checkpoint_every={s.learner_checkpoint_every} must be >= 0 (0 = never)")
+
+
+def bulk_workers(num_learners: int) -> int:
+  """The syncer's bulk slots (Join/Pull/Push at once): each learner's PER_CALLER_BULK + 4 spare."""
+  return server.PER_CALLER_BULK * num_learners + 4
 
 
 def check_ports_free(host: str, *ports: int) -> None:

@@ -147,7 +147,7 @@ class Log:
     self._file = open(path, "r+b" if os.path.exists(path) else "w+b")
     self._file.truncate(self._offset)  # Drop a torn tail so new records follow the last intact one.
     self._file.seek(self._offset)
-    self.segment = segment
+    self.segment, self._path = segment, path  # _path: the file's name now (a rotation writes it aside first).
 
   def append(self, record: dict, payload=b"") -> None:
     """Writes and fsyncs one record (a dict of msgpack-able values) and its payload bytes.
@@ -165,7 +165,7 @@ class Log:
       os.fsync(self._file.fileno())
     except OSError as error:
       self._roll_back()
-      raise LogWriteError(error.errno, f"write-ahead log append to {self._file.name} failed ({error})") from error
+      raise LogWriteError(error.errno, f"write-ahead log append to {self._path} failed ({error})") from error
     self._offset += _FRAME.size + len(meta) + payload.nbytes
 
   def _roll_back(self) -> None:
@@ -188,11 +188,12 @@ class Log:
     """
     self._file.close()
     path = segment_path(self.directory, segment)
-    self._file, self._offset, self.segment = open(f"{path}.tmp", "w+b"), 0, segment
+    self._file, self._offset, self.segment, self._path = open(f"{path}.tmp", "w+b"), 0, segment, f"{path}.tmp"
     for record, payload in records:
       self.append(record, payload)
     os.replace(f"{path}.tmp", path)
-    _fsync_directory(self.directory)
+    self._path = path
+    fsync_directory(self.directory)
 
   def drop_before(self, segment: int) -> None:
     """Deletes segments older than `segment` (the oldest checkpoint kept covers them)."""
@@ -205,7 +206,7 @@ class Log:
     self._file.close()
 
 
-def _fsync_directory(directory: str) -> None:
+def fsync_directory(directory: str) -> None:
   """Makes a new file's directory entry durable, not only its bytes."""
   fd = os.open(directory, os.O_RDONLY)
   try:
