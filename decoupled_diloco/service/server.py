@@ -144,7 +144,8 @@ class SyncerServer:
   def __init__(self, core: core_lib.SyncerCore, token: str, *, host: str, port: int, chunk_bytes: int,
                max_payload_bytes: int, credentials: grpc.ServerCredentials | None = None, workers: int = 8,
                data_port: int = -1, data_tls: ssl.SSLContext | None = None, data_timeout_seconds: float = 120.0,
-               keepalive_seconds: float = 20.0, keepalive_timeout_seconds: float = 10.0, max_concurrent_rpcs: int = 256):
+               keepalive_seconds: float = 20.0, keepalive_timeout_seconds: float = 10.0,
+               max_concurrent_rpcs: int = 256):
     if data_port >= 0 and (credentials is None) != (data_tls is None):
       raise ValueError("the data channel needs TLS exactly when gRPC has it: pass data_tls with credentials")
     self.core, self.chunk_bytes, self.max_payload_bytes = core, chunk_bytes, max_payload_bytes
