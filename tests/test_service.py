@@ -146,6 +146,9 @@ def test_a_killed_syncer_resumes_from_its_checkpoint_and_log_with_streamed_fragm
   assert sum(r["local_steps"] == 8 for r in pushes) >= 10
   summary, = _syncer_records(run.workdir, "summary")  # Each step counted once, from budget_steps (core.budget_share).
   assert summary["steps_done"] >= 10 * 8 * 2
+  for m in range(2):  # Each learner heard the new syncer incarnation in a reply, and carried on.
+    learner_summary, = _learner_records(run.workdir, m, "learner_summary")
+    assert learner_summary["syncer_restarts"] == 1, learner_summary
 
 
 def _raw_push(stub, header, payload_parts, metadata, chunk=64 << 10):
