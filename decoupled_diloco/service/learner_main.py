@@ -309,8 +309,8 @@ class LearnerProcess:
   def _send(self, fragment: int) -> None:
     """Δ_p against its anchor, compressed as configured, to the background exchange; the budget's
     count of the steps since the last push of any fragment rides along (core.budget_share)."""
-    self._tick()
-    push = self.learner.push(self.host, fragment)
+    push = self.learner.push(self.host, fragment)  # Waits for the steps JAX dispatched asynchronously, so the
+    self._tick()  # push's compute_seconds (the syncer's measure of this learner's speed) holds their time.
     self.locals[fragment] = self.host.local
     push.compute_seconds, self.compute_since_push[fragment] = self.compute_since_push[fragment], 0.0
     budget, self.budget = tuple(self.budget), [0, 0]
