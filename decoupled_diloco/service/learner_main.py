@@ -264,9 +264,9 @@ class LearnerProcess:
     clock runs it: fragment p is pushed after step t_p (fragments.sync_offsets), and before each
     step every fragment pushed τ or more steps ago lands (waited for if its exchange is not back).
 
-    Its time per step feeds this group's measured speed, except in the first period (compilation).
+    Its pushes' time per step feed this group's measured speed, except in the first period (compilation).
     """
-    learner, compute = self.learner, self.accounting.compute
+    learner = self.learner
     for step_in_period in range(1, steps + 1):
       self._land_due()
       if self.status["done"]:
@@ -286,9 +286,7 @@ class LearnerProcess:
                                         {"wall_time": time.perf_counter() - self.accounting.begin}):
       self._write(record)
     self._tick()
-    if self.compiled:
-      self.speed.observe(0, (self.accounting.compute - compute) / steps)
-    else:  # Start-up and compilation end here: what a (re)started learner costs before it trains at speed.
+    if not self.compiled:  # Start-up and compilation end here: what a (re)started learner costs before training.
       self._write({"kind": "first_round", "outer_step": learner.base_versions[0], "unix_time": time.time(),
                    "start_step": self.start_step})
     self.compiled = True
@@ -313,6 +311,8 @@ class LearnerProcess:
     self._tick()  # push's compute_seconds (the syncer's measure of this learner's speed) holds their time.
     self.locals[fragment] = self.host.local
     push.compute_seconds, self.compute_since_push[fragment] = self.compute_since_push[fragment], 0.0
+    if self.compiled and push.local_steps and push.compute_seconds:  # As the syncer measures the others (DyLU
+      self.speed.observe(0, push.compute_seconds / push.local_steps)  # compares like with like), compilation aside.
     budget, self.budget = tuple(self.budget), [0, 0]
     future = self.exchanges.submit(self._exchange, self.seq, push, budget)
     self.inflight[fragment] = (future, push, self.learner.steps + self.overlap, budget)
