@@ -215,6 +215,14 @@ def test_a_syncer_refused_for_an_impossible_quorum_writes_nothing(tmp_path):
                   tmp_path / "svc")
 
 
+@pytest.mark.parametrize("flag, message", [
+    ("--config.service.max_concurrent_rpcs=4", "service.max_concurrent_rpcs=4 is below the 16 calls"),
+    ("--config.service.keepalive_timeout_seconds=0", "service.keepalive_timeout_seconds=0.0 must be > 0"),
+])
+def test_a_syncer_refuses_server_limits_that_cannot_work(flag, message, tmp_path):
+  _assert_refused(_syncer(tmp_path / "svc", flag), message, tmp_path / "svc")
+
+
 @pytest.mark.parametrize("which", ["port", "data_port"])
 def test_a_syncer_on_a_busy_port_is_one_line_and_writes_nothing(which, tmp_path):
   """Refused before any write, so a retry on a free port starts fresh instead of demanding --config.resume."""

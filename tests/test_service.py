@@ -7,6 +7,7 @@ the syncer's metrics.jsonl and each learner's <workdir>/learner_<i>/metrics.json
 
 import collections
 import os
+import statistics
 import time
 
 import grpc
@@ -100,6 +101,18 @@ def test_a_learner_group_of_two_jax_processes_trains_as_one_group(cluster):
   assert os.listdir(os.path.join(run.workdir, "learner_0", "checkpoints"))
 
 
+def test_measured_dylu_keeps_equal_learners_rounds_near_h(cluster):
+  """Two equal learners measure equal speeds: a push's compute_seconds (the syncer's measure of its learner) holds
+  its steps' time, not only their asynchronous dispatch, which made DyLU cut every round to 1-3 steps."""
+  run = cluster("--config.learners.devices=(1,1)", "--config.policy.kind=dylu", "--config.policy.speed_source=measured",
+                "--config.inner_steps=20", "--config.outer_steps=8")
+  run.start()
+  _assert_completed(run.workdir, run.wait(RUN_TIMEOUT))
+  for m in range(2):  # Rounds 3-6: measured (1 compiles), before the budget's end cuts periods short.
+    steps = [r["local_steps"] for r in _syncer_records(run.workdir, "push") if r["learner"] == m][2:6]
+    assert len(steps) == 4 and statistics.median(steps) >= 10, steps  # Before the fix: 1-3.
+
+
 def test_a_killed_learner_rejoins_while_the_other_keeps_training(cluster):
   run = cluster("--config.outer_steps=80")  # Learner 0 alone must not spend the budget while 1 restarts.
   run.start()
@@ -146,6 +159,9 @@ def test_a_killed_syncer_resumes_from_its_checkpoint_and_log_with_streamed_fragm
   assert sum(r["local_steps"] == 8 for r in pushes) >= 10
   summary, = _syncer_records(run.workdir, "summary")  # Each step counted once, from budget_steps (core.budget_share).
   assert summary["steps_done"] >= 10 * 8 * 2
+  for m in range(2):  # Each learner heard the new syncer incarnation in a reply, and carried on.
+    learner_summary, = _learner_records(run.workdir, m, "learner_summary")
+    assert learner_summary["syncer_restarts"] == 1, learner_summary
 
 
 def _raw_push(stub, header, payload_parts, metadata, chunk=64 << 10):

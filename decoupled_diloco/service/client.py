@@ -11,6 +11,12 @@ syncer's data channel (datachannel.py); the whole exchange is one attempt, retri
 After DATA_FAILURES_BEFORE_STREAMING failed data-channel attempts of one push (unreachable,
 cut off, too slow: e.g. a flooded data port) the push streams over gRPC instead, and so do
 the pushes of the next DATA_CHANNEL_PAUSE_SECONDS; then the data channel is tried again.
+
+Every reply names the syncer's incarnation (one more at each start on its workdir). A higher
+one than before means the syncer restarted: counted (`syncer_restarts`) and logged; its log
+restored everything acknowledged, and a retried push is the same seq, so nothing else is
+needed. A lower one is a reply of a replaced syncer still answering: never acted on, retried
+like an unreachable syncer (`StaleSyncer`).
 """
 
 import random
@@ -29,16 +35,27 @@ from decoupled_diloco.service import datachannel, security, server, wire
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
              grpc.StatusCode.CANCELLED)
 STATUS_SCHEMA = {"version": int, "versions": list, "acked_seq": int, "steps_left": int, "done": bool,
-                 "max_speed": float, "payload_bytes": int, "incarnation": int}
+                 "max_speed": float, "payload_bytes": int, "incarnation": int, "syncer_incarnation": int}
 PUSH_REPLY_SCHEMA = {**{k: v for k, v in STATUS_SCHEMA.items() if k != "payload_bytes"}, "status": str}
 HEARTBEAT_REPLY_SCHEMA = {k: v for k, v in STATUS_SCHEMA.items() if k != "payload_bytes"}
 TICKET_SCHEMA = {"ticket": str, "port": int}
+# What gRPC answers a call beyond the server's maximum_concurrent_rpcs (service.max_concurrent_rpcs): retried.
+CONCURRENCY_CAP_DETAILS = "Concurrent RPC limit exceeded"
+# gRPC's own reconnect backoff grows to 120 s while the syncer is down, and a call fails at once
+# until the channel's next attempt: a restarted syncer would wait minutes for its learners. This
+# client retries with its own backoff (`backoff_delays`), so the channel's is kept as short.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 2_000)]
 DATA_FAILURES_BEFORE_STREAMING = 2
 DATA_CHANNEL_PAUSE_SECONDS = 30.0
 
 
 class SyncerUnreachable(ConnectionError):
   """The syncer did not answer for longer than the retry budget."""
+
+
+class StaleSyncer(ConnectionError):
+  """A reply came from an older syncer incarnation than one this learner heard from: a replaced process."""
 
 
 def backoff_delays(initial: float = 0.1, factor: float = 2.0, cap: float = 5.0, seed: int | None = None):
@@ -59,6 +76,12 @@ def widen(tree):
   return jax.tree.map(lambda x: x.astype(np.float32) if x.dtype == ml_dtypes.bfloat16 else x, tree)
 
 
+def _retryable(error: grpc.RpcError) -> bool:
+  """A failure the syncer may not repeat: unreachable, restarting, or its call cap full (not a refusal)."""
+  return error.code() in RETRYABLE or (error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                                       and CONCURRENCY_CAP_DETAILS in (error.details() or ""))
+
+
 class SyncerClient:
   """Calls the syncer service at `target` ('host:port') as learner `learner`."""
 
@@ -67,7 +90,7 @@ class SyncerClient:
                max_payload_bytes: int = 1 << 40, data_channel: bool = False, data_tls: ssl.SSLContext | None = None):
     if data_channel and (credentials is None) != (data_tls is None):
       raise ValueError("the data channel needs TLS exactly when gRPC has it: pass data_tls with credentials")
-    options = server.message_options(chunk_bytes)
+    options = server.message_options(chunk_bytes) + RECONNECT_OPTIONS
     self._channel = (grpc.secure_channel(target, credentials, options=options) if credentials is not None
                      else grpc.insecure_channel(target, options=options))
     self.learner, self.chunk_bytes, self.max_payload_bytes = learner, chunk_bytes, max_payload_bytes
@@ -84,6 +107,8 @@ class SyncerClient:
     self._heartbeat = self._channel.unary_unary(method + "Heartbeat")
     self._push_ticket = self._channel.unary_unary(method + "PushTicket")
     self.retries = 0  # Attempts that failed and were retried (a metric of the learner).
+    self.syncer_incarnation = 0  # The newest syncer incarnation a reply came from (0: none yet).
+    self.syncer_restarts = 0  # Times a reply came from a newer syncer incarnation than the one before.
 
   def _retrying(self, call):
     """`call()` until it succeeds, is refused, or the syncer stays unreachable too long."""
@@ -91,17 +116,31 @@ class SyncerClient:
     for delay in backoff_delays():
       try:
         return call()
-      except grpc.RpcError as error:
-        if error.code() not in RETRYABLE:
+      except (grpc.RpcError, StaleSyncer) as error:
+        details = str(error) if isinstance(error, StaleSyncer) else error.details()
+        if isinstance(error, grpc.RpcError) and not _retryable(error):
           raise
         if time.monotonic() + delay > give_up:
-          raise SyncerUnreachable(f"syncer unreachable for {self.retry_seconds:.0f}s: {error.details()}") from error
+          raise SyncerUnreachable(f"syncer unreachable for {self.retry_seconds:.0f}s: {details}") from error
         self.retries += 1
         time.sleep(delay)
 
+  def _observe(self, status: dict) -> dict:
+    """Checks and notes the syncer incarnation a reply came from (see the module doc); returns `status`."""
+    incarnation = status["syncer_incarnation"]
+    if incarnation < self.syncer_incarnation:
+      raise StaleSyncer(f"a reply from syncer incarnation {incarnation}, older than incarnation "
+                        f"{self.syncer_incarnation} this learner heard from: a replaced syncer still answers")
+    if self.syncer_incarnation and incarnation > self.syncer_incarnation:
+      self.syncer_restarts += 1
+      logging.warning("the syncer restarted (incarnation %d -> %d): carrying on from its log", self.syncer_incarnation,
+                      incarnation)
+    self.syncer_incarnation = incarnation
+    return status
+
   def _read_stream(self, replies) -> tuple[dict, object]:
     """(status, decoded Θ or None) from a Join/Pull reply stream."""
-    status = wire.parse_header(next(replies), STATUS_SCHEMA)
+    status = self._observe(wire.parse_header(next(replies), STATUS_SCHEMA))
     if not status["payload_bytes"]:
       return status, None
     data = wire.assemble(replies, status["payload_bytes"], self.max_payload_bytes, self.chunk_bytes)
@@ -124,9 +163,9 @@ class SyncerClient:
   def heartbeat(self, retry: bool = True) -> dict:
     """Renews this learner's lease; returns the run's status (one attempt only if not `retry`)."""
     request = wire.pack_header({"learner": self.learner})
-    call = lambda: self._heartbeat(request, timeout=self.timeout, metadata=self._metadata)  # noqa: E731
-    reply = self._retrying(call) if retry else call()
-    return wire.parse_header(reply, HEARTBEAT_REPLY_SCHEMA)
+    call = lambda: self._observe(wire.parse_header(  # noqa: E731
+        self._heartbeat(request, timeout=self.timeout, metadata=self._metadata), HEARTBEAT_REPLY_SCHEMA))
+    return self._retrying(call) if retry else call()
 
   def push(self, seq: int, delta, *, base_version: int, tokens: int, local_steps: int, compute_seconds: float,
            fragment: int = 0, budget_steps: int | None = None, budget_tokens: int | None = None) -> dict:
@@ -175,8 +214,7 @@ class SyncerClient:
                             data_failures[0], error.details())
         raise
 
-    reply = self._retrying(over_data_channel)
-    return wire.parse_header(reply, PUSH_REPLY_SCHEMA)
+    return self._retrying(lambda: self._observe(wire.parse_header(over_data_channel(), PUSH_REPLY_SCHEMA)))
 
   def close(self) -> None:
     """Closes the channel."""

@@ -9,16 +9,15 @@ networked syncer needs, behind one lock (gRPC handlers run on a thread pool):
     checkpoint of Θ, outer state, versions, acked seqs, incarnations, budget and counters
     starts a new log segment; a restart restores it and replays the log, so nothing acked is
     lost and versions never go back. A failed log append stops the service (`Stopped`);
-  * admission (`admission`, `limits`): known learners, bounded headers, and fencing: each
-    Join starts a new incarnation of its learner, and pushes of older ones are refused;
-  * membership (`membership`): the start barrier, and leases: a learner silent for
-    `lease_seconds` leaves the quorum and rejoins with its next call;
+  * admission (`admission`, `limits`): known learners, bounded headers, and fencing: each Join
+    starts a new incarnation of its learner, and pushes of older ones are refused;
+  * membership: the start barrier, and leases (silent for `lease_seconds`: out of the quorum until it calls);
   * the run's budget: outer_steps × inner_steps × M inner steps, counted from pushes (each
     step once, in the first push after it: see `budget_share`);
   * streaming: pushes and pulls name their fragment (`pullcache`: Θ_p encoded once per version);
-  * measured speeds: an EMA of each learner's steps per compute-second, from its pushes;
-    every reply carries the fastest other learner's (`max_speed`), DyLU's reference for
-    sizing rounds (a learner knows its own speed better than its pushes tell).
+  * measured speeds: an EMA of each learner's steps per compute-second; every reply carries the
+    fastest other learner's (`max_speed`), DyLU's reference (a learner knows its own better);
+  * incarnations: every reply names this start of the syncer (`durable.Store.next_incarnation`).
 
 Replay is exact except for the grace window's duration estimates (not checkpointed): merges
 (and lease changes) are logged too, so the same pushes are applied, in the same order.
@@ -35,9 +34,8 @@ from decoupled_diloco.service import admission, durable, membership, pullcache, 
 from decoupled_diloco.service import limits as limits_lib
 from decoupled_diloco.syncer import MergeReport, Push, PushRejected, Syncer, SyncerState
 
-# Re-exported: callers name them as the core's (server, syncer_main, tests).
-CHECKPOINT_RETRY_SECONDS, PUSH_SCHEMA = durable.CHECKPOINT_RETRY_SECONDS, admission.PUSH_SCHEMA
-Stopped, UnknownLearner = durable.Stopped, admission.UnknownLearner
+# Re-exported: the server, syncer_main and tests name them as the core's.
+PUSH_SCHEMA, Stopped, UnknownLearner = admission.PUSH_SCHEMA, durable.Stopped, admission.UnknownLearner
 
 
 def budget_share(header: dict) -> tuple[int, int]:
@@ -85,6 +83,7 @@ class SyncerCore:
     self._merges_since_checkpoint = 0
     self._checkpoint_due = False  # A checkpoint for the next tick (periodic, or the run's end).
     self.store = durable.Store(directory, truncate_corrupt_log)
+    self.syncer_incarnation = 0  # This process's start on the workdir (start() takes the next one).
 
   # Start, restore, checkpoint.
   def start(self, now: float) -> int | None:
@@ -93,6 +92,7 @@ class SyncerCore:
     Returns the restored checkpoint step, None for a fresh run.
     """
     with self.lock:
+      self.syncer_incarnation = self.store.next_incarnation()
       self.last_seen = {m: now for m in range(self.num_learners)}
       if self.store.latest_step() is None:
         self.start_time = now
@@ -112,8 +112,8 @@ class SyncerCore:
       self.store.open_after_replay(meta["segment"])
       if self.steps_done >= self.budget_steps and not self.done:  # Crashed between the last push and the end.
         self._finish(now)
-      logging.info("syncer restored checkpoint %d and replayed its log: version %d, %d of %d steps done", step,
-                   self.syncer.version, self.steps_done, self.budget_steps)
+      logging.info("syncer incarnation %d restored checkpoint %d and replayed its log: version %d, %d of %d steps "
+                   "done", self.syncer_incarnation, step, self.syncer.version, self.steps_done, self.budget_steps)
       return step
 
   def _state_trees(self) -> dict:
@@ -215,16 +215,14 @@ class SyncerCore:
     others = [speed for m, speed in enumerate(self.speeds.speeds) if m != learner]
     return {"version": self.syncer.version, "versions": list(self.syncer.versions),
             "acked_seq": self.acked[learner], "steps_left": max(0, self.budget_steps - self.steps_done),
-            "done": self.done, "max_speed": max(others, default=0.0), "incarnation": self.incarnations[learner]}
+            "done": self.done, "max_speed": max(others, default=0.0), "incarnation": self.incarnations[learner],
+            "syncer_incarnation": self.syncer_incarnation}
 
   def join(self, learner: int, now: float) -> tuple[dict, list]:
     """(status, encoded Θ): what a (re)starting learner needs, its last acked seq and new incarnation included.
 
-    Before the run starts a join waits at the start barrier (a learner that compiles slowly
-    would otherwise find a short budget spent by the others): until min_learners_to_start
-    learners joined, or start_timeout_seconds after the syncer started, which is reported
-    (a warning and a 'start' record naming who had joined). The lease of a waiting learner
-    is kept alive. The incarnation is logged before the reply: from then on, pushes of the
+    Before the run starts a join waits at the start barrier (`membership.StartBarrier`), its
+    lease kept alive. The incarnation is logged before the reply: from then on, pushes of the
     learner's earlier processes (a frozen predecessor that wakes up) are refused.
     """
     with self.lock:

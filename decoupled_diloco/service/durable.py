@@ -10,6 +10,9 @@ what a checkpoint holds, the store makes it durable.
     leaves a replayable pair); a failed save is retried `CHECKPOINT_RETRY_SECONDS` later (the
     log holds everything meanwhile). A restart takes the newest checkpoint that restores,
     matches its digests and has its log segment; unusable newer ones are moved aside.
+  * Incarnations: each start of a syncer on the workdir takes the next number from
+    `syncer.incarnation` (written before it serves, fsync'ed); every reply carries it, so a
+    learner can tell a restarted syncer (and refuse replies of a replaced one).
 """
 
 import os
@@ -20,6 +23,7 @@ from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco.service import wal
 
 CHECKPOINT_RETRY_SECONDS = 10.0  # Between attempts after a checkpoint save failed (e.g. a full disk).
+INCARNATION_FILE = "syncer.incarnation"
 
 
 class Stopped(RuntimeError):
@@ -30,12 +34,37 @@ class Store:
   """The log and checkpoints of one syncer workdir; callers hold the core's lock."""
 
   def __init__(self, directory: str, truncate_corrupt_log: bool = False):
+    self.directory = directory
     self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(directory, "checkpoints"), max_to_keep=2)
     self.wal_dir = os.path.join(directory, "wal")
     self.log: wal.Log | None = None
     self.truncate_corrupt_log = truncate_corrupt_log  # The operator gives up records after a corrupt one.
     self.failed: Stopped | None = None  # Set once the log failed: fail-stop, the process must exit.
     self.retry_at = 0.0  # After a failed checkpoint save, the next one not before this time.
+
+  def next_incarnation(self) -> int:
+    """The workdir's syncer incarnation, one more than the last start's (1 for the first), durable before use.
+
+    Why a file of its own, not a log record: it must never repeat, even after the operator
+    truncated a corrupt log or restored an older checkpoint.
+    """
+    path = os.path.join(self.directory, INCARNATION_FILE)
+    last = 0
+    if os.path.exists(path):
+      with open(path, encoding="utf-8") as f:
+        text = f.read().strip()
+      if not text.isdigit():
+        raise checkpoint_lib.CorruptCheckpoint(f"{path} holds {text[:40]!r}, not a number: write the highest "
+                                               "syncer_incarnation learners have seen (or a larger one) into it")
+      last = int(text)
+    os.makedirs(self.directory, exist_ok=True)
+    with open(f"{path}.tmp", "w", encoding="utf-8") as f:
+      f.write(f"{last + 1}\n")
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(f"{path}.tmp", path)
+    wal.fsync_directory(self.directory)
+    return last + 1
 
   def open_fresh(self) -> None:
     """A new run's log, segment 0."""

@@ -228,6 +228,7 @@ class LearnerProcess:
         compute_utilization=account.busy / wall if wall else 0.0,
         blocked_fraction=account.blocked / wall if wall else 0.0, final_ack_seconds=account.final_ack,
         exchange_seconds=account.exchange, rounds=self.pushes, retries=self.client.retries if self.client else 0,
+        syncer_restarts=self.client.syncer_restarts if self.client else 0,
         processes=self.group.processes, ack_statuses=dict(account.statuses), pushes=sum(account.statuses.values()),
         dropped=account.statuses["dropped"], rejected=account.statuses["refused"],
         # What a learner process does not measure: the syncer's side of its pushes, and stalls by count.
@@ -238,9 +239,9 @@ class LearnerProcess:
     clock runs it: fragment p is pushed after step t_p (fragments.sync_offsets), and before each
     step every fragment pushed τ or more steps ago lands (waited for if its exchange is not back).
 
-    Its time per step feeds this group's measured speed, except in the first period (compilation).
+    Its pushes' time per step feed this group's measured speed, except in the first period (compilation).
     """
-    learner, compute = self.learner, self.account.busy
+    learner = self.learner
     for step_in_period in range(1, steps + 1):
       self._land_due()
       if self.status["done"]:
@@ -260,9 +261,7 @@ class LearnerProcess:
                                         {"wall_time": time.perf_counter() - self.account.begin}):
       self._write(record)
     self._tick()
-    if self.compiled:
-      self.speed.observe(0, (self.account.busy - compute) / steps)
-    else:  # Start-up and compilation end here: what a (re)started learner costs before it trains at speed.
+    if not self.compiled:  # Start-up and compilation end here: what a (re)started learner costs before training.
       self._write({"kind": "first_round", "outer_step": learner.base_versions[0], "unix_time": time.time(),
                    "start_step": self.start_step})
     self.compiled = True
@@ -283,9 +282,11 @@ class LearnerProcess:
   def _send(self, fragment: int) -> None:
     """Δ_p against its anchor, compressed as configured, to the background exchange; the budget's
     count of the steps since the last push of any fragment rides along (core.budget_share)."""
-    self._tick()
-    push = self.learner.push(fragment)
+    push = self.learner.push(fragment)  # Waits for the steps JAX dispatched asynchronously, so the
+    self._tick()  # push's compute_seconds (the syncer's measure of this learner's speed) holds their time.
     push.compute_seconds, self.compute_since_push[fragment] = self.compute_since_push[fragment], 0.0
+    if self.compiled and push.local_steps and push.compute_seconds:  # As the syncer measures the others (DyLU
+      self.speed.observe(0, push.compute_seconds / push.local_steps)  # compares like with like), compilation aside.
     budget, self.budget = tuple(self.budget), [0, 0]
     future = self.exchanges.submit(self._exchange, self.seq, push, budget)
     self.inflight[fragment] = (future, push, self.learner.steps + self.overlap, budget)

@@ -9,6 +9,7 @@ import numpy as np
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.run import schedule
 from decoupled_diloco.service import settings
+from decoupled_diloco.service import server
 
 ADDRESS_FILE = "syncer_address"
 
@@ -16,7 +17,18 @@ ADDRESS_FILE = "syncer_address"
 def validate(config) -> settings.Settings:
   """The service group of a config the syncer and learner processes can serve; ConfigError naming the flag if not."""
   schedule.require_supported(config.mode, "service")
-  return settings.Settings.from_config(config.service)
+  service = settings.Settings.from_config(config.service)
+  threads = bulk_workers(len(config.learners.devices)) + server.CONTROL_WORKERS
+  if service.max_concurrent_rpcs < threads:
+    raise ConfigError(f"service.max_concurrent_rpcs={service.max_concurrent_rpcs} is below the {threads} calls the "
+                      f"syncer's threads serve at once with {len(config.learners.devices)} learners: set "
+                      f"--config.service.max_concurrent_rpcs >= {threads}")
+  return service
+
+
+def bulk_workers(num_learners: int) -> int:
+  """The syncer's bulk slots (Join/Pull/Push at once): each learner's PER_CALLER_BULK + 4 spare."""
+  return server.PER_CALLER_BULK * num_learners + 4
 
 
 def check_ports_free(host: str, *ports: int) -> None:

@@ -8,7 +8,8 @@ Methods of service `decoupled_diloco.Syncer` (bytes in, bytes out; see wire.py):
   PushTicket unary -> unary   push header                  -> {ticket, port}: send the payload on the
                                                               data channel instead (datachannel.py)
   Heartbeat unary -> unary    {learner}                    -> status header
-A status header is {version, versions, acked_seq, steps_left, done, max_speed, incarnation, payload_bytes}; a push
+A status header is {version, versions, acked_seq, steps_left, done, max_speed, incarnation, syncer_incarnation,
+payload_bytes}; a push
 reply's `status` is 'applied', 'dropped' (over-stale), 'duplicate' (already acked) or
 'late' (after the run ended). Every refusal is a gRPC status with a message saying why,
 and is counted in `SyncerServer.rejections`:
@@ -89,11 +90,22 @@ def message_options(chunk_bytes: int) -> list[tuple[str, int]]:
   return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
 
 
-# The server enforces keepalive: a client pinging more often than every 5 s without data is cut off
-# after 2 strikes, and idle connections close after 5 minutes (a learner reconnects transparently).
-KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
-                     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-                     ("grpc.http2.max_ping_strikes", 2), ("grpc.max_connection_idle_ms", 300_000)]
+def keepalive_options(keepalive_seconds: float, timeout_seconds: float) -> list[tuple[str, int]]:
+  """gRPC server options that keep connections honest (service.keepalive_seconds / keepalive_timeout_seconds).
+
+  The server pings a connection after `keepalive_seconds` without traffic and closes it (ending
+  its calls, freeing their slots) if the ping is not answered within `timeout_seconds`: a frozen
+  or vanished peer holds nothing for longer than that. gRPC (1.5x+) waits for a ping's answer
+  `grpc.http2.ping_timeout_ms` (default 60 s), not `keepalive_timeout_ms`: both are set, or a
+  frozen peer would hold its calls a minute. A client pinging more often than every
+  5 s without data is cut off after 2 strikes, and idle connections close after 5 minutes (a
+  learner reconnects transparently).
+  """
+  return [("grpc.keepalive_time_ms", int(keepalive_seconds * 1000)),
+          ("grpc.keepalive_timeout_ms", int(timeout_seconds * 1000)),
+          ("grpc.http2.ping_timeout_ms", int(timeout_seconds * 1000)),
+          ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+          ("grpc.http2.max_ping_strikes", 2), ("grpc.max_connection_idle_ms", 300_000)]
 
 
 class _Deadline:
@@ -124,11 +136,16 @@ class SyncerServer:
 
   `data_port` >= 0 also opens the push data channel there (0 = a free port); -1 = pushes
   stream over gRPC only. `data_tls` must be given with `credentials`: no plaintext side door.
+  `max_concurrent_rpcs`: calls in the server at once, running or queued for a thread; gRPC
+  answers the ones beyond RESOURCE_EXHAUSTED at once (learners retry those), so a flood
+  neither queues without bound nor takes memory. Keepalive: see `keepalive_options`.
   """
 
   def __init__(self, core: core_lib.SyncerCore, token: str, *, host: str, port: int, chunk_bytes: int,
                max_payload_bytes: int, credentials: grpc.ServerCredentials | None = None, workers: int = 8,
-               data_port: int = -1, data_tls: ssl.SSLContext | None = None, data_timeout_seconds: float = 120.0):
+               data_port: int = -1, data_tls: ssl.SSLContext | None = None, data_timeout_seconds: float = 120.0,
+               keepalive_seconds: float = 20.0, keepalive_timeout_seconds: float = 10.0,
+               max_concurrent_rpcs: int = 256):
     if data_port >= 0 and (credentials is None) != (data_tls is None):
       raise ValueError("the data channel needs TLS exactly when gRPC has it: pass data_tls with credentials")
     self.core, self.chunk_bytes, self.max_payload_bytes = core, chunk_bytes, max_payload_bytes
@@ -141,8 +158,9 @@ class SyncerServer:
                                           max_connections=workers, tls=data_tls, on_refusal=self._count)
                  if data_port >= 0 else None)
     self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers + CONTROL_WORKERS),
-                               options=message_options(chunk_bytes) + KEEPALIVE_OPTIONS + [("grpc.so_reuseport", 0)],
-                               maximum_concurrent_rpcs=16 * (workers + CONTROL_WORKERS))
+                               options=message_options(chunk_bytes) + [("grpc.so_reuseport", 0)]
+                               + keepalive_options(keepalive_seconds, keepalive_timeout_seconds),
+                               maximum_concurrent_rpcs=max_concurrent_rpcs)
     handlers = {
         "Join": grpc.unary_stream_rpc_method_handler(self._guard(self._join, bulk=True)),
         "Pull": grpc.unary_stream_rpc_method_handler(self._guard(self._pull, bulk=True)),

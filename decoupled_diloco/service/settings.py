@@ -9,7 +9,8 @@ import dataclasses
 
 from decoupled_diloco import settings as settings_lib
 
-_TIMEOUTS = ("lease_seconds", "linger_seconds", "rpc_timeout_seconds", "retry_seconds")
+_TIMEOUTS = ("lease_seconds", "linger_seconds", "rpc_timeout_seconds", "retry_seconds", "keepalive_seconds",
+             "keepalive_timeout_seconds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,9 @@ class Settings:
   linger_seconds: float
   rpc_timeout_seconds: float
   retry_seconds: float
+  keepalive_seconds: float          # The syncer pings a connection silent this long...
+  keepalive_timeout_seconds: float  # ...and closes it if the ping is unanswered this long.
+  max_concurrent_rpcs: int          # Calls in the syncer at once (checked against its threads in runconfig).
   learner_checkpoint_every: int  # 0 = never.
 
   def __post_init__(self):

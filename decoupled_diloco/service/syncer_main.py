@@ -108,9 +108,11 @@ def _serve(config, workdir: str, token: str, credentials, model, params, corpus)
       server = server_lib.SyncerServer(
           core, token, host=config.service.host, port=config.service.port, chunk_bytes=config.service.chunk_bytes,
           max_payload_bytes=runconfig.max_payload_bytes(params), credentials=credentials,
-          workers=2 * core.num_learners + 4, data_port=config.service.data_port,
+          workers=runconfig.bulk_workers(core.num_learners), data_port=config.service.data_port,
           data_tls=security.server_tls_context(config.service.tls_cert, config.service.tls_key),
-          data_timeout_seconds=config.service.rpc_timeout_seconds)
+          data_timeout_seconds=config.service.rpc_timeout_seconds, keepalive_seconds=config.service.keepalive_seconds,
+          keepalive_timeout_seconds=config.service.keepalive_timeout_seconds,
+          max_concurrent_rpcs=config.service.max_concurrent_rpcs)
       server.rejections = core.refused  # Checkpointed with the core: refusals survive restarts.
       port = server.start()
       runconfig.write_address(workdir, f"{config.service.host}:{port}")

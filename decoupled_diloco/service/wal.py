@@ -174,7 +174,7 @@ class Log:
     self._file = open(path, "r+b" if os.path.exists(path) else "w+b")
     self._file.truncate(self._offset)  # Drop a torn tail so new records follow the last intact one.
     self._file.seek(self._offset)
-    self.segment = segment
+    self.segment, self._path = segment, path  # _path: the file's name now (a rotation writes it aside first).
 
   def append(self, record: dict, payload=b"") -> Location:
     """Writes and fsyncs one record (a dict of msgpack-able values) and its payload bytes; returns where
@@ -193,7 +193,7 @@ class Log:
       os.fsync(self._file.fileno())
     except OSError as error:
       self._roll_back()
-      raise LogWriteError(error.errno, f"write-ahead log append to {self._file.name} failed ({error})") from error
+      raise LogWriteError(error.errno, f"write-ahead log append to {self._path} failed ({error})") from error
     location = Location(self.segment, self._offset + _FRAME.size + len(meta), payload.nbytes)
     self._offset = location.offset + payload.nbytes
     return location
@@ -220,10 +220,12 @@ class Log:
     self._file.close()
     path = segment_path(self.directory, segment)
     self._file, self._offset, self.segment = open(f"{path}.tmp", "w+b"), 0, segment
+    self._path = f"{path}.tmp"
     locations = [self.append(record, read_payload(self.directory, payload) if isinstance(payload, Location)
                              else payload) for record, payload in carried]
     os.replace(f"{path}.tmp", path)
-    _fsync_directory(self.directory)
+    self._path = path
+    fsync_directory(self.directory)
     return locations
 
   def drop_before(self, segment: int) -> None:
@@ -237,7 +239,7 @@ class Log:
     self._file.close()
 
 
-def _fsync_directory(directory: str) -> None:
+def fsync_directory(directory: str) -> None:
   """Makes a new file's directory entry durable, not only its bytes."""
   fd = os.open(directory, os.O_RDONLY)
   try:

@@ -51,7 +51,8 @@ class _DecodeOnlyCore:
     from decoupled_diloco.service import wire  # pylint: disable=g-import-not-at-top
     wire.decode(payload)
     return {"status": "applied", "version": 0, "versions": [0], "acked_seq": header["seq"], "steps_left": 1,
-            "done": False, "max_speed": 0.0, "incarnation": header["incarnation"]}
+            "done": False, "max_speed": 0.0, "incarnation": header["incarnation"],
+            "syncer_incarnation": 1}
 
 
 def _service(chunk_bytes: int, max_payload: int) -> tuple[object, int]:
