@@ -153,6 +153,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.service.linger_seconds = 120.0  # A finished syncer keeps telling learners 'done' this long (or until all heard).
   config.service.rpc_timeout_seconds = 120.0  # Deadline of one call (a whole push or pull stream).
   config.service.retry_seconds = 300.0  # A learner exits after the syncer was unreachable this long.
+  config.service.link_mbps = ()  # Per-learner Mbps pacing its data-channel traffic both ways in real time (() = none).
+  config.service.link_latency_ms = ()  # Per-learner one-way latency added to each data-channel transfer (() = none).
   config.service.learner_checkpoint_every = 5  # Rounds between a learner's checkpoints of its inner state (0 = never).
 
   config.eval_every = 1  # Evaluate the global params every this many outer steps (and at the end).

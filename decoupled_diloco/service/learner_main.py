@@ -51,6 +51,7 @@ from decoupled_diloco.learner import Learner
 from decoupled_diloco.runtime import records
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import group as group_lib
+from decoupled_diloco.service import link as link_lib
 from decoupled_diloco.service import runconfig, security
 
 
@@ -133,7 +134,8 @@ class LearnerProcess:
         target, security.load_token(self.service.token_file), index, chunk_bytes=self.service.chunk_bytes,
         timeout_seconds=self.service.rpc_timeout_seconds, retry_seconds=self.service.retry_seconds,
         credentials=security.channel_credentials(self.service.tls_ca), data_channel=self.service.data_port >= 0,
-        data_tls=security.client_tls_context(self.service.tls_ca)) if self.group.leader else None
+        data_tls=security.client_tls_context(self.service.tls_ca),
+        link=link_lib.links(self.service, len(config.learners.devices))[index]) if self.group.leader else None
     self.learner, self.declared_speeds = build_learner(config, index)
     self.speed = policy_lib.SpeedTracker([0.0])  # This group's measured steps per second (0 = none yet).
     self.compiled = False  # Whether a round ran yet in this process (the first one compiles the step).

@@ -26,6 +26,7 @@ from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import limits, runconfig, security, wal
+from decoupled_diloco.service import link as link_lib
 from decoupled_diloco.service import server as server_lib
 from decoupled_diloco.syncer import Syncer
 
@@ -177,7 +178,8 @@ def _serve(config, workdir: str, token: str, credentials, model, params, corpus)
           max_payload_bytes=runconfig.max_payload_bytes(params), credentials=credentials,
           workers=2 * core.num_learners + 4, data_port=config.service.data_port,
           data_tls=security.server_tls_context(config.service.tls_cert, config.service.tls_key),
-          data_timeout_seconds=config.service.rpc_timeout_seconds)
+          data_timeout_seconds=config.service.rpc_timeout_seconds,
+          links=tuple(link_lib.links(config.service, core.num_learners)))
       server.rejections = core.refused  # Checkpointed with the core: refusals survive restarts.
       port = server.start()
       runconfig.write_address(workdir, f"{config.service.host}:{port}")
