@@ -24,9 +24,9 @@ and is counted in `SyncerServer.rejections`:
   DEADLINE_EXCEEDED a stream slower than MIN_RATE_BYTES_PER_SECOND ('too_slow')
 Starvation: Join, Pull and Push ("bulk" calls, which move Θ or a payload) hold one of
 `workers` slots (gRPC has CONTROL_WORKERS threads more), at most PER_CALLER_BULK of them per
-credential (the run secret excepted), taken without waiting; so Heartbeat and PushTicket
-(and PullTicket) always find a worker and a learner with a stalled stream blocks only itself. Every stream has a whole-call
-deadline sized from its bytes (datachannel.transfer_seconds): when it passes the server
+credential (the run secret excepted), taken without waiting; so Heartbeat, PushTicket and
+PullTicket always find a worker and a learner with a stalled stream blocks only itself.
+Every stream has a whole-call deadline sized from its bytes (datachannel.transfer_seconds): when it passes the server
 cancels the call. gRPC itself enforces keepalive (no ping floods) and bounds queued calls.
 Messages larger than chunk_bytes + 64 KiB are refused by gRPC itself (RESOURCE_EXHAUSTED
 from gRPC), so no single message can exhaust memory. Those are counted (as 'empty') only

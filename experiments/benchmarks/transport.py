@@ -162,8 +162,8 @@ def main(argv) -> None:
   parts = wire.encode(delta)
   size = wire.encoded_size(parts)
   parent, child = multiprocessing.get_context("spawn").Pipe()
-  receivers = multiprocessing.get_context("spawn").Process(target=_receivers, daemon=True,
-                                                           args=(_MEGABYTES.value, _CHUNK.value, child))  # Never outlives a failed run.
+  receivers = multiprocessing.get_context("spawn").Process(  # Daemon: never outlives a failed run.
+      target=_receivers, args=(_MEGABYTES.value, _CHUNK.value, child), daemon=True)
   receivers.start()
   port, bare_port, tcp_port, source_port = parent.recv()
   clients = {via: client_lib.SyncerClient(f"127.0.0.1:{port}", TOKEN, 0, chunk_bytes=_CHUNK.value,
