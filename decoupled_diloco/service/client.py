@@ -18,6 +18,7 @@ A syncer without a data channel (service.data_port=-1) gets every transfer over 
 
 import random
 import ssl
+import threading
 import time
 
 from absl import logging
@@ -91,6 +92,7 @@ class SyncerClient:
     self._push_ticket = self._channel.unary_unary(method + "PushTicket")
     self._pull_ticket = self._channel.unary_unary(method + "PullTicket")
     self.retries = 0  # Attempts that failed and were retried (a metric of the learner).
+    self._abandoned = threading.Event()
     self.pulled_bytes = 0  # Θ bytes received by pulls (as encoded on the wire, in the downlink format).
 
   def _retrying(self, call):
@@ -105,7 +107,17 @@ class SyncerClient:
         if time.monotonic() + delay > give_up:
           raise SyncerUnreachable(f"syncer unreachable for {self.retry_seconds:.0f}s: {error.details()}") from error
         self.retries += 1
-        time.sleep(delay)
+        if self._abandoned.wait(delay):
+          raise SyncerUnreachable(f"abandoned after the run ended: {error.details()}") from error
+
+  def abandon(self) -> None:
+    """Stops retrying: a call still retrying gives up (SyncerUnreachable) at its next attempt.
+
+    Why: once the syncer said the run is done it may exit as soon as every learner heard it,
+    and an exchange still in flight then (a streaming learner's other fragments) would
+    otherwise retry for retry_seconds before the learner process can end.
+    """
+    self._abandoned.set()
 
   def _read_stream(self, replies) -> tuple[dict, object]:
     """(status, decoded Θ or None) from a Join/Pull reply stream."""

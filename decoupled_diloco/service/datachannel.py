@@ -33,7 +33,8 @@ so a flood of idle or reconnecting connections cannot keep a learner, which send
 ticket at once, from being read. Ticketed connections are not limited by that pool (one
 ticket per learner bounds them), and each must deliver its whole payload within
 `transfer_seconds(payload_bytes)`: a fixed allowance plus the payload at
-MIN_RATE_BYTES_PER_SECOND, so a trickling sender cannot hold its slot.
+MIN_RATE_BYTES_PER_SECOND (or at the learner's shaped link rate, if slower), so a trickling
+sender cannot hold its slot.
 A refusal is raised on the learner as `DataRefused`, a `grpc.RpcError` with a status code,
 so the client retries and reports it exactly as it would a gRPC push.
 """
@@ -80,9 +81,11 @@ class DataRefused(grpc.RpcError):
     return self._details
 
 
-def transfer_seconds(nbytes: int) -> float:
-  """A whole transfer's deadline: HANDSHAKE_SECONDS plus `nbytes` at the minimum rate."""
-  return HANDSHAKE_SECONDS + nbytes / MIN_RATE_BYTES_PER_SECOND
+def transfer_seconds(nbytes: int, link: link_lib.Link = link_lib.UNSHAPED) -> float:
+  """A whole transfer's deadline: HANDSHAKE_SECONDS plus `nbytes` at the minimum rate, or at the
+  learner's shaped `link` rate where that is slower (its link is the config's, not the peer's word)."""
+  rate = min(MIN_RATE_BYTES_PER_SECOND, link.mbps * 1e6 / 8) if link.mbps else MIN_RATE_BYTES_PER_SECOND
+  return HANDSHAKE_SECONDS + link.latency_ms / 1e3 + nbytes / rate
 
 
 def _time_out_at(connection: socket.socket, deadline: float) -> None:
@@ -257,11 +260,12 @@ class DataListener:
       if pull is not None:  # Θ_p to a learner: no reply to wait for; a broken connection is its to retry.
         replied = True
         connection.sendall(_frame(True, b""))
-        send_parts(connection, pull, self._link(header["learner"]),
-                   time.monotonic() + transfer_seconds(wire.encoded_size(pull)))
+        link = self._link(header["learner"])
+        send_parts(connection, pull, link, time.monotonic() + transfer_seconds(wire.encoded_size(pull), link))
         return
       payload = wire.aligned_buffer(header["payload_bytes"])
-      _receive_into(connection, memoryview(payload), time.monotonic() + transfer_seconds(header["payload_bytes"]))
+      _receive_into(connection, memoryview(payload),
+                    time.monotonic() + transfer_seconds(header["payload_bytes"], self._link(header["learner"])))
       with self._gate:
         ok, body = (refusal_reply(grpc.StatusCode.UNAVAILABLE, "the syncer is shutting down: resend to its restart")
                     if self._closed else self.receive(header, payload))

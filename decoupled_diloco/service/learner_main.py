@@ -252,6 +252,8 @@ class LearnerProcess:
             self.status, _ = self._ask(lambda: self.client.pull(self.status["versions"][0]))
     finally:
       self._stop.set()
+      if self.client is not None and self.status.get("done"):
+        self.client.abandon()  # Exchanges still in flight are moot: the syncer may be gone already.
       self.exchanges.shutdown(wait=True)
     summary = {"learner": self.index, "steps": self.learner.steps, "rounds": self.pushes,
                "retries": self.client.retries if self.client else 0, "processes": self.group.processes,

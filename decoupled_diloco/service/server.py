@@ -8,7 +8,8 @@ Methods of service `decoupled_diloco.Syncer` (bytes in, bytes out; see wire.py):
   PushTicket unary -> unary   push header                  -> {ticket, port}: send the payload on the
                                                               data channel instead (datachannel.py)
   PullTicket unary -> unary   {learner, fragment, have_version} -> status header with {ticket, port}: fetch
-                                                              Θ_fragment on the data channel (ticket '' if none)
+                                                              Θ_fragment on the data channel (ticket '' if none,
+                                                              as when the status says done)
   Heartbeat unary -> unary    {learner}                    -> status header
 A status header is {version, versions, acked_seq, steps_left, done, max_speed, incarnation, payload_bytes}; a push
 reply's `status` is 'applied', 'dropped' (over-stale), 'duplicate' (already acked) or
@@ -318,6 +319,9 @@ class SyncerServer:
     self._authorize(caller, header["learner"])
     self._require_data_channel("pull Θ with Pull")
     status, parts = self.core.pull(header["learner"], header["fragment"], header["have_version"], time.time())
+    # A learner told 'done' stops and needs no Θ; and the syncer may exit once every learner heard it, before a
+    # ticket for it could be used (a gRPC Pull carries both at once).
+    parts = None if status["done"] else parts
     ticket = self.data.ticket({"learner": header["learner"]}, pull=parts) if parts else ""
     return wire.pack_header({**status, "payload_bytes": wire.encoded_size(parts) if parts else 0, "ticket": ticket,
                              "port": self.data.port})
