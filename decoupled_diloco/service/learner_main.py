@@ -87,18 +87,19 @@ def build_learner(config, index: int) -> tuple[Learner, list[float]]:
 
 
 class HostPseudoGradient:
-  """What `Learner.push` needs of a syncer when the syncer is remote: Δ = Θ − θ on this host.
+  """What `Learner.push` needs of a syncer when the syncer is remote: Δ = Θ − θ on the leader's host.
 
-  Keeps the host copy of θ it fetched, so a round that gets no new Θ can anchor on it.
+  Keeps the host copy of θ it fetched, so a round that gets no new Θ can anchor on it. In a
+  multi-process group only the leader forms Δ (the only one sent); the others get placeholders.
   """
 
   def __init__(self, link: group_lib.GroupLink):
     self.link, self.local = link, None
 
   def pseudo_gradient(self, anchor, local_params):
-    """Δ in numpy, from θ fetched off the group's devices (all of its hosts) once."""
-    self.local = self.link.host_copy(local_params)
-    return jax.tree.map(np.subtract, anchor, self.local)
+    """Δ in numpy, from θ fetched off the group's devices (all of its hosts) leaf by leaf."""
+    self.local = self.link.gather_to_leader(local_params)
+    return jax.tree.map(np.subtract, anchor, self.local) if self.link.leader else self.local
 
 
 @dataclasses.dataclass
@@ -249,7 +250,7 @@ class LearnerProcess:
           self._push_the_rest()
           if not self.status["done"]:
             time.sleep(0.2)
-            self.status, _ = self._ask(lambda: self.client.pull(self.status["versions"][0]))
+            self.status = self._ask(lambda: self.client.pull(self.status["versions"][0])[0])
     finally:
       self._stop.set()
       if self.client is not None and self.status.get("done"):
@@ -257,6 +258,7 @@ class LearnerProcess:
       self.exchanges.shutdown(wait=True)
     summary = {"learner": self.index, "steps": self.learner.steps, "rounds": self.pushes,
                "retries": self.client.retries if self.client else 0, "processes": self.group.processes,
+               "group_peak_bytes": self.group.peak_bytes,
                **self.accounting.summary()}
     self._write({"kind": "learner_summary", "outer_step": self.status["version"], **summary})
     self.close()
@@ -331,17 +333,20 @@ class LearnerProcess:
     base, its params as pushed anchor it (the local progress goes on, counted from the push)."""
     self._tick()
     future, push, _, _ = self.inflight.pop(fragment)
-    seq, reply, self.status, theta = self.group.share(future.result())
+    seq, reply, self.status, theta = future.result() if self.group.leader else (None,) * 4
+    seq, reply, self.status, moved = self.group.share((seq, reply, self.status, theta is not None))
     waited = time.perf_counter() - self.mark
     self.mark = time.perf_counter()
     self.accounting.blocked += waited
     if final:
       self.accounting.final_ack += waited
     self._record_ack(seq, reply)
-    if theta is None:
+    if not moved:
       self.learner.anchors[fragment] = self.locals[fragment]
-    else:
-      self.learner.receive(fragment, theta, self.status["versions"][fragment])
+    else:  # Θ_p placed on the group's devices leaf by leaf; the leader's host copy anchors the next push.
+      like = fragments.select(self.learner.state.params, self.learner.assignment, fragment)
+      self.learner.receive(fragment, self.group.share_tree(theta, like), self.status["versions"][fragment])
+      self.learner.anchors[fragment] = theta
       self.compute_since_push[fragment] *= self.learner.alpha
 
   def _uncounted(self) -> int:
