@@ -94,7 +94,8 @@ def main(argv=None):
   transfer_seconds = args.inner_steps * step_seconds / 2 - args.latency_ms / 1e3
   mbps = model_bytes * 8 / transfer_seconds / 1e6
   print(f"step {alone * 1e3:.1f} ms alone, {step_seconds * 1e3:.1f} ms in the run (slowdown {args.slowdown}), "
-        f"model {model_bytes} B: links at {mbps:.2f} Mbps, {args.latency_ms} ms, one fp32 exchange ~ {args.inner_steps} steps")
+        f"model {model_bytes} B: links at {mbps:.2f} Mbps, {args.latency_ms} ms, one fp32 exchange ~ "
+        f"{args.inner_steps} steps")
   overrides = ["--config.mode=decoupled", "--config.syncer.quorum=1", "--config.outer.optimizer=delayed_nesterov",
                f"--config.outer.buffer_size={LEARNERS}", "--config.eval_every=100000",
                "--config.service.learner_checkpoint_every=0", f"--config.inner_steps={args.inner_steps}",
