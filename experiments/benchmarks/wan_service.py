@@ -8,10 +8,10 @@ service.link_mbps / link_latency_ms (service/link.py). The bandwidth is set so t
 exchange of the whole model (its push, then its pull) takes about as long as H inner steps:
 the paper's regime, scaled down. Two runs on the same links:
 
-  p1_fp32         plain DiLoCo exchanges: P = 1, τ = 0 (the learner waits), fp32 pushes;
-  streaming_int4  P = 4 fragments (balanced by bytes), τ = 2, int4 pushes.
-
-Θ comes back in compression.downlink_format (fp32 unless --downlink=bf16) in both. Every
+  p1_fp32         plain DiLoCo exchanges: P = 1, τ = 0 (the learner waits), fp32 both ways;
+  streaming_int4  P = 4 fragments (balanced by bytes), τ = 2, int4 pushes, Θ_p back in
+                  --downlink (compression.downlink_format; bf16 by default, the service's
+                  smallest: with fp32 a fragment's pull alone takes H/8 steps). Every
 learner sleeps `slowdown` × each step's compute after it (learners.slowdown), so four learners
 share this machine's cores with little effect on one another's steps; H steps take
 H × step_seconds, calibrated in this process on the demo learner alone, times --contention
@@ -37,10 +37,10 @@ LEARNERS = 4
 CONFIG = "configs/demo.py"
 RUNS = {
     "p1_fp32": ("--config.streaming.num_fragments=1", "--config.streaming.overlap_steps=0",
-                "--config.compression.format=fp32"),
+                "--config.compression.format=fp32", "--config.compression.downlink_format=fp32"),
     "streaming_int4": ("--config.streaming.num_fragments=4", "--config.streaming.strategy=balanced",
                        "--config.streaming.overlap_steps=2", "--config.compression.format=int4"),
-}
+}  # The streaming run's downlink is --downlink.
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--latency_ms", type=float, default=10.0, help="One-way latency of every link.")
   parser.add_argument("--step_seconds", type=float, default=0.0, help="A step's wall time (0 = calibrate).")
   parser.add_argument("--contention", type=float, default=2.0, help="A step in the run / a step alone.")
-  parser.add_argument("--downlink", default="fp32", choices=("fp32", "bf16"), help="compression.downlink_format.")
+  parser.add_argument("--downlink", default="bf16", choices=("fp32", "bf16"),
+                      help="compression.downlink_format of the streaming run.")
   return parser.parse_args(argv)
 
 
@@ -102,13 +103,13 @@ def main(argv=None):
                f"--config.outer_steps={args.outer_steps}",
                f"--config.learners.slowdown={(args.slowdown,) * LEARNERS}",
                f"--config.service.link_mbps={(round(mbps, 3),) * LEARNERS}",
-               f"--config.service.link_latency_ms={(args.latency_ms,) * LEARNERS}",
-               f"--config.compression.downlink_format={args.downlink}"]
+               f"--config.service.link_latency_ms={(args.latency_ms,) * LEARNERS}"]
   fractions, figures = {}, {}
   for name in RUNS:
     begin = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:
-      summaries = run(name, overrides, workdir)
+      downlink = [f"--config.compression.downlink_format={args.downlink}"] if name == "streaming_int4" else []
+      summaries = run(name, [*overrides, *downlink], workdir)
     for s in summaries:
       print(f"{name} learner {s['learner']}: {s['steps']} steps in {s['rounds']} pushes, "
             f"wall {s['wall_seconds']:.1f}s, compute {s['busy_seconds']:.1f}s, blocked {s['blocked_seconds']:.2f}s "
@@ -124,7 +125,8 @@ def main(argv=None):
                                                                          for s in summaries), 4)}
   common.emit({"benchmark": "wan_service", "blocked_fraction": fractions, "link_mbps": round(mbps, 3),
                "latency_ms": args.latency_ms, "inner_steps": args.inner_steps, "planned_step_seconds":
-               round(step_seconds, 4), "model_bytes": model_bytes, "downlink_format": args.downlink, "runs": figures})
+               round(step_seconds, 4), "model_bytes": model_bytes, "streaming_downlink_format": args.downlink,
+               "runs": figures})
 
 
 if __name__ == "__main__":
