@@ -156,6 +156,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.service.keepalive_seconds = 20.0  # The syncer pings a connection silent this long...
   config.service.keepalive_timeout_seconds = 10.0  # ...and closes it (ending its calls) if unanswered this long.
   config.service.max_concurrent_rpcs = 256  # Calls in the syncer at once (running + queued); more: retried.
+  config.service.link_mbps = ()  # Per-learner Mbps pacing its data-channel traffic both ways in real time (() = none).
+  config.service.link_latency_ms = ()  # Per-learner one-way latency added to each data-channel transfer (() = none).
   config.service.learner_checkpoint_every = 5  # Rounds between a learner's checkpoints of its inner state (0 = never).
 
   config.eval_every = 1  # Evaluate the global params every this many outer steps (and at the end).

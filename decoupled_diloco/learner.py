@@ -35,6 +35,7 @@ class Learner:
   alpha: float = 0.0            # Share of its own params a learner keeps when a merged fragment lands.
   to_host: Any = jax.device_get  # θ off the group's devices (a multi-process group gathers from all its hosts).
   keep_pushed: bool = False     # Keep θ_p as pushed, to anchor on when no new Θ_p comes back (learner processes).
+  forms_delta: bool = True      # False on a multi-process group's followers: only the leader's Δ is sent.
   steps: int = 0                # Host mirror of state.step: picks the next batch without a device sync.
   anchors: list = dataclasses.field(default_factory=list)      # Θ_p last received (host); None after a push.
   base_versions: list = dataclasses.field(default_factory=list)
@@ -135,7 +136,7 @@ class Learner:
     stale copy alive on the host.
     """
     local = self.to_host(fragments.select(self.state.params, self.assignment, fragment))
-    delta = outer.pseudo_gradient(self.anchors[fragment], local)
+    delta = outer.pseudo_gradient(self.anchors[fragment], local) if self.forms_delta else local
     if self.codec.format == "fp32" and not self.codec.error_feedback:
       payload, wire_bytes = delta, compression.wire_bytes(self.codec, [x.shape for x in jax.tree.leaves(delta)])
     else:

@@ -95,6 +95,10 @@ def test_a_learner_group_of_two_jax_processes_trains_as_one_group(cluster):
   _assert_exactly_once(run.workdir)
   group, = _learner_records(run.workdir, 0, "learner_summary")
   assert group["processes"] == 2 and group["ack_statuses"]["applied"] >= 2
+  # Its exchanges moved θ and Θ between the processes one leaf at a time: no collective held more than the
+  # largest leaf on a host or a device, where a whole-tree one held the whole model.
+  leaves = [x.nbytes for x in jax.tree.leaves(model_lib.build_model(service_config.get_config().model, 0)[1])]
+  assert 0 < group["group_peak_bytes"] <= max(leaves) < sum(leaves) / 2, (group["group_peak_bytes"], leaves)
   losses = [r["loss"] for r in _learner_records(run.workdir, 0, "train")]
   assert losses[-1] < losses[0] - 1.0, losses
   # The group checkpointed its inner state from both processes (orbax writes each one's shards).

@@ -9,8 +9,10 @@
   pullcache.py   Θ for joins and pulls in the downlink format, encoded once per fragment version
   security.py    run secret (env/file), per-learner credentials derived from it, TLS credentials
   limits.py      upper bounds on push headers (tokens, local_steps, seq)
-  server.py      gRPC methods Join/Pull/Push/Heartbeat/PushTicket, refusals as gRPC statuses, bulk slots
-  datachannel.py push payloads over a ticketed TCP socket (separate pools, transfer deadlines)
+  server.py      gRPC methods Join/Pull/Push/Heartbeat/PushTicket/PullTicket, refusals as gRPC statuses, bulk slots
+  datachannel.py pushes and pulls over a ticketed TCP socket (separate pools, transfer deadlines)
+  link.py        per-learner link shaping in real time (token bucket at the sender, latency)
+  group.py       multi-process learner groups: the leader's exchange shared leaf by leaf
   client.py      a learner's calls with retries and backoff
   settings.py    config.service as a typed, validated group
   runconfig.py   what both processes derive from the config (address file, budget, payload bound)

@@ -7,10 +7,13 @@ applies it once even if the first attempt's ack was lost. Refusals (bad token, m
 push, unknown learner) are not retried: they raise `grpc.RpcError` at once.
 
 With `data_channel`, a push asks for a ticket over gRPC and sends its payload on the
-syncer's data channel (datachannel.py); the whole exchange is one attempt, retried alike.
-After DATA_FAILURES_BEFORE_STREAMING failed data-channel attempts of one push (unreachable,
-cut off, too slow: e.g. a flooded data port) the push streams over gRPC instead, and so do
-the pushes of the next DATA_CHANNEL_PAUSE_SECONDS; then the data channel is tried again.
+syncer's data channel (datachannel.py), and a pull asks for one (PullTicket) and reads Θ_p
+from it; each exchange is one attempt, retried alike. After DATA_FAILURES_BEFORE_STREAMING
+failed data-channel attempts of one push or pull (unreachable, cut off, too slow: e.g. a
+flooded data port) it streams over gRPC instead, and so do the transfers of the next
+DATA_CHANNEL_PAUSE_SECONDS; then the data channel is tried again. A learner on a shaped
+`link` (link.py) never falls back: gRPC would carry its bytes unshaped; it keeps retrying.
+A syncer without a data channel (service.data_port=-1) gets every transfer over gRPC.
 
 Every reply names the syncer's incarnation (one more at each start on its workdir). A higher
 one than before means the syncer restarted: counted (`syncer_restarts`) and logged; its log
@@ -21,6 +24,7 @@ like an unreachable syncer (`StaleSyncer`).
 
 import random
 import ssl
+import threading
 import time
 
 from absl import logging
@@ -30,6 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from decoupled_diloco.service import datachannel, security, server, wire
+from decoupled_diloco.service import link as link_lib
 
 # CANCELLED: what calls in flight get from a syncer that is shutting down (it restarts).
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
@@ -46,6 +51,7 @@ CONCURRENCY_CAP_DETAILS = "Concurrent RPC limit exceeded"
 # client retries with its own backoff (`backoff_delays`), so the channel's is kept as short.
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                      ("grpc.max_reconnect_backoff_ms", 2_000)]
+PULL_TICKET_SCHEMA = {**STATUS_SCHEMA, **TICKET_SCHEMA}
 DATA_FAILURES_BEFORE_STREAMING = 2
 DATA_CHANNEL_PAUSE_SECONDS = 30.0
 
@@ -87,7 +93,8 @@ class SyncerClient:
 
   def __init__(self, target: str, token: str, learner: int, *, chunk_bytes: int, timeout_seconds: float,
                retry_seconds: float, credentials: grpc.ChannelCredentials | None = None,
-               max_payload_bytes: int = 1 << 40, data_channel: bool = False, data_tls: ssl.SSLContext | None = None):
+               max_payload_bytes: int = 1 << 40, data_channel: bool = False, data_tls: ssl.SSLContext | None = None,
+               link: link_lib.Link = link_lib.UNSHAPED):
     if data_channel and (credentials is None) != (data_tls is None):
       raise ValueError("the data channel needs TLS exactly when gRPC has it: pass data_tls with credentials")
     options = server.message_options(chunk_bytes) + RECONNECT_OPTIONS
@@ -95,7 +102,7 @@ class SyncerClient:
                      else grpc.insecure_channel(target, options=options))
     self.learner, self.chunk_bytes, self.max_payload_bytes = learner, chunk_bytes, max_payload_bytes
     self.timeout, self.retry_seconds = timeout_seconds, retry_seconds
-    self.data_channel, self.data_tls = data_channel, data_tls
+    self.data_channel, self.data_tls, self.link = data_channel, data_tls, link  # link paces this learner's pushes.
     self._data_channel_paused_until = 0.0  # time.monotonic() before which pushes stream (see the module doc).
     self.host = target.rsplit(":", 1)[0].strip("[]")  # The data channel is on the syncer's host.
     self._metadata = ((security.TOKEN_METADATA_KEY, token),)
@@ -106,9 +113,12 @@ class SyncerClient:
     self._push = self._channel.stream_unary(method + "Push")
     self._heartbeat = self._channel.unary_unary(method + "Heartbeat")
     self._push_ticket = self._channel.unary_unary(method + "PushTicket")
+    self._pull_ticket = self._channel.unary_unary(method + "PullTicket")
     self.retries = 0  # Attempts that failed and were retried (a metric of the learner).
     self.syncer_incarnation = 0  # The newest syncer incarnation a reply came from (0: none yet).
     self.syncer_restarts = 0  # Times a reply came from a newer syncer incarnation than the one before.
+    self._abandoned = threading.Event()
+    self.pulled_bytes = 0  # Θ bytes received by pulls (as encoded on the wire, in the downlink format).
 
   def _retrying(self, call):
     """`call()` until it succeeds, is refused, or the syncer stays unreachable too long."""
@@ -123,7 +133,17 @@ class SyncerClient:
         if time.monotonic() + delay > give_up:
           raise SyncerUnreachable(f"syncer unreachable for {self.retry_seconds:.0f}s: {details}") from error
         self.retries += 1
-        time.sleep(delay)
+        if self._abandoned.wait(delay):
+          raise SyncerUnreachable(f"abandoned after the run ended: {details}") from error
+
+  def abandon(self) -> None:
+    """Stops retrying: a call still retrying gives up (SyncerUnreachable) at its next attempt.
+
+    Why: once the syncer said the run is done it may exit as soon as every learner heard it,
+    and an exchange still in flight then (a streaming learner's other fragments) would
+    otherwise retry for retry_seconds before the learner process can end.
+    """
+    self._abandoned.set()
 
   def _observe(self, status: dict) -> dict:
     """Checks and notes the syncer incarnation a reply came from (see the module doc); returns `status`."""
@@ -144,7 +164,33 @@ class SyncerClient:
     if not status["payload_bytes"]:
       return status, None
     data = wire.assemble(replies, status["payload_bytes"], self.max_payload_bytes, self.chunk_bytes)
-    return status, widen(wire.decode(data))
+    return status, self._theta(data)
+
+  def _theta(self, data: np.ndarray):
+    """Θ as the model holds it, from the bytes a pull received (counted)."""
+    self.pulled_bytes += data.nbytes
+    return widen(wire.decode(data))
+
+  def _data_or_grpc(self, ticketed, streamed, failures: list[int], what: str):
+    """One attempt of a transfer: `ticketed()` on the data channel, or `streamed()` over gRPC when the
+    syncer has none or the data channel is paused (see the module doc)."""
+    if not self.data_channel or time.monotonic() < self._data_channel_paused_until:
+      return streamed()
+    try:
+      return ticketed()
+    except datachannel.DataRefused as error:
+      if error.code() in RETRYABLE:
+        failures[0] += 1
+        if failures[0] >= DATA_FAILURES_BEFORE_STREAMING and self.link is link_lib.UNSHAPED:
+          self._data_channel_paused_until = time.monotonic() + DATA_CHANNEL_PAUSE_SECONDS
+          logging.warning("%s: the data channel failed %d times (%s); streaming it over gRPC", what, failures[0],
+                          error.details())
+      raise
+    except grpc.RpcError as error:  # From the ticket call.
+      if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        raise
+      self.data_channel = False  # This syncer has none (service.data_port=-1): stream from now on.
+      return streamed()
 
   def join(self) -> tuple[dict, object]:
     """(status, Θ): the current global params, version and this learner's last acked seq."""
@@ -157,8 +203,23 @@ class SyncerClient:
   def pull(self, have_version: int, fragment: int = 0) -> tuple[dict, object]:
     """(status, Θ_fragment), or (status, None) when `have_version` of it is still current."""
     request = wire.pack_header({"learner": self.learner, "fragment": fragment, "have_version": have_version})
-    return self._retrying(lambda: self._read_stream(
-        self._pull(request, timeout=self.timeout, metadata=self._metadata)))
+
+    def ticketed():
+      reply = wire.parse_header(self._pull_ticket(request, timeout=self.timeout, metadata=self._metadata),
+                                PULL_TICKET_SCHEMA)
+      status = self._observe({k: reply[k] for k in STATUS_SCHEMA})
+      if not reply["payload_bytes"]:
+        return status, None
+      wire.check_payload_size(reply["payload_bytes"], self.max_payload_bytes)
+      return status, self._theta(datachannel.fetch_pull(
+          (self.host, reply["port"]), reply["ticket"], reply["payload_bytes"], timeout=self.timeout,
+          tls=self.data_tls, server_hostname=self.host))
+
+    def streamed():
+      return self._read_stream(self._pull(request, timeout=self.timeout, metadata=self._metadata))
+
+    failures = [0]
+    return self._retrying(lambda: self._data_or_grpc(ticketed, streamed, failures, f"pull of fragment {fragment}"))
 
   def heartbeat(self, retry: bool = True) -> dict:
     """Renews this learner's lease; returns the run's status (one attempt only if not `retry`)."""
@@ -189,32 +250,15 @@ class SyncerClient:
     def streamed():
       return self._push(messages(), timeout=self.timeout, metadata=self._metadata)
 
-    data_failures = [0]
+    def ticketed():
+      ticket = wire.parse_header(self._push_ticket(header, timeout=self.timeout, metadata=self._metadata),
+                                 TICKET_SCHEMA)
+      return datachannel.send_push((self.host, ticket["port"]), ticket["ticket"], parts, timeout=self.timeout,
+                                   tls=self.data_tls, server_hostname=self.host, link=self.link)
 
-    def over_data_channel():
-      if not self.data_channel or time.monotonic() < self._data_channel_paused_until:
-        return streamed()
-      try:
-        ticket = wire.parse_header(self._push_ticket(header, timeout=self.timeout, metadata=self._metadata),
-                                   TICKET_SCHEMA)
-      except grpc.RpcError as error:
-        if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
-          raise
-        self.data_channel = False  # This syncer has none (service.data_port=-1): stream from now on.
-        return streamed()
-      try:
-        return datachannel.send_push((self.host, ticket["port"]), ticket["ticket"], parts, timeout=self.timeout,
-                                     tls=self.data_tls, server_hostname=self.host)
-      except datachannel.DataRefused as error:
-        if error.code() in RETRYABLE:
-          data_failures[0] += 1
-          if data_failures[0] >= DATA_FAILURES_BEFORE_STREAMING:
-            self._data_channel_paused_until = time.monotonic() + DATA_CHANNEL_PAUSE_SECONDS
-            logging.warning("push %d: the data channel failed %d times (%s); streaming it over gRPC", seq,
-                            data_failures[0], error.details())
-        raise
-
-    return self._retrying(lambda: self._observe(wire.parse_header(over_data_channel(), PUSH_REPLY_SCHEMA)))
+    failures = [0]
+    return self._retrying(lambda: self._observe(wire.parse_header(
+        self._data_or_grpc(ticketed, streamed, failures, f"push {seq}"), PUSH_REPLY_SCHEMA)))
 
   def close(self) -> None:
     """Closes the channel."""

@@ -12,8 +12,16 @@ syncer decodes without a copy.
   connect data port, send: ticket (16 bytes) | payload (exactly header.payload_bytes)
                               <- TCP --  u8 ok | u32 length | reply header, or {code, details}
 
-A ticket is 128 random bits, bound to its push header, usable once, for `ttl_seconds`,
-one outstanding per learner. A connection with an unknown ticket, or one that ends early,
+Pulls come back the same way: PullTicket (gRPC) answers the status and, when Θ_p moved, a
+ticket bound to its encoded parts (the syncer's one copy per fragment version); the learner
+connects, sends the ticket and reads  u8 ok | u32 length | (empty, or {code, details})  then
+exactly payload_bytes of Θ_p, sent from those parts without a copy.
+
+Each learner's transfers are paced at their sender by its link (link.py: service.link_mbps,
+service.link_latency_ms): the learner paces its pushes, the syncer the Θ it sends back.
+
+A ticket is 128 random bits, bound to its push header (or pull), usable once, for
+`ttl_seconds`, one outstanding per learner and direction. A connection with an unknown ticket, or one that ends early,
 applies nothing; an unknown ticket is refused ABORTED (retried with a new ticket: a
 restarted syncer knows none of its predecessor's), and the handshake must finish within
 HANDSHAKE_SECONDS. With TLS configured the socket is wrapped with the same certificate.
@@ -25,11 +33,13 @@ so a flood of idle or reconnecting connections cannot keep a learner, which send
 ticket at once, from being read. Ticketed connections are not limited by that pool (one
 ticket per learner bounds them), and each must deliver its whole payload within
 `transfer_seconds(payload_bytes)`: a fixed allowance plus the payload at
-MIN_RATE_BYTES_PER_SECOND, so a trickling sender cannot hold its slot.
+MIN_RATE_BYTES_PER_SECOND (or at the learner's shaped link rate, if slower), so a trickling
+sender cannot hold its slot.
 A refusal is raised on the learner as `DataRefused`, a `grpc.RpcError` with a status code,
 so the client retries and reports it exactly as it would a gRPC push.
 """
 
+import contextlib
 import secrets
 import socket
 import ssl
@@ -42,6 +52,7 @@ from absl import logging
 import grpc
 import numpy as np
 
+from decoupled_diloco.service import link as link_lib
 from decoupled_diloco.service import wire
 
 TICKET_BYTES = 16
@@ -70,9 +81,11 @@ class DataRefused(grpc.RpcError):
     return self._details
 
 
-def transfer_seconds(nbytes: int) -> float:
-  """A whole transfer's deadline: HANDSHAKE_SECONDS plus `nbytes` at the minimum rate."""
-  return HANDSHAKE_SECONDS + nbytes / MIN_RATE_BYTES_PER_SECOND
+def transfer_seconds(nbytes: int, link: link_lib.Link = link_lib.UNSHAPED) -> float:
+  """A whole transfer's deadline: HANDSHAKE_SECONDS plus `nbytes` at the minimum rate, or at the
+  learner's shaped `link` rate where that is slower (its link is the config's, not the peer's word)."""
+  rate = min(MIN_RATE_BYTES_PER_SECOND, link.mbps * 1e6 / 8) if link.mbps else MIN_RATE_BYTES_PER_SECOND
+  return HANDSHAKE_SECONDS + link.latency_ms / 1e3 + nbytes / rate
 
 
 def _time_out_at(connection: socket.socket, deadline: float) -> None:
@@ -131,9 +144,12 @@ class DataListener:
 
   def __init__(self, host: str, port: int, receive: Callable[[dict, np.ndarray], tuple[bool, bytes]], *,
                ttl_seconds: float, max_connections: int, tls: ssl.SSLContext | None = None,
-               on_refusal: Callable[[str, str], None] = lambda reason, message: None):
+               on_refusal: Callable[[str, str], None] = lambda reason, message: None,
+               links: tuple[link_lib.Link, ...] = ()):
     self.receive, self.ttl, self.tls, self.on_refusal = receive, ttl_seconds, tls, on_refusal
-    self._tickets: dict[bytes, tuple[dict, float]] = {}
+    self.links = links  # Learner i's link paces the Θ sent to it (none given: unshaped).
+    # ticket -> (push header or {"learner"} of a pull, the pull's parts or None for a push, expiry)
+    self._tickets: dict[bytes, tuple[dict, list | None, float]] = {}
     self._lock = threading.Lock()
     self.max_unticketed, self.per_source = max_connections, max(1, max_connections // 2)
     # Unticketed connections in arrival order (oldest first) -> (source address, a dup of the socket that
@@ -160,20 +176,24 @@ class DataListener:
       pass
     self._socket.close()
 
-  def ticket(self, header: dict) -> str:
-    """A one-time ticket (hex) for `header`'s payload; replaces the learner's previous one."""
+  def ticket(self, header: dict, pull: list[memoryview] | None = None) -> str:
+    """A one-time ticket (hex) for `header`'s payload, or for sending `pull` (Θ_p's encoded parts)
+    to learner header["learner"]; replaces that learner's previous ticket of the same direction."""
     ticket = secrets.token_bytes(TICKET_BYTES)
     now = time.monotonic()
     with self._lock:
-      self._tickets = {t: (h, expiry) for t, (h, expiry) in self._tickets.items()
-                       if expiry > now and h["learner"] != header["learner"]}
-      self._tickets[ticket] = (header, now + self.ttl)
+      self._tickets = {t: (h, parts, expiry) for t, (h, parts, expiry) in self._tickets.items()
+                       if expiry > now and (h["learner"], parts is None) != (header["learner"], pull is None)}
+      self._tickets[ticket] = (header, pull, now + self.ttl)
     return ticket.hex()
 
-  def _take(self, ticket: bytes) -> dict | None:
+  def _take(self, ticket: bytes) -> tuple[dict | None, list | None]:
     with self._lock:
-      header, expiry = self._tickets.pop(ticket, (None, 0.0))
-    return header if expiry > time.monotonic() else None
+      header, parts, expiry = self._tickets.pop(ticket, (None, None, 0.0))
+    return (header, parts) if expiry > time.monotonic() else (None, None)
+
+  def _link(self, learner: int) -> link_lib.Link:
+    return self.links[learner] if 0 <= learner < len(self.links) else link_lib.UNSHAPED
 
   def _accept(self) -> None:
     while not self._closed:
@@ -229,7 +249,7 @@ class DataListener:
       handshaking = False
       if not self._ticketed(raw):  # Evicted meanwhile (counted then).
         return
-      header = self._take(ticket)
+      header, pull = self._take(ticket)
       if header is None:
         message = "unknown, used or expired data ticket: ask the syncer's PushTicket call for a new one"
         self.on_refusal("unauthenticated", message)
@@ -237,8 +257,15 @@ class DataListener:
         connection.sendall(_frame(*refusal_reply(grpc.StatusCode.ABORTED, message)))
         _discard(connection)  # Closing on unread bytes would reset the connection before the reply is read.
         return
+      if pull is not None:  # Θ_p to a learner: no reply to wait for; a broken connection is its to retry.
+        replied = True
+        connection.sendall(_frame(True, b""))
+        link = self._link(header["learner"])
+        send_parts(connection, pull, link, time.monotonic() + transfer_seconds(wire.encoded_size(pull), link))
+        return
       payload = wire.aligned_buffer(header["payload_bytes"])
-      _receive_into(connection, memoryview(payload), time.monotonic() + transfer_seconds(header["payload_bytes"]))
+      _receive_into(connection, memoryview(payload),
+                    time.monotonic() + transfer_seconds(header["payload_bytes"], self._link(header["learner"])))
       with self._gate:
         ok, body = (refusal_reply(grpc.StatusCode.UNAVAILABLE, "the syncer is shutting down: resend to its restart")
                     if self._closed else self.receive(header, payload))
@@ -255,23 +282,56 @@ class DataListener:
       connection.close()
 
 
-def send_push(address: tuple[str, int], ticket: str, parts: list[memoryview], *, timeout: float,
-              tls: ssl.SSLContext | None = None, server_hostname: str | None = None) -> bytes:
-  """Sends a ticketed payload; returns the push reply header, or raises DataRefused."""
+def send_parts(connection: socket.socket, parts: list[memoryview], link: link_lib.Link,
+               deadline: float | None = None) -> None:
+  """Sends the parts as they are (no copy), paced by `link`, all of them by `deadline` (monotonic)."""
+  for piece in link.paced(parts):
+    if deadline is not None:
+      _time_out_at(connection, deadline)
+    connection.sendall(piece)
+
+
+@contextlib.contextmanager
+def _ticketed_connection(address: tuple[str, int], ticket: str, timeout: float, tls: ssl.SSLContext | None,
+                         server_hostname: str | None):
+  """A connection to the data channel that has sent its ticket; a failure on it raises DataRefused."""
   try:
     with socket.create_connection(address, timeout=min(timeout, CONNECT_SECONDS)) as raw:
       raw.settimeout(timeout)
       with tls.wrap_socket(raw, server_hostname=server_hostname) if tls is not None else raw as connection:
         connection.sendall(bytes.fromhex(ticket))
-        for part in parts:
-          connection.sendall(part)
-        ok, length = _REPLY.unpack(_receive(connection, _REPLY.size))
-        if length > wire.MAX_HEADER_BYTES:
-          raise ConnectionError(f"data channel reply of {length} bytes is over {wire.MAX_HEADER_BYTES}")
-        body = bytes(_receive(connection, length))
+        yield connection
   except OSError as error:  # Includes ssl.SSLError and timeouts.
     raise DataRefused(grpc.StatusCode.UNAVAILABLE, f"data channel to {address[0]}:{address[1]}: {error}") from error
+
+
+def _read_reply(connection: socket.socket) -> bytes:
+  """The syncer's framed answer: its body if ok, else the refusal raised as DataRefused."""
+  ok, length = _REPLY.unpack(_receive(connection, _REPLY.size))
+  if length > wire.MAX_HEADER_BYTES:
+    raise ConnectionError(f"data channel reply of {length} bytes is over {wire.MAX_HEADER_BYTES}")
+  body = bytes(_receive(connection, length))
   if ok:
     return body
   refusal = wire.parse_header(body, REFUSAL_SCHEMA)
   raise DataRefused(getattr(grpc.StatusCode, refusal["code"], grpc.StatusCode.UNKNOWN), refusal["details"])
+
+
+def send_push(address: tuple[str, int], ticket: str, parts: list[memoryview], *, timeout: float,
+              tls: ssl.SSLContext | None = None, server_hostname: str | None = None,
+              link: link_lib.Link = link_lib.UNSHAPED) -> bytes:
+  """Sends a ticketed payload (paced by this learner's `link`); returns the push reply header, or raises
+  DataRefused."""
+  with _ticketed_connection(address, ticket, timeout, tls, server_hostname) as connection:
+    send_parts(connection, parts, link)
+    return _read_reply(connection)
+
+
+def fetch_pull(address: tuple[str, int], ticket: str, payload_bytes: int, *, timeout: float,
+               tls: ssl.SSLContext | None = None, server_hostname: str | None = None) -> np.ndarray:
+  """Θ_p's encoded bytes for a pull ticket, received into one aligned buffer; raises DataRefused."""
+  with _ticketed_connection(address, ticket, timeout, tls, server_hostname) as connection:
+    _read_reply(connection)
+    payload = wire.aligned_buffer(payload_bytes)
+    _receive_into(connection, memoryview(payload))
+    return payload

@@ -4,9 +4,20 @@ On a multi-host slice every host runs the same learner program (one multi-contro
 program over the slice's mesh). Each host feeds the same batches and runs the same jitted
 steps, so all of them must make the same decisions: how many steps to take, which Θ to
 start from, when the run is over. Only process 0 holds a syncer connection; what it hears
-(replies, status, a new Θ) reaches the other processes through the group's own collectives
-(ICI/DCN on TPU, gloo on CPU) as one wire payload, and every process gathers θ off the
-mesh to form the same pseudo-gradient. Nothing that crosses the WAN is sent twice.
+reaches the other processes through the group's own collectives (ICI/DCN on TPU, gloo on
+CPU). Nothing that crosses the WAN is sent twice.
+
+The exchange moves one leaf at a time, never a whole θ or Θ (GroupLink.share_tree,
+GroupLink.gather_to_leader):
+  push  process 0 alone forms Δ = Θ_p − θ_p: θ_p comes off the mesh leaf by leaf (each
+        process contributes its addressable shards of the leaf); the others drop each leaf
+        at once and push a placeholder of Δ's shapes, which nobody sends.
+  pull  Θ_p goes from process 0 to the others leaf by leaf; each process places the leaf
+        straight into the group's sharding of it and drops the host copy (process 0 keeps
+        Θ_p on its host as the next push's anchor; the others keep no anchor).
+So, beyond what it keeps (its params, and on process 0 the anchor and Δ), no host and no
+device holds more than the largest leaf at once (`peak_bytes`, in the learner summary),
+where a whole-tree collective would hold all of Θ_p on every device.
 
   experiments.train --role=learner --learner_id=0 --group_coordinator=HOST:PORT \
       --group_processes=2 --group_process_id=K ...          (CPU, or any explicit setup)
@@ -61,6 +72,7 @@ class GroupLink:
   def __init__(self):
     self.leader = jax.process_index() == 0
     self.processes = jax.process_count()
+    self.peak_bytes = 0  # Largest buffer one exchange collective placed on a host (and on each device) at once.
 
   def share(self, message):
     """`message` (leader's: dicts, lists, scalars, None and arrays) as seen by every process.
@@ -80,8 +92,41 @@ class GroupLink:
     received = multihost_utils.broadcast_one_to_all(buffer, is_source=self.leader)
     return message if self.leader else wire.decode(np.asarray(received, np.uint8).tobytes())
 
-  def host_copy(self, tree):
-    """Every leaf of a (possibly multi-host) tree as a full numpy array, on every process."""
+  def _note(self, nbytes: int) -> None:
+    self.peak_bytes = max(self.peak_bytes, nbytes)
+
+  def share_tree(self, tree, like):
+    """The leader's host `tree` (Θ_p) placed on the group's devices, one leaf per collective.
+
+    Every process gets the same tree of arrays, each leaf placed as its counterpart in `like`
+    (the group's arrays of those leaves: shape, dtype, sharding) with the host copy dropped
+    before the next leaf comes. Every process must call this at the same point.
+    """
+    if self.processes == 1:
+      return tree
+    leaves = jax.tree.leaves(tree) if self.leader else [None] * len(jax.tree.leaves(like))
+    placed = []
+    for leaf, counterpart in zip(leaves, jax.tree.leaves(like)):
+      data = np.asarray(leaf) if self.leader else np.zeros(counterpart.shape, counterpart.dtype)
+      self._note(data.nbytes)
+      received = multihost_utils.broadcast_one_to_all(data, is_source=self.leader)
+      placed.append(jax.device_put(np.asarray(received), counterpart.sharding))
+    return jax.tree.unflatten(jax.tree.structure(like), placed)
+
+  def gather_to_leader(self, tree):
+    """Every leaf of a (possibly multi-host) tree as a full numpy array on the leader, one leaf per
+    collective; the others get zero-stride placeholders of the leaves' shapes (no memory)."""
     if self.processes == 1:
       return jax.device_get(tree)
-    return multihost_utils.process_allgather(tree, tiled=True)
+
+    def gathered(leaf):
+      full = multihost_utils.process_allgather(leaf, tiled=True)
+      self._note(full.nbytes)
+      return full if self.leader else placeholder(leaf)
+
+    return jax.tree.map(gathered, tree)
+
+
+def placeholder(leaf):
+  """An array of `leaf`'s shape and dtype that takes no memory (every entry is one zero)."""
+  return np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)

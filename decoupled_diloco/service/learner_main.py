@@ -51,6 +51,7 @@ from decoupled_diloco.run import account as account_lib
 from decoupled_diloco.run import records, schedule
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import group as group_lib
+from decoupled_diloco.service import link as link_lib
 from decoupled_diloco.service import runconfig, security
 
 
@@ -68,8 +69,8 @@ def build_learner(config, plan: schedule.RunPlan, index: int, group: group_lib.G
   rows_per_process = config.learners.batch_size[index] // jax.process_count()
   rows = range(jax.process_index() * rows_per_process, (jax.process_index() + 1) * rows_per_process)
   learner = experiment.build_learner(config, plan, index, devices[:count], corpus, model, params, param_axes, rows)
-  # θ comes off every host of the group; as pushed, it anchors a fragment that no merge moved.
-  learner.to_host, learner.keep_pushed = group.host_copy, True
+  # θ comes to the leader one leaf at a time (only its Δ is sent); as pushed, it anchors a fragment no merge moved.
+  learner.to_host, learner.keep_pushed, learner.forms_delta = group.gather_to_leader, True, group.leader
   return learner
 
 
@@ -96,7 +97,8 @@ class LearnerProcess:
         target, security.load_token(self.service.token_file), index, chunk_bytes=self.service.chunk_bytes,
         timeout_seconds=self.service.rpc_timeout_seconds, retry_seconds=self.service.retry_seconds,
         credentials=security.channel_credentials(self.service.tls_ca), data_channel=self.service.data_port >= 0,
-        data_tls=security.client_tls_context(self.service.tls_ca)) if self.group.leader else None
+        data_tls=security.client_tls_context(self.service.tls_ca),
+        link=link_lib.links(self.service, len(config.learners.devices))[index]) if self.group.leader else None
     self.plan = schedule.RunPlan.from_config(config)
     self.learner = build_learner(config, self.plan, index, self.group)
     self.speed = policy_lib.SpeedTracker([0.0])  # This group's measured steps per second (0 = none yet).
@@ -209,9 +211,11 @@ class LearnerProcess:
           self._push_the_rest()
           if not self.status["done"]:
             time.sleep(0.2)
-            self.status, _ = self._ask(lambda: self.client.pull(self.status["versions"][0]))
+            self.status = self._ask(lambda: self.client.pull(self.status["versions"][0])[0])
     finally:
       self._stop.set()
+      if self.client is not None and self.status.get("done"):
+        self.client.abandon()  # Exchanges still in flight are moot: the syncer may be gone already.
       self.exchanges.shutdown(wait=True)
     summary = self._summary()
     self._write(summary)
@@ -229,7 +233,7 @@ class LearnerProcess:
         blocked_fraction=account.blocked / wall if wall else 0.0, final_ack_seconds=account.final_ack,
         exchange_seconds=account.exchange, rounds=self.pushes, retries=self.client.retries if self.client else 0,
         syncer_restarts=self.client.syncer_restarts if self.client else 0,
-        processes=self.group.processes, ack_statuses=dict(account.statuses), pushes=sum(account.statuses.values()),
+        processes=self.group.processes, group_peak_bytes=self.group.peak_bytes, ack_statuses=dict(account.statuses), pushes=sum(account.statuses.values()),
         dropped=account.statuses["dropped"], rejected=account.statuses["refused"],
         # What a learner process does not measure: the syncer's side of its pushes, and stalls by count.
         idle_seconds=None, stalls=None, bytes_sent=None, bytes_received=None, staleness_histogram=None)
@@ -302,17 +306,22 @@ class LearnerProcess:
     base, its params as pushed anchor it (the local progress goes on, counted from the push)."""
     self._tick()
     future, push, _, _ = self.inflight.pop(fragment)
-    seq, reply, self.status, theta = self.group.share(future.result())
+    seq, reply, self.status, theta = future.result() if self.group.leader else (None,) * 4
+    seq, reply, self.status, moved = self.group.share((seq, reply, self.status, theta is not None))
     waited = time.perf_counter() - self.mark
     self.mark = time.perf_counter()
     self.account.blocked += waited
     if final:
       self.account.final_ack += waited
     self._record_ack(seq, reply)
-    if theta is None:
+    if not moved:
       self.learner.anchor_on_pushed(fragment)
-    else:
+    elif self.group.processes == 1:
       self.learner.land(fragment, theta, self.status["versions"][fragment])
+    else:  # Θ_p placed on the group's devices leaf by leaf; the leader's host copy anchors the next push.
+      like = fragments.select(self.learner.state.params, self.learner.assignment, fragment)
+      self.learner.land(fragment, self.group.share_tree(theta, like), self.status["versions"][fragment])
+      self.learner.anchors[fragment] = theta
       self.compute_since_push[fragment] *= self.learner.alpha
 
   def _uncounted(self) -> int:

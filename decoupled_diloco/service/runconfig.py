@@ -10,6 +10,7 @@ from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.run import schedule
 from decoupled_diloco.service import settings
 from decoupled_diloco.service import server
+from decoupled_diloco.service import link
 
 ADDRESS_FILE = "syncer_address"
 
@@ -23,6 +24,7 @@ def validate(config) -> settings.Settings:
     raise ConfigError(f"service.max_concurrent_rpcs={service.max_concurrent_rpcs} is below the {threads} calls the "
                       f"syncer's threads serve at once with {len(config.learners.devices)} learners: set "
                       f"--config.service.max_concurrent_rpcs >= {threads}")
+  link.validate(config.service, len(config.learners.devices))
   return service
 
 

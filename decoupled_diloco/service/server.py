@@ -7,6 +7,9 @@ Methods of service `decoupled_diloco.Syncer` (bytes in, bytes out; see wire.py):
   Push      stream -> unary   push header, payload chunks  -> {status, ...status header}
   PushTicket unary -> unary   push header                  -> {ticket, port}: send the payload on the
                                                               data channel instead (datachannel.py)
+  PullTicket unary -> unary   {learner, fragment, have_version} -> status header with {ticket, port}: fetch
+                                                              Θ_fragment on the data channel (ticket '' if none,
+                                                              as when the status says done)
   Heartbeat unary -> unary    {learner}                    -> status header
 A status header is {version, versions, acked_seq, steps_left, done, max_speed, incarnation, syncer_incarnation,
 payload_bytes}; a push
@@ -23,9 +26,9 @@ and is counted in `SyncerServer.rejections`:
   DEADLINE_EXCEEDED a stream slower than MIN_RATE_BYTES_PER_SECOND ('too_slow')
 Starvation: Join, Pull and Push ("bulk" calls, which move Θ or a payload) hold one of
 `workers` slots (gRPC has CONTROL_WORKERS threads more), at most PER_CALLER_BULK of them per
-credential (the run secret excepted), taken without waiting; so Heartbeat and PushTicket
-always find a worker and a learner with a stalled stream blocks only itself. Every stream has a whole-call
-deadline sized from its bytes (datachannel.transfer_seconds): when it passes the server
+credential (the run secret excepted), taken without waiting; so Heartbeat, PushTicket and
+PullTicket always find a worker and a learner with a stalled stream blocks only itself.
+Every stream has a whole-call deadline sized from its bytes (datachannel.transfer_seconds): when it passes the server
 cancels the call. gRPC itself enforces keepalive (no ping floods) and bounds queued calls.
 Messages larger than chunk_bytes + 64 KiB are refused by gRPC itself (RESOURCE_EXHAUSTED
 from gRPC), so no single message can exhaust memory. Those are counted (as 'empty') only
@@ -46,6 +49,7 @@ import grpc
 
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import datachannel, limits, security, wire
+from decoupled_diloco.service import link as link_lib
 from decoupled_diloco.syncer import PushRejected
 
 SERVICE = "decoupled_diloco.Syncer"
@@ -139,13 +143,15 @@ class SyncerServer:
   `max_concurrent_rpcs`: calls in the server at once, running or queued for a thread; gRPC
   answers the ones beyond RESOURCE_EXHAUSTED at once (learners retry those), so a flood
   neither queues without bound nor takes memory. Keepalive: see `keepalive_options`.
+  `links[i]` paces the Θ the data channel sends to learner i (link.py; none given: unshaped).
   """
 
   def __init__(self, core: core_lib.SyncerCore, token: str, *, host: str, port: int, chunk_bytes: int,
                max_payload_bytes: int, credentials: grpc.ServerCredentials | None = None, workers: int = 8,
                data_port: int = -1, data_tls: ssl.SSLContext | None = None, data_timeout_seconds: float = 120.0,
                keepalive_seconds: float = 20.0, keepalive_timeout_seconds: float = 10.0,
-               max_concurrent_rpcs: int = 256):
+               max_concurrent_rpcs: int = 256,
+               links: tuple[link_lib.Link, ...] = ()):
     if data_port >= 0 and (credentials is None) != (data_tls is None):
       raise ValueError("the data channel needs TLS exactly when gRPC has it: pass data_tls with credentials")
     self.core, self.chunk_bytes, self.max_payload_bytes = core, chunk_bytes, max_payload_bytes
@@ -155,7 +161,8 @@ class SyncerServer:
     self._logged: dict[str, tuple[float, int]] = {}  # reason -> (start of its minute, refusals in it)
     self._bulk_free, self._bulk_by_caller = workers, collections.Counter()
     self.data = (datachannel.DataListener(host, data_port, self._receive_data, ttl_seconds=data_timeout_seconds,
-                                          max_connections=workers, tls=data_tls, on_refusal=self._count)
+                                          max_connections=workers, tls=data_tls, on_refusal=self._count,
+                                          links=links)
                  if data_port >= 0 else None)
     self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers + CONTROL_WORKERS),
                                options=message_options(chunk_bytes) + [("grpc.so_reuseport", 0)]
@@ -167,6 +174,7 @@ class SyncerServer:
         "Push": grpc.stream_unary_rpc_method_handler(self._guard(self._push, bulk=True)),
         "Heartbeat": grpc.unary_unary_rpc_method_handler(self._guard(self._heartbeat)),
         "PushTicket": grpc.unary_unary_rpc_method_handler(self._guard(self._push_ticket)),
+        "PullTicket": grpc.unary_unary_rpc_method_handler(self._guard(self._pull_ticket)),
     }
     self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     address = f"{host}:{port}"
@@ -313,10 +321,28 @@ class SyncerServer:
     """Checks a push header as Push would before its payload, then issues a data-channel ticket."""
     del context, deadline
     header = self._push_header(request, caller)
+    self._require_data_channel("stream the payload with Push")
+    return wire.pack_header({"ticket": self.data.ticket(header), "port": self.data.port})
+
+  def _require_data_channel(self, instead: str) -> None:
     if self.data is None:
       raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, "no_data_channel",
-                     "this syncer has no data channel (service.data_port=-1): stream the payload with Push")
-    return wire.pack_header({"ticket": self.data.ticket(header), "port": self.data.port})
+                     f"this syncer has no data channel (service.data_port=-1): {instead}")
+
+  def _pull_ticket(self, request: bytes, context, caller: int, deadline: _Deadline) -> bytes:
+    """A pull's status and, when Θ_fragment moved since `have_version`, a ticket to fetch its encoded
+    parts (the core's one copy per version) on the data channel."""
+    del context, deadline
+    header = wire.parse_header(request, PULL_SCHEMA)
+    self._authorize(caller, header["learner"])
+    self._require_data_channel("pull Θ with Pull")
+    status, parts = self.core.pull(header["learner"], header["fragment"], header["have_version"], time.time())
+    # A learner told 'done' stops and needs no Θ; and the syncer may exit once every learner heard it, before a
+    # ticket for it could be used (a gRPC Pull carries both at once).
+    parts = None if status["done"] else parts
+    ticket = self.data.ticket({"learner": header["learner"]}, pull=parts) if parts else ""
+    return wire.pack_header({**status, "payload_bytes": wire.encoded_size(parts) if parts else 0, "ticket": ticket,
+                             "port": self.data.port})
 
   def _receive_data(self, header: dict, payload) -> tuple[bool, bytes]:
     """A data-channel payload into the core: (True, push reply) or (False, the counted refusal).

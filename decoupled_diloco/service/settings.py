@@ -33,6 +33,8 @@ class Settings:
   keepalive_seconds: float          # The syncer pings a connection silent this long...
   keepalive_timeout_seconds: float  # ...and closes it if the ping is unanswered this long.
   max_concurrent_rpcs: int          # Calls in the syncer at once (checked against its threads in runconfig).
+  link_mbps: tuple                  # Per learner, pacing its data-channel traffic (checked in link.validate).
+  link_latency_ms: tuple
   learner_checkpoint_every: int  # 0 = never.
 
   def __post_init__(self):

@@ -26,6 +26,7 @@ from decoupled_diloco.run import evaluator as evaluator_lib
 from decoupled_diloco.run import records, schedule
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import limits, runconfig, security, wal
+from decoupled_diloco.service import link as link_lib
 from decoupled_diloco.service import server as server_lib
 
 TICK_SECONDS = 0.2
@@ -112,7 +113,8 @@ def _serve(config, workdir: str, token: str, credentials, model, params, corpus)
           data_tls=security.server_tls_context(config.service.tls_cert, config.service.tls_key),
           data_timeout_seconds=config.service.rpc_timeout_seconds, keepalive_seconds=config.service.keepalive_seconds,
           keepalive_timeout_seconds=config.service.keepalive_timeout_seconds,
-          max_concurrent_rpcs=config.service.max_concurrent_rpcs)
+          max_concurrent_rpcs=config.service.max_concurrent_rpcs,
+          links=tuple(link_lib.links(config.service, core.num_learners)))
       server.rejections = core.refused  # Checkpointed with the core: refusals survive restarts.
       port = server.start()
       runconfig.write_address(workdir, f"{config.service.host}:{port}")

@@ -12,8 +12,13 @@ buffer, then a one-byte ack. All receivers live in one child process (a learner 
 syncer are separate processes; in one process sender and receiver would take turns on the
 GIL), and the transports alternate (common.interleaved_medians).
 
+Pulls: the same bytes as the syncer's encoded Θ, fetched with `SyncerClient.pull` as a learner
+does (a PullTicket call, then Θ read off the data channel, decoded) against a raw TCP socket
+that sends them to a reader receiving into one buffer.
+
 Keys: `ratio` = TCP seconds / service push seconds (the push's share of the raw socket's
-throughput; target >= 0.5). `grpc_stream_ratio`: the same push streamed in chunks over gRPC
+throughput; target >= 0.5). `pull_ratio`: TCP download seconds / service pull seconds
+(target >= 0.8). `grpc_stream_ratio`: the same push streamed in chunks over gRPC
 (service.data_port=-1). `bare_grpc_ratio`: grpcio's own ceiling on this machine, the same
 chunks streamed to a handler that only counts them (no token, header, reassembly or
 decoding): why payloads do not travel over gRPC by default.
@@ -39,9 +44,13 @@ TOKEN = "benchmark-token-0123456789"
 
 
 class _DecodeOnlyCore:
-  """Stands in for SyncerCore: does the transport's half of a push (decode) and acknowledges."""
+  """Stands in for SyncerCore: does the transport's half of a push (decode) and acknowledges, and
+  serves `theta` (encoded parts, as SyncerCore caches them) to every pull."""
 
   num_learners = 1
+
+  def __init__(self, theta: list):
+    self.theta = theta
 
   def check_bounds(self, header: dict) -> None:
     del header
@@ -50,15 +59,22 @@ class _DecodeOnlyCore:
     del now
     from decoupled_diloco.service import wire  # pylint: disable=g-import-not-at-top
     wire.decode(payload)
-    return {"status": "applied", "version": 0, "versions": [0], "acked_seq": header["seq"], "steps_left": 1,
-            "done": False, "max_speed": 0.0, "incarnation": header["incarnation"],
-            "syncer_incarnation": 1}
+    return {"status": "applied", **self._status(header["seq"], header["incarnation"])}
+
+  def pull(self, learner: int, fragment: int, have_version: int, now: float) -> tuple[dict, list]:
+    del learner, fragment, have_version, now
+    return self._status(-1, 0), self.theta
+
+  @staticmethod
+  def _status(acked_seq: int, incarnation: int) -> dict:
+    return {"version": 0, "versions": [0], "acked_seq": acked_seq, "steps_left": 1, "done": False, "max_speed": 0.0,
+            "incarnation": incarnation, "syncer_incarnation": 1}
 
 
-def _service(chunk_bytes: int, max_payload: int) -> tuple[object, int]:
+def _service(chunk_bytes: int, max_payload: int, theta: list) -> tuple[object, int]:
   """The syncer's real server (gRPC + data channel) around the decode-only core."""
   from decoupled_diloco.service import server  # pylint: disable=g-import-not-at-top
-  service = server.SyncerServer(_DecodeOnlyCore(), TOKEN, host="127.0.0.1", port=0, chunk_bytes=chunk_bytes,
+  service = server.SyncerServer(_DecodeOnlyCore(theta), TOKEN, host="127.0.0.1", port=0, chunk_bytes=chunk_bytes,
                                 max_payload_bytes=max_payload, workers=2, data_port=0, data_timeout_seconds=300)
   return service, service.start()
 
@@ -99,12 +115,40 @@ class _TcpSink:
         connection.sendall(b"k")
 
 
-def _receivers(size: int, chunk_bytes: int, connection) -> None:
-  """Child process: every receiver; sends their ports, then serves until told to stop."""
-  service, port = _service(chunk_bytes, 2 * size)
+class _TcpSource:
+  """Sends `parts` to every connection that connects (the raw-socket side of a pull)."""
+
+  def __init__(self, parts: list):
+    self.parts = parts
+    self.listener = socket.create_server(("127.0.0.1", 0))
+    self.port = self.listener.getsockname()[1]
+    threading.Thread(target=self._serve, daemon=True).start()
+
+  def _serve(self) -> None:
+    while True:
+      connection, _ = self.listener.accept()
+      with connection:
+        for part in self.parts:
+          connection.sendall(part)
+
+
+def _pseudo_gradient(megabytes: int) -> dict:
+  """The benchmark's payload: 8 leaves of seeded noise, `megabytes` in all (the same in both processes)."""
+  leaves = 8
+  per_leaf = megabytes * (1 << 20) // 4 // leaves
+  rng = np.random.default_rng(0)
+  return {f"layer_{i}": {"w": rng.standard_normal(per_leaf, dtype=np.float32) * 1e-3} for i in range(leaves)}
+
+
+def _receivers(megabytes: int, chunk_bytes: int, connection) -> None:
+  """Child process: every receiver (and the pull sources); sends their ports, then serves until told to stop."""
+  from decoupled_diloco.service import wire  # pylint: disable=g-import-not-at-top
+  theta = wire.encode(_pseudo_gradient(megabytes))
+  size = wire.encoded_size(theta)
+  service, port = _service(chunk_bytes, 2 * size, theta)
   bare, bare_port = _bare_grpc(chunk_bytes)
-  tcp = _TcpSink(size)
-  connection.send((port, bare_port, tcp.port))
+  tcp, source = _TcpSink(size), _TcpSource(theta)
+  connection.send((port, bare_port, tcp.port, source.port))
   connection.recv()
   service.stop(0)
   bare.stop(0)
@@ -114,17 +158,14 @@ def main(argv) -> None:
   """Times the push paths and the raw socket on the same bytes and emits the ratios."""
   del argv
   from decoupled_diloco.service import client as client_lib, server, wire  # pylint: disable=g-import-not-at-top
-  leaves = 8
-  per_leaf = _MEGABYTES.value * (1 << 20) // 4 // leaves
-  rng = np.random.default_rng(0)
-  delta = {f"layer_{i}": {"w": rng.standard_normal(per_leaf, dtype=np.float32) * 1e-3} for i in range(leaves)}
+  delta = _pseudo_gradient(_MEGABYTES.value)
   parts = wire.encode(delta)
   size = wire.encoded_size(parts)
   parent, child = multiprocessing.get_context("spawn").Pipe()
-  receivers = multiprocessing.get_context("spawn").Process(target=_receivers, args=(size, _CHUNK.value, child),
-                                                           daemon=True)  # Never outlives a failed run.
+  receivers = multiprocessing.get_context("spawn").Process(  # Daemon: never outlives a failed run.
+      target=_receivers, args=(_MEGABYTES.value, _CHUNK.value, child), daemon=True)
   receivers.start()
-  port, bare_port, tcp_port = parent.recv()
+  port, bare_port, tcp_port, source_port = parent.recv()
   clients = {via: client_lib.SyncerClient(f"127.0.0.1:{port}", TOKEN, 0, chunk_bytes=_CHUNK.value,
                                           timeout_seconds=300, retry_seconds=10, data_channel=via == "push")
              for via in ("push", "grpc_stream")}
@@ -147,8 +188,19 @@ def main(argv) -> None:
         connection.sendall(part)
       assert connection.recv(1) == b"k"
 
+  def pulling():
+    _, theta = clients["push"].pull(-1)
+    assert theta["layer_0"]["w"].size == delta["layer_0"]["w"].size
+
+  def download_over_tcp():
+    buffer = wire.aligned_buffer(size)
+    with socket.create_connection(("127.0.0.1", source_port)) as connection:
+      view, received = memoryview(buffer), 0
+      while received < size:
+        received += connection.recv_into(view[received:])
+
   runners = {"push": pushing("push"), "grpc_stream": pushing("grpc_stream"), "bare_grpc": over_bare_grpc,
-             "tcp": over_tcp}
+             "tcp": over_tcp, "pull": pulling, "tcp_download": download_over_tcp}
   for run in runners.values():  # Warm up every path (connections, allocator).
     run()
   medians = common.interleaved_medians(runners, _BLOCKS.value)
@@ -159,7 +211,10 @@ def main(argv) -> None:
   receivers.join()
   common.emit_throughput_ratio({"benchmark": "transport", "chunk_bytes": _CHUNK.value,
                                 **{f"{via}_ratio": round(medians["tcp"] / medians[via], 3)
-                                   for via in ("grpc_stream", "bare_grpc")}},
+                                   for via in ("grpc_stream", "bare_grpc")},
+                                "pull_ratio": round(medians["tcp_download"] / medians["pull"], 3),
+                                "pull_seconds": round(medians["pull"], 4),
+                                "tcp_download_seconds": round(medians["tcp_download"], 4)},
                                size, medians, "push", "tcp")
 
 
