@@ -53,6 +53,7 @@ def get_config():
   config.streaming.num_fragments = 8
   config.streaming.overlap_steps = 4
   config.compression.format = "bf16"
+  config.service.evaluate_on = "none"  # The syncer host must never run an 8B model.
   config.syncer.quorum = 1
   config.syncer.staleness = "polynomial"
   config.outer.optimizer = "delayed_nesterov"

@@ -6,7 +6,13 @@ import socket
 import jax
 import numpy as np
 
+from decoupled_diloco import model as model_lib
 from decoupled_diloco.errors import ConfigError
+
+EVALUATE_ON = ("syncer", "none")
+# Above this the syncer's host CPU must not evaluate the model (at 1B one eval is ~4e15 FLOPs and
+# 150 GB of temporaries for XLA on a CPU: issue 16).
+SYNCER_EVAL_MAX_PARAMS = 100_000_000
 
 ADDRESS_FILE = "syncer_address"
 
@@ -32,6 +38,14 @@ def validate(config) -> None:
     _require(s[name] > 0, f"service.{name}={s[name]} must be > 0: set --config.service.{name}")
   _require(s.learner_checkpoint_every >= 0,
            f"service.learner_checkpoint_every={s.learner_checkpoint_every} must be >= 0 (0 = never)")
+  _require(s.evaluate_on in EVALUATE_ON, f"service.evaluate_on={s.evaluate_on!r} must be one of {EVALUATE_ON}")
+  if s.evaluate_on == "syncer":
+    _, shapes, _ = model_lib.abstract_params(config.model)
+    size = model_lib.count_params(shapes)
+    _require(size <= SYNCER_EVAL_MAX_PARAMS,
+             f"service.evaluate_on='syncer' would run the {size / 1e9:.2f}B-param model on the syncer host's CPU "
+             f"(over {SYNCER_EVAL_MAX_PARAMS / 1e6:.0f}M params, every learner waits on it): "
+             "set --config.service.evaluate_on=none")
 
 
 def check_ports_free(host: str, *ports: int) -> None:

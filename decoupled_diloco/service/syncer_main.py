@@ -94,9 +94,16 @@ class Evaluator:
     self._thread.join()
 
 
-def build_core(config, params, workdir: str, recorder: Recorder, evaluator: Evaluator) -> core_lib.SyncerCore:
-  """The syncer (same state machine as the simulator's) wrapped for the service; evals every
-  eval_every × inner_steps × Σ batch tokens, as the simulator does."""
+def build_evaluator(config, model, corpus, recorder: Recorder) -> Evaluator | None:
+  """The syncer-host evaluator, or None with service.evaluate_on='none': then the syncer never
+  builds or runs the model's loss (at 1B scale it must not: issue 16)."""
+  return Evaluator(config, model, corpus, recorder) if config.service.evaluate_on == "syncer" else None
+
+
+def build_core(config, params, workdir: str, recorder: Recorder,
+               evaluator: Evaluator | None) -> core_lib.SyncerCore:
+  """The syncer (same state machine as the simulator's) wrapped for the service; evals (when it
+  has an evaluator) every eval_every × inner_steps × Σ batch tokens, as the simulator does."""
   num_learners = len(config.learners.devices)
   syncer = Syncer(outer.outer_optimizer(config.outer), params, range(num_learners), experiment.syncer_settings(config),
                   codec=compression.Codec.from_config(config.compression),
@@ -106,7 +113,7 @@ def build_core(config, params, workdir: str, recorder: Recorder, evaluator: Eval
   schedule = {"next": tokens_per_eval}
 
   def on_merge(version, params, now):
-    if core.tokens_done >= schedule["next"]:
+    if evaluator is not None and core.tokens_done >= schedule["next"]:
       schedule["next"] = next_eval(core.tokens_done, tokens_per_eval)
       evaluator.submit(params, clock(core, version, now))
 
@@ -143,7 +150,8 @@ def run(config, workdir: str) -> dict:
   runconfig.check_ports_free(config.service.host, config.service.port, config.service.data_port)
   tokenizer_lib.resolve_model_vocab(config)
   model, params, _ = model_lib.build_model(config.model, config.seed)
-  corpus = sources.load_corpus(config.data, config.model.seq_len, train=False)  # Eval text only.
+  corpus = (sources.load_corpus(config.data, config.model.seq_len, train=False)  # Eval text only.
+            if config.service.evaluate_on == "syncer" else None)
   check_same_layout(config, os.path.join(workdir, "checkpoints"))
   lock = workdir_lock.DirectoryLock(workdir, "syncer.lock", "syncer")  # One syncer per workdir, before any write.
   try:
@@ -161,7 +169,7 @@ def _serve(config, workdir: str, token: str, credentials, model, params, corpus)
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   recorder = Recorder()
-  evaluator = Evaluator(config, model, corpus, recorder)
+  evaluator = build_evaluator(config, model, corpus, recorder)
   core = build_core(config, params, workdir, recorder, evaluator)
   try:
     try:
@@ -248,13 +256,15 @@ def _has_summary(path: str) -> bool:
   return any(r["kind"] == "summary" for r in metrics_lib.read_metrics(path))
 
 
-def _finish(core: core_lib.SyncerCore, evaluator: Evaluator, recorder: Recorder,
+def _finish(core: core_lib.SyncerCore, evaluator: Evaluator | None, recorder: Recorder,
             server: server_lib.SyncerServer, write_summary: bool) -> dict:
   """Final eval, and the run's summary record once it is done (nothing more on SIGTERM)."""
-  if core.done and (evaluator.last is None or evaluator.last["outer_step"] != core.syncer.version):
-    evaluator.submit(core.syncer.params, clock(core, core.syncer.version, time.time()))
-  evaluator.close()
-  last = evaluator.last or {}
+  last = {}
+  if evaluator is not None:
+    if core.done and (evaluator.last is None or evaluator.last["outer_step"] != core.syncer.version):
+      evaluator.submit(core.syncer.params, clock(core, core.syncer.version, time.time()))
+    evaluator.close()
+    last = evaluator.last or {}
   summary = {"eval_loss": last.get("eval_loss"), "optimal_loss": last.get("optimal_loss"),
              "outer_updates": core.syncer.version, "steps_done": core.steps_done, "done": core.done,
              **{f"{k}_pushes": v for k, v in core.counts.items()},
