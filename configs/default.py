@@ -154,10 +154,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.service.rpc_timeout_seconds = 120.0  # Deadline of one call (a whole push or pull stream).
   config.service.retry_seconds = 300.0  # A learner exits after the syncer was unreachable this long.
   config.service.learner_checkpoint_every = 5  # Rounds between a learner's checkpoints of its inner state (0 = never).
-  # Where the service evaluates Θ: "syncer" (its host CPU runs model.loss on the eval batches: small models only,
-  # refused above service.SYNCER_EVAL_MAX_PARAMS) or "none" (the syncer never builds or runs the model's loss;
-  # no eval records). Evaluation on a learner group or an evaluator process is issue 16's, not built yet.
-  config.service.evaluate_on = "syncer"
+  # "syncer": its host CPU runs model.loss on the eval batches (small models only: refused above 100M params);
+  # "none": the syncer never builds or runs the model's loss and writes no eval records.
+  config.service.evaluate_on = "syncer"  # Where the service evaluates Θ: "syncer" or "none".
 
   config.eval_every = 1  # Evaluate the global params every this many outer steps (and at the end).
   config.eval_batches = 4  # Held-out batches per evaluation.
