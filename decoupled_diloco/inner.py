@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from decoupled_diloco import mesh as mesh_lib
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.errors import ConfigError
+from decoupled_diloco import model as model_lib
 from decoupled_diloco.model import LanguageModel
 
 
@@ -61,7 +62,8 @@ class Settings:
 def inner_optimizer(inner_cfg, total_steps: int) -> optax.GradientTransformation:
   """AdamW as in DiLoCo: linear warmup, cosine decay, global-norm clipping.
 
-  Weight decay skips vectors (norm scales, biases), as is standard for Transformers.
+  Weight decay skips vectors (norm scales, biases), as is standard for Transformers; a leaf of
+  stacked blocks (scan_layers) counts its leading layer axis out.
   """
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=inner_cfg.lr, warmup_steps=min(inner_cfg.warmup_steps, total_steps),
@@ -69,7 +71,8 @@ def inner_optimizer(inner_cfg, total_steps: int) -> optax.GradientTransformation
   return optax.chain(
       optax.clip_by_global_norm(inner_cfg.clip_norm),
       optax.adamw(schedule, b1=inner_cfg.b1, b2=inner_cfg.b2, weight_decay=inner_cfg.weight_decay,
-                  mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params)))
+                  mask=lambda params: jax.tree_util.tree_map_with_path(
+                      lambda path, p: p.ndim - model_lib.layer_axes(path) > 1, params)))
 
 
 def validate_microbatches(microbatches, batch_size: int, devices: int, group: int) -> None:
@@ -104,10 +107,33 @@ def train_step(model: LanguageModel, optimizer: optax.GradientTransformation, st
                microbatches: int = 1):
   """One AdamW step on the mean next-token loss of `batch` (accumulated over microbatches)."""
   loss, grads = loss_and_grads(model, state.params, batch, microbatches)
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-  return TrainState(state.step + 1, params, opt_state), metrics
+  params, opt_state, grad_norm = _apply_optimizer(optimizer, grads, state.opt_state, state.params,
+                                                  model.scanned_layers)
+  return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": grad_norm}
+
+
+def _apply_optimizer(optimizer: optax.GradientTransformation, grads, opt_state, params, scanned_layers: int):
+  """(params, opt_state, gradient norm) after one optimizer update; scanned blocks are updated stacked.
+
+  Why stacked: per leaf, the update and the norm are L copies of the same ops over L blocks in
+  the compiled step, which made its compile time grow with depth although the layers
+  themselves are one scanned block. Stacked as [L, ...] leaves it is the same element-wise
+  arithmetic (the norm sums in another order) on one leaf per block param.
+  """
+  if not scanned_layers:
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+  def restack(fn, tree, like):
+    like_def = jax.tree.structure(like)
+    is_like = lambda node: jax.tree.structure(node) == like_def  # noqa: E731
+    return jax.tree.map(lambda node: fn(node, scanned_layers) if is_like(node) else node, tree, is_leaf=is_like)
+
+  stacked_params, stacked_grads = (model_lib.stack_blocks(tree, scanned_layers) for tree in (params, grads))
+  updates, opt_state = optimizer.update(stacked_grads, restack(model_lib.stack_blocks, opt_state, params),
+                                        stacked_params)
+  new_params = model_lib.unstack_blocks(optax.apply_updates(stacked_params, updates), scanned_layers)
+  return new_params, restack(model_lib.unstack_blocks, opt_state, stacked_params), optax.tree.norm(stacked_grads)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,6 +61,33 @@ def test_microbatches_equal_one_big_batch():
   assert whole_losses[2] < whole_losses[0]
 
 
+def test_scanned_layers_take_the_same_adamw_steps_stacked_as_the_layer_loop():
+  """With scan_layers the optimizer updates the blocks stacked as [L, ...] leaves: same params and
+  moments as the per-leaf update, and weight decay still skips the (stacked, 2-D) norm scales."""
+  config = tiny_config(**{"model.num_layers": 3, "inner.weight_decay": 0.5, "inner.warmup_steps": 0})
+  _, params, axes = model_lib.build_model(config.model, seed=0)
+  optimizer = inner.inner_optimizer(config.inner, total_steps=10)
+  batch = np.random.default_rng(0).integers(0, 256, (4, config.model.seq_len + 1), dtype=np.int32)
+
+  def two_steps(scan):
+    model, _, _ = model_lib.abstract_params({**config.model, "scan_layers": scan})
+    assert model.scanned_layers == (3 if scan else 0)
+    loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:2]),
+                                  jax.eval_shape(lambda p: p, params), axes)
+    state = loop.init(params)
+    for _ in range(2):
+      state, metrics = loop.step(state, loop.put_batch(batch))
+    return jax.device_get(state), float(metrics["grad_norm"])
+
+  (loop_state, loop_norm), (scan_state, scan_norm) = two_steps(False), two_steps(True)
+  assert jax.tree.structure(scan_state) == jax.tree.structure(loop_state)
+  chex.assert_trees_all_close(scan_state.params, loop_state.params, atol=1e-5, rtol=0)
+  chex.assert_trees_all_close(scan_state.opt_state, loop_state.opt_state, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(scan_norm, loop_norm, rtol=1e-5)
+  # Decay would pull the norm scales (initialised to 1) below the pure Adam update: they moved alike.
+  assert not np.allclose(loop_state.params["block_0"]["attn_norm"]["scale"], 1.0)
+
+
 @pytest.mark.parametrize("microbatches", [3, 4, 0])
 def test_microbatches_that_do_not_split_the_batch_are_refused(microbatches):
   # Batch 4 over 2 devices: k = 2 gives 2 rows per microbatch, 1 per device; 3, 4 and 0 cannot.

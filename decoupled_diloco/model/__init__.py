@@ -29,10 +29,11 @@ from typing import Any
 from flax import nnx
 
 from decoupled_diloco.model.sizing import Settings, count_params, flops_per_token, with_defaults
+from decoupled_diloco.model.stacking import STACKED, layer_axes, stack_blocks, unstack_blocks
 from decoupled_diloco.model.transformer import LanguageModel, Transformer
 
-__all__ = ['LanguageModel', 'abstract_params', 'build_model', 'count_params', 'flops_per_token',
-           'is_axes_leaf', 'Settings']
+__all__ = ['LanguageModel', 'STACKED', 'Settings', 'abstract_params', 'build_model', 'count_params',
+           'flops_per_token', 'is_axes_leaf', 'layer_axes', 'stack_blocks', 'unstack_blocks']
 
 
 def is_axes_leaf(x: Any) -> bool:
@@ -45,7 +46,7 @@ def _split(module: Transformer, loss_chunk: int) -> tuple[LanguageModel, dict, d
   graphdef, state = nnx.split(module)
   values = nnx.to_pure_dict(state)
   axes = nnx.to_pure_dict(state, lambda v: tuple(v.get_metadata()['out_sharding']))
-  return LanguageModel(graphdef, loss_chunk), values, axes
+  return LanguageModel(graphdef, loss_chunk, module.num_layers if module.scan_layers else 0), values, axes
 
 
 def build_model(model_cfg: Any, seed: int) -> tuple[LanguageModel, dict, dict]:

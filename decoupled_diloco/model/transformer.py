@@ -118,12 +118,14 @@ def _chunk_losses(kernel: jax.Array, hidden: jax.Array, targets: jax.Array) -> j
 class LanguageModel:
   """Applies the Transformer to pure-dict params; hashable, so it can be a jit static arg.
 
-  Holds only the NNX graphdef (module structure + variable metadata, no arrays) and the
-  cross-entropy chunk. Methods are pure and not jitted: callers wrap them in their own jitted
+  Holds only the NNX graphdef (module structure + variable metadata, no arrays), the
+  cross-entropy chunk, and the depth when the layers are scanned (0 when they are a loop), which
+  tells the inner step to update the blocks' params stacked. Methods are pure and not jitted: callers wrap them in their own jitted
   train/eval steps.
   """
   graphdef: nnx.GraphDef
   loss_chunk: int = 0
+  scanned_layers: int = 0
 
   def logits(self, params: dict, tokens: jax.Array) -> jax.Array:
     """float32 logits [B, T, vocab] for int32 tokens [B, T]; logits at t depend only on <= t."""

@@ -6,11 +6,16 @@ import socket
 import jax
 import numpy as np
 
+from decoupled_diloco import model as model_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.run import schedule
 from decoupled_diloco.service import settings
 from decoupled_diloco.service import server
 from decoupled_diloco.service import link
+
+# Above this the syncer's host CPU must not evaluate the model (at 1B one eval is ~4e15 FLOPs and
+# 150 GB of temporaries for XLA on a CPU: issue 16).
+SYNCER_EVAL_MAX_PARAMS = 100_000_000
 
 ADDRESS_FILE = "syncer_address"
 
@@ -25,6 +30,13 @@ def validate(config) -> settings.Settings:
                       f"syncer's threads serve at once with {len(config.learners.devices)} learners: set "
                       f"--config.service.max_concurrent_rpcs >= {threads}")
   link.validate(config.service, len(config.learners.devices))
+  if service.evaluate_on == "syncer":
+    _, shapes, _ = model_lib.abstract_params(config.model)
+    size = model_lib.count_params(shapes)
+    if size > SYNCER_EVAL_MAX_PARAMS:
+      raise ConfigError(f"service.evaluate_on='syncer' would run the {size / 1e9:.2f}B-param model on the syncer "
+                        f"host's CPU (over {SYNCER_EVAL_MAX_PARAMS / 1e6:.0f}M params, every learner waits on it): "
+                        "set --config.service.evaluate_on=none")
   return service
 
 

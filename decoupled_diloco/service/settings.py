@@ -9,6 +9,7 @@ import dataclasses
 
 from decoupled_diloco import settings as settings_lib
 
+EVALUATE_ON = ("syncer", "none")
 _TIMEOUTS = ("lease_seconds", "linger_seconds", "rpc_timeout_seconds", "retry_seconds", "keepalive_seconds",
              "keepalive_timeout_seconds")
 
@@ -35,6 +36,7 @@ class Settings:
   max_concurrent_rpcs: int          # Calls in the syncer at once (checked against its threads in runconfig).
   link_mbps: tuple                  # Per learner, pacing its data-channel traffic (checked in link.validate).
   link_latency_ms: tuple
+  evaluate_on: str                  # 'syncer' (this host runs the model's loss) or 'none' (no eval records).
   learner_checkpoint_every: int  # 0 = never.
 
   def __post_init__(self):
@@ -48,6 +50,7 @@ class Settings:
          f"service.checkpoint_every_merges={self.checkpoint_every_merges} must be >= 1"),
         *((getattr(self, name) > 0, f"service.{name}={getattr(self, name)} must be > 0: set --config.service.{name}")
           for name in _TIMEOUTS),
+        (self.evaluate_on in EVALUATE_ON, f"service.evaluate_on={self.evaluate_on!r} must be one of {EVALUATE_ON}"),
         (self.learner_checkpoint_every >= 0,
          f"service.learner_checkpoint_every={self.learner_checkpoint_every} must be >= 0 (0 = never)"),
     ))

@@ -32,21 +32,24 @@ from decoupled_diloco.service import server as server_lib
 TICK_SECONDS = 0.2
 
 
-def build_evaluator(config, model, corpus, recorder: records.Recorder) -> evaluator_lib.Evaluator:
-  """The background evaluator of Θ snapshots, on this host (jitted model loss), in merge order."""
+def build_evaluator(config, model, corpus, recorder: records.Recorder) -> evaluator_lib.Evaluator | None:
+  """The background evaluator of Θ snapshots, on this host (jitted model loss), in merge order; None with
+  service.evaluate_on='none': then the syncer never builds or runs the model's loss (at 1B it must not)."""
+  if config.service.evaluate_on == "none":
+    return None
   evals, loss = evaluator_lib.EvalSet.from_corpus(config, corpus), jax.jit(model.loss)
   return evaluator_lib.Evaluator(lambda params: evals.mean_loss(loss, params), evals, recorder.write, max_waiting=1)
 
 
 def build_core(config, params, workdir: str, recorder: records.Recorder,
-               evaluator: evaluator_lib.Evaluator) -> core_lib.SyncerCore:
+               evaluator: evaluator_lib.Evaluator | None) -> core_lib.SyncerCore:
   """The syncer (built as the in-process runtimes build it) wrapped for the service; evals every
   plan.tokens_per_eval tokens, as the in-process runtimes do."""
   plan = schedule.RunPlan.from_config(config)
   eval_due = schedule.Every(plan.tokens_per_eval)
 
   def on_merge(version, params, now):
-    if eval_due.due(core.tokens_done):
+    if evaluator is not None and eval_due.due(core.tokens_done):
       evaluator.submit(params, clock(core, version, now))
 
   core = core_lib.SyncerCore(experiment.build_syncer(config, params), plan.num_learners, plan.budget_steps, workdir,
@@ -77,7 +80,8 @@ def run(config, workdir: str) -> dict:
   runconfig.check_ports_free(config.service.host, config.service.port, config.service.data_port)
   tokenizer_lib.resolve_model_vocab(config)
   model, params, _ = model_lib.build_model(config.model, config.seed)
-  corpus = sources.load_corpus(config.data, config.model.seq_len, train=False)  # Eval text only.
+  corpus = (sources.load_corpus(config.data, config.model.seq_len, train=False)  # Eval text only.
+            if config.service.evaluate_on == "syncer" else None)
   check_same_layout(config, os.path.join(workdir, "checkpoints"))
   lock = workdir_lock.DirectoryLock(workdir, "syncer.lock", "syncer")  # One syncer per workdir, before any write.
   try:
@@ -185,18 +189,20 @@ def _has_summary(path: str) -> bool:
   return any(r["kind"] == "summary" for r in metrics_lib.read_metrics(path))
 
 
-def _finish(core: core_lib.SyncerCore, evaluator: evaluator_lib.Evaluator, recorder: records.Recorder,
+def _finish(core: core_lib.SyncerCore, evaluator: evaluator_lib.Evaluator | None, recorder: records.Recorder,
             server: server_lib.SyncerServer, write_summary: bool) -> dict:
-  """Final eval, and the run's summary record once it is done (nothing more on SIGTERM)."""
-  if core.done and (evaluator.last_queued or {}).get("outer_step") != core.syncer.version:
-    evaluator.submit(core.syncer.params, clock(core, core.syncer.version, time.time()))
-  evaluator.close()
+  """Final eval (when this host evaluates), and the run's summary record once it is done (nothing more on SIGTERM)."""
+  if evaluator is not None:
+    if core.done and (evaluator.last_queued or {}).get("outer_step") != core.syncer.version:
+      evaluator.submit(core.syncer.params, clock(core, core.syncer.version, time.time()))
+    evaluator.close()
   now = clock(core, core.syncer.version, time.time())
   counts = {("accepted" if k == "applied" else k): v for k, v in core.counts.items()}
-  summary = records.summary(now, eval_loss=(evaluator.last or {}).get("eval_loss"),
-                            optimal_loss=evaluator.evals.optimal_loss, outer_updates=core.syncer.version,
-                            steps_done=core.steps_done, done=core.done, wall_seconds=now["wall_time"],
-                            refused_calls=dict(server.rejections), **records.push_counts(counts))
+  summary = records.summary(now, eval_loss=((evaluator and evaluator.last) or {}).get("eval_loss"),
+                            optimal_loss=evaluator.evals.optimal_loss if evaluator else None,
+                            outer_updates=core.syncer.version, steps_done=core.steps_done, done=core.done,
+                            wall_seconds=now["wall_time"], refused_calls=dict(server.rejections),
+                            **records.push_counts(counts))
   if write_summary:
     recorder.write(summary)
   return summary

@@ -3,57 +3,124 @@
 Compiles the framework's real train step (inner.build_inner_loop, FSDP over 8 virtual CPU
 devices) abstractly -- sharded ShapeDtypeStructs, nothing allocated -- for 4/8/16/32 layers of a
 small-width model, once as a Python loop of blocks and once as one scanned block, and reads
-XLA's memory analysis. Remat's effect is counted from the saved residuals of jax.vjp
+XLA's memory analysis. Compile seconds are the compiling process's CPU seconds (XLA's CPU
+compiler runs on one thread, so on an idle machine they equal wall seconds; on a loaded one
+they do not count the time other jobs took); wall seconds are reported beside them.
+
+Where the time goes (`breakdown`, scan at 4 and 32 layers): tracing + lowering vs XLA compile,
+the model's loss and gradients alone, the kernels (fusions) in the compiled step, and the same
+step with the params and AdamW state held stacked as [L, ...] leaves (what a layer-stacked
+params tree would compile to). Remat's effect is counted from the saved residuals of jax.vjp
 (jax.ad_checkpoint.print_saved_residuals): XLA's CPU memory analysis does not reflect
 rematerialisation reliably, so both are reported. Targets: with scan, 32 layers compile in
 <= 1.5x the time of 4; at 16 layers full remat saves <= 1/4 of the residual bytes of none.
 
-  python -m experiments.benchmarks.compile_scale
+The run keeps to --budget_s: the measurements the target keys need come first, and once the
+budget is spent the rest are skipped (listed under `skipped`), so it always ends with its JSON line.
+
+  python -m experiments.benchmarks.compile_scale [--budget_s=1500] [--depths=4,8,16,32]
 """
 
 from experiments.benchmarks import common
 
 common.use_virtual_devices()
 
-import contextlib  # noqa: E402  pylint: disable=g-import-not-at-top,g-bad-import-order
+import argparse  # noqa: E402  pylint: disable=g-import-not-at-top,g-bad-import-order
+import contextlib  # noqa: E402
 import io  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
+import optax  # noqa: E402
 from jax import ad_checkpoint  # noqa: E402
 
 from configs import default  # noqa: E402
 from decoupled_diloco import inner, mesh, model as model_lib  # noqa: E402
 
-DEPTHS = (4, 8, 16, 32)
 REMAT_DEPTH = 16
 BATCH = 16
 _ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "u32": 4, "bool": 1, "pred": 1, "s32": 4}
 
 
-def model_config(num_layers: int, scan_layers: bool, remat: str = "none"):
+def model_config(num_layers: int, scan_layers: bool, remat: str = "none", width: int = 128):
   """A Llama-style model narrow enough to compile quickly, deep enough to show the trend."""
   cfg = default.get_config().model
-  cfg.update(dict(vocab_size=256, seq_len=128, d_model=128, num_heads=4, d_ff=512, num_layers=num_layers,
+  cfg.update(dict(vocab_size=256, seq_len=width, d_model=width, num_heads=4, d_ff=4 * width, num_layers=num_layers,
                   dtype="bfloat16", position="rope", mlp="swiglu", scan_layers=scan_layers, remat=remat))
   return cfg
 
 
-def compile_step(cfg) -> tuple[float, int, int]:
-  """(compile seconds, XLA peak bytes per device, XLA temp bytes) of the inner step on 8 devices."""
+def _step_and_inputs(cfg):
+  """The framework's jitted inner step on 8-way FSDP and its abstract (state, batch)."""
   model, shapes, axes = model_lib.abstract_params(cfg)
   optimizer = inner.inner_optimizer(default.get_config().inner, 100)
-  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices(), mesh.Layout(fsdp=len(jax.devices()))),
+  devices = jax.devices()[:8]
+  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(devices, mesh.Layout(fsdp=len(devices))),
                                 shapes, axes)
-  lowered = loop.step.lower(*inner.abstract_inputs(loop, optimizer, shapes, BATCH, cfg.seq_len))
-  begin = time.perf_counter()
+  return loop, optimizer, inner.abstract_inputs(loop, optimizer, shapes, BATCH, cfg.seq_len)
+
+
+def timed_compile(jitted, *args) -> dict:
+  """Lowers and compiles `jitted` for abstract args: seconds of each, XLA's memory, kernel count."""
+  wall, cpu = time.perf_counter(), time.process_time()
+  lowered = jitted.lower(*args)
+  lower_cpu = time.process_time() - cpu
+  wall, cpu = time.perf_counter(), time.process_time()
   compiled = lowered.compile()
-  seconds = time.perf_counter() - begin
+  seconds, wall = time.process_time() - cpu, time.perf_counter() - wall
   memory = compiled.memory_analysis()
   peak = (memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
           - memory.alias_size_in_bytes)
-  return seconds, int(peak), int(memory.temp_size_in_bytes)
+  return {"compile_s": round(seconds, 2), "compile_wall_s": round(wall, 2), "lower_s": round(lower_cpu, 2),
+          "xla_peak_bytes": int(peak), "xla_temp_bytes": int(memory.temp_size_in_bytes),
+          "fusions": compiled.as_text().count(" fusion(")}
+
+
+def compile_step(cfg) -> dict:
+  """`timed_compile` of the framework's inner step for `cfg`."""
+  loop, _, inputs = _step_and_inputs(cfg)
+  return timed_compile(loop.step, *inputs)
+
+
+def compile_grads(cfg) -> dict:
+  """`timed_compile` of the model's loss and gradients alone (no optimizer), same shardings."""
+  loop, _, (state, batch) = _step_and_inputs(cfg)
+  model, _, _ = model_lib.abstract_params(cfg)
+
+  def grads(params, tokens):
+    with jax.sharding.use_abstract_mesh(loop.mesh.abstract_mesh):
+      return jax.value_and_grad(model.loss)(params, tokens)
+  return timed_compile(jax.jit(grads), state.params, batch)
+
+
+def compile_stacked_state_step(cfg) -> dict:
+  """`timed_compile` of the same AdamW step with params and moments held as stacked [L, ...] leaves.
+
+  Why: the framework's tree keeps block_0..block_{L-1} (checkpoints, fragments), so its step
+  reads and writes L separate buffers per block param and moment, one kernel each. This
+  compiles what a layer-stacked tree would: the blocks dealt out inside the loss only.
+  """
+  loop, optimizer, (state, batch) = _step_and_inputs(cfg)
+  model, _, _ = model_lib.abstract_params(cfg)
+  layers = cfg.num_layers
+
+  replicated = mesh.replicated(loop.mesh)
+  params = {k: v for k, v in state.params.items() if not k.startswith("block_")}
+  params[model_lib.STACKED] = jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct((layers, *s.shape), s.dtype, sharding=jax.sharding.NamedSharding(
+          loop.mesh, jax.sharding.PartitionSpec(None, *s.sharding.spec))), state.params["block_0"])
+  params_def = jax.tree.structure(params)
+  is_params_like = lambda node: jax.tree.structure(node) == params_def  # noqa: E731
+  opt_state = jax.tree.map(lambda n: params if is_params_like(n) else jax.ShapeDtypeStruct(
+      n.shape, n.dtype, sharding=replicated), jax.eval_shape(optimizer.init, params), is_leaf=is_params_like)
+
+  def step(params, opt_state, tokens):
+    with jax.sharding.use_abstract_mesh(loop.mesh.abstract_mesh):
+      loss, grads = jax.value_and_grad(lambda p: model.loss(model_lib.unstack_blocks(p, layers), tokens))(params)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+  return timed_compile(jax.jit(step, donate_argnums=(0, 1)), params, opt_state, batch)
 
 
 def saved_residual_bytes(cfg) -> int:
@@ -74,32 +141,60 @@ def saved_residual_bytes(cfg) -> int:
   return total
 
 
-def main() -> None:
-  """Compiles every depth both ways, then the remat comparison, and prints the JSON line."""
-  results = {}
-  for scan in (False, True):
-    for depth in DEPTHS:
-      seconds, peak, _ = compile_step(model_config(depth, scan))
-      results[f"{'scan' if scan else 'loop'}_{depth}"] = {"compile_s": round(seconds, 2), "xla_peak_bytes": peak}
-      print(f"{'scan' if scan else 'loop'} L={depth}: compile {seconds:.1f} s, XLA peak {peak / 2**20:.1f} MiB",
-            flush=True)
-  remat = {}
-  for policy in ("none", "minimal", "full"):
-    cfg = model_config(REMAT_DEPTH, True, policy)
-    _, peak, temp = compile_step(cfg)
-    remat[policy] = {"saved_residual_bytes": saved_residual_bytes(cfg), "xla_peak_bytes": peak,
-                     "xla_temp_bytes": temp}
-    print(f"remat={policy} L={REMAT_DEPTH}: {remat[policy]}", flush=True)
-  common.emit({
+def _ratio(results: dict, top: str, bottom: str, key: str = "compile_s"):
+  if top not in results or bottom not in results:
+    return None
+  return round(results[top][key] / results[bottom][key], 3)
+
+
+def measure(depths: tuple[int, ...], remat_depth: int, width: int, budget_s: float) -> dict:
+  """Every measurement, most needed first, until the budget is spent; returns the JSON record."""
+  low, high = min(depths), max(depths)
+  plan = [(f"scan_{d}", compile_step, model_config(d, True, width=width)) for d in (low, high)]
+  plan += [(f"remat_{p}", compile_step, model_config(remat_depth, True, p, width)) for p in ("none", "full", "minimal")]
+  plan += [(f"grads_{d}", compile_grads, model_config(d, True, width=width)) for d in (low, high)]
+  plan += [(f"stacked_state_{d}", compile_stacked_state_step, model_config(d, True, width=width)) for d in (low, high)]
+  plan += [(f"scan_{d}", compile_step, model_config(d, True, width=width)) for d in depths if d not in (low, high)]
+  plan += [(f"loop_{d}", compile_step, model_config(d, False, width=width)) for d in depths]
+  begin, results, skipped = time.perf_counter(), {}, []
+  for name, fn, cfg in plan:
+    if results and time.perf_counter() - begin > budget_s:
+      skipped.append(name)
+      continue
+    results[name] = fn(cfg)
+    if name.startswith("remat_"):
+      results[name]["saved_residual_bytes"] = saved_residual_bytes(cfg)
+    print(f"{name}: {results[name]}", flush=True)
+  residuals = {k: v["saved_residual_bytes"] for k, v in results.items() if k.startswith("remat_")}
+  return {
       "backend": jax.default_backend(),
-      "compile": results,
-      "remat_16_layers": remat,
-      "compile_ratio_32_vs_4": round(results["scan_32"]["compile_s"] / results["scan_4"]["compile_s"], 3),
-      "compile_ratio_32_vs_4_loop": round(results["loop_32"]["compile_s"] / results["loop_4"]["compile_s"], 3),
-      "remat_full_vs_none_bytes": round(remat["full"]["saved_residual_bytes"]
-                                        / remat["none"]["saved_residual_bytes"], 4),
-      "remat_full_vs_none_xla_peak": round(remat["full"]["xla_peak_bytes"] / remat["none"]["xla_peak_bytes"], 4),
-  })
+      "compile_seconds": "compiling process CPU seconds (compile_wall_s beside them)",
+      "width": width, "depths": list(depths),
+      "compile": {k: v for k, v in results.items() if k.startswith(("scan_", "loop_"))},
+      "breakdown": {k: v for k, v in results.items() if k.startswith(("grads_", "stacked_state_"))},
+      f"remat_{remat_depth}_layers": {k[len("remat_"):]: v for k, v in results.items() if k.startswith("remat_")},
+      "compile_ratio_32_vs_4": _ratio(results, f"scan_{high}", f"scan_{low}"),
+      "compile_ratio_32_vs_4_wall": _ratio(results, f"scan_{high}", f"scan_{low}", "compile_wall_s"),
+      "compile_ratio_32_vs_4_loop": _ratio(results, f"loop_{high}", f"loop_{low}"),
+      "compile_ratio_32_vs_4_grads_only": _ratio(results, f"grads_{high}", f"grads_{low}"),
+      "compile_ratio_32_vs_4_stacked_state": _ratio(results, f"stacked_state_{high}", f"stacked_state_{low}"),
+      "remat_full_vs_none_bytes": (round(residuals["remat_full"] / residuals["remat_none"], 4)
+                                   if {"remat_full", "remat_none"} <= residuals.keys() else None),
+      "remat_full_vs_none_xla_peak": _ratio(results, "remat_full", "remat_none", "xla_peak_bytes"),
+      "skipped": skipped,
+  }
+
+
+def main(argv=None) -> None:
+  """Parses the sizes and budget, measures, and prints the one JSON line."""
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--depths", default="4,8,16,32", help="layer counts; the ratio is largest over smallest")
+  parser.add_argument("--remat_depth", type=int, default=REMAT_DEPTH)
+  parser.add_argument("--width", type=int, default=128, help="d_model and seq_len")
+  parser.add_argument("--budget_s", type=float, default=1500.0, help="after the first, start no measurement past this")
+  args = parser.parse_args(argv)
+  depths = tuple(int(d) for d in args.depths.split(","))
+  common.emit(measure(depths, args.remat_depth, args.width, args.budget_s))
 
 
 if __name__ == "__main__":

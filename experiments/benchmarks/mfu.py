@@ -1,59 +1,81 @@
-"""Model FLOPs utilisation of the framework's inner step, and its ratio to a bare jax loop.
+"""Model FLOPs utilisation of the framework's inner step, its ratio to a bare jax loop, and its FLOP count.
 
-For ~125M and ~350M Llama-style configs (RoPE, SwiGLU, bf16) with attention/remat variants,
-times the framework's compiled inner step (inner.build_inner_loop: sharded jit, activation
-constraints, donation) against a hand-written jax.jit + optax AdamW step of the same model on
-the same devices, alternating blocks so both see the same load. mfu = model FLOPs per second /
-(devices x peak bf16 FLOP/s) where the device's peak is known (TPU, H100/H200), else null.
-On CPU the configs shrink to CPU-sized variants of the same shape (a quarter of the depth,
-an eighth of the width, seq 128): the figure that matters there is `ratio` (target <= 1.03).
+For ~125M and ~350M Llama-style configs (RoPE, SwiGLU, bf16, seq 2048) with attention and remat
+variants, times the framework's compiled inner step (inner.build_inner_loop: sharded jit,
+activation constraints, donation, stacked update of scanned layers) against a hand-written
+jax.jit + optax AdamW step of the same model on the same devices, alternating blocks so both see
+the same load. mfu = model FLOPs per second / (devices x peak bf16 FLOP/s), where the device's
+peak is known (TPU, H100/H200), else null; model FLOPs are the analytic 6N + attention count
+(model.flops_per_token), so remat's recomputation is not counted as useful work.
 
-  python -m experiments.benchmarks.mfu
+The analytic count is checked against XLA's own: `flops_xla_vs_analytic` is the cost analysis
+of the lowered forward + backward of each full-size config (loop layers, no remat, one
+sequence of 2048 tokens: nothing compiled or allocated) over the analytic count, on any backend.
+
+On CPU there is no MFU to measure: the configs shrink to CPU-sized variants of the same shape
+(a quarter of the depth, an eighth of the width, seq 128, vocab 1024; named `<size>-cpu`), and
+the figure that matters is `ratio` (framework / bare; target <= 1.03), the worst over configs.
+`auto` attention resolves per backend (xla on CPU, so it is timed as such and labelled so).
+
+  python -m experiments.benchmarks.mfu [--sizes=125m,350m] [--variants=xla/none,...] [--blocks=7]
 """
 
 from experiments.benchmarks import common
 
 common.use_virtual_devices()
 
-import jax  # noqa: E402  pylint: disable=g-import-not-at-top,g-bad-import-order
+import argparse  # noqa: E402  pylint: disable=g-import-not-at-top,g-bad-import-order
+
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from configs import default  # noqa: E402
 from decoupled_diloco import hardware, inner, mesh, model as model_lib  # noqa: E402
+from decoupled_diloco.model import attention  # noqa: E402
 
-STEPS_PER_BLOCK = 5
-BLOCKS = 7
 # Peak dense bf16 FLOP/s per device, by jax device_kind prefix.
 _PEAKS = {"TPU v4": hardware.CHIP_PEAK_FLOPS["v4"], "TPU v5 lite": hardware.CHIP_PEAK_FLOPS["v5e"],
           "TPU v5": hardware.CHIP_PEAK_FLOPS["v5p"], "TPU v6 lite": hardware.CHIP_PEAK_FLOPS["v6e"],
           "NVIDIA H100": 989e12, "NVIDIA H200": 989e12}
 SIZES = {"125m": dict(d_model=768, num_layers=12, num_heads=12, d_ff=2048),
          "350m": dict(d_model=1024, num_layers=24, num_heads=16, d_ff=2816)}
-VARIANTS = {"xla": dict(attention="xla", remat="none"), "auto+minimal": dict(attention="auto", remat="minimal")}
+# attention/remat: the plain model, the fused kernel per backend, and the remat policies that trade FLOPs for memory.
+VARIANTS = ("xla/none", "dot_product/none", "auto/minimal", "auto/full")
 
 
-def model_config(size: str, variant: str, on_cpu: bool):
-  """The size's model (seq 2048, 32k vocab), or its CPU-sized variant."""
+def model_config(size: str, variant: str, on_cpu: bool, scan_layers: bool = True):
+  """The size's model (seq 2048, 32k vocab) with the variant's attention/remat, or its CPU-sized variant."""
   cfg = default.get_config().model
   shape = dict(SIZES[size], vocab_size=32_000, seq_len=2048)
   if on_cpu:
     shape = dict(d_model=shape["d_model"] // 8, num_layers=shape["num_layers"] // 4, num_heads=shape["num_heads"],
                  d_ff=shape["d_ff"] // 8, vocab_size=1024, seq_len=128)
-  cfg.update(dict(shape, dtype="bfloat16", position="rope", mlp="swiglu", scan_layers=True, **VARIANTS[variant]))
+  attention_kind, remat = variant.split("/")
+  cfg.update(dict(shape, dtype="bfloat16", position="rope", mlp="swiglu", scan_layers=scan_layers,
+                  attention=attention_kind, remat=remat))
   return cfg
 
 
-def runners(cfg, devices, batch_size):
-  """(framework block, bare block): each takes STEPS_PER_BLOCK steps and waits for the last."""
+def xla_vs_analytic_flops(size: str) -> float:
+  """XLA's FLOPs of one full-size sequence's forward + backward over the analytic count (lowered only)."""
+  cfg = model_config(size, "xla/none", on_cpu=False, scan_layers=False)
+  model, shapes, _ = model_lib.abstract_params(cfg)
+  cost = jax.jit(jax.value_and_grad(model.loss)).lower(shapes, jax.ShapeDtypeStruct((1, cfg.seq_len + 1),
+                                                                                     "int32")).cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return round(float(cost["flops"]) / (model_lib.flops_per_token(cfg) * cfg.seq_len), 4)
+
+
+def runners(cfg, devices, batch_size, steps):
+  """(framework block, bare block): each takes `steps` steps and waits for the last."""
   model, params, axes = model_lib.build_model(cfg, seed=0)
   optimizer = inner.inner_optimizer(default.get_config().inner, 10_000)
   loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(devices), jax.eval_shape(lambda p: p, params),
                                 axes)
   rng = np.random.default_rng(0)
-  batches = [rng.integers(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), dtype=np.int32)
-             for _ in range(STEPS_PER_BLOCK)]
+  batches = [rng.integers(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), dtype=np.int32) for _ in range(steps)]
   framework = {"state": loop.init(params)}
 
   def run_framework():
@@ -81,28 +103,48 @@ def runners(cfg, devices, batch_size):
   return run_framework, run_bare
 
 
-def main() -> None:
-  """Times every size x variant and prints per-config MFU (or null) and the worst ratio."""
+def measure(sizes, variants, blocks: int, steps: int) -> dict:
+  """Times every size x variant; returns the JSON record (per-config figures and the worst ratio)."""
   backend = jax.default_backend()
-  devices = jax.devices()[:4] if backend == "cpu" else jax.devices()
+  on_cpu = backend == "cpu"
+  devices = jax.devices()[:4] if on_cpu else jax.devices()
   peak = next((p for prefix, p in _PEAKS.items() if devices[0].device_kind.startswith(prefix)), None)
-  batch_size = 8 if backend == "cpu" else 8 * len(devices)
+  batch_size = 8 if on_cpu else 8 * len(devices)
   mfu, ratios, ms = {}, {}, {}
-  for size in SIZES:
-    for variant in VARIANTS:
-      cfg = model_config(size, variant, backend == "cpu")
-      run_framework, run_bare = runners(cfg, devices, batch_size)
+  for size in sizes:
+    for variant in variants:
+      cfg = model_config(size, variant, on_cpu)
+      kind, remat = variant.split("/")
+      name = f"{size}{'-cpu' if on_cpu else ''}/{attention.resolve_implementation(kind, backend)}/{remat}"
+      if name in ratios:
+        continue  # `auto` resolved to a kernel already timed with the same remat.
+      run_framework, run_bare = runners(cfg, devices, batch_size, steps)
       run_framework(), run_bare()  # compile and warm up
-      medians = common.interleaved_medians({"framework": run_framework, "bare": run_bare}, BLOCKS)
-      name = f"{size}/{variant}"
-      step = medians["framework"] / STEPS_PER_BLOCK
+      medians = common.interleaved_medians({"framework": run_framework, "bare": run_bare}, blocks)
+      step = medians["framework"] / steps
       flops = model_lib.flops_per_token(cfg) * batch_size * cfg.seq_len
       mfu[name] = None if peak is None else round(flops / step / (peak * len(devices)), 4)
       ratios[name] = round(medians["framework"] / medians["bare"], 4)
       ms[name] = round(step * 1e3, 2)
       print(f"{name}: {ms[name]} ms/step, ratio {ratios[name]}, mfu {mfu[name]}", flush=True)
-  common.emit({"backend": backend, "device": devices[0].device_kind, "mfu": mfu, "ratio": max(ratios.values()),
-               "ratios": ratios, "framework_ms_per_step": ms})
+  return {"backend": backend, "device": devices[0].device_kind, "devices": len(devices), "batch_size": batch_size,
+          "mfu": mfu, "ratio": max(ratios.values()), "ratios": ratios, "framework_ms_per_step": ms,
+          "flops_xla_vs_analytic": {size: xla_vs_analytic_flops(size) for size in sizes}}
+
+
+def main(argv=None) -> None:
+  """Parses which configs to time, measures them, and prints the one JSON line."""
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--sizes", default=",".join(SIZES), help=f"some of {', '.join(SIZES)}")
+  parser.add_argument("--variants", default=",".join(VARIANTS), help="attention/remat pairs")
+  parser.add_argument("--blocks", type=int, default=7, help="alternating timed blocks per side (median taken)")
+  parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
+  args = parser.parse_args(argv)
+  sizes, variants = args.sizes.split(","), args.variants.split(",")
+  unknown = [s for s in sizes if s not in SIZES] + [v for v in variants if v.count("/") != 1]
+  if unknown:
+    parser.error(f"unknown sizes or variants {unknown}: sizes are {list(SIZES)}, variants attention/remat pairs")
+  common.emit(measure(sizes, variants, args.blocks, args.steps))
 
 
 if __name__ == "__main__":

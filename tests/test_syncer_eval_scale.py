@@ -1,0 +1,74 @@
+"""Issue 16's wall at 1B: the syncer process must never compile or run the model. The TPU configs turn
+syncer-host evaluation off (service.evaluate_on='none'), validation refuses it at that scale, and a
+syncer built with it off merges and finishes without tracing the model's loss (jax's compile log)."""
+
+import importlib
+import logging
+import time
+
+import jax
+import pytest
+
+from decoupled_diloco import metrics as metrics_lib, model as model_lib
+from decoupled_diloco.data import sources
+from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.service import runconfig, syncer_main
+from tests import service_config
+
+
+@pytest.fixture(name="compile_log")
+def _compile_log(caplog):
+  """jax's compile log of every thread (the syncer evaluates in its own), captured."""
+  jax.config.update("jax_log_compiles", True)
+  with caplog.at_level(logging.WARNING):
+    yield caplog
+  jax.config.update("jax_log_compiles", False)
+
+
+def _model_traces(caplog) -> list[str]:
+  return [r.getMessage() for r in caplog.records if "loss" in r.getMessage() and "jit" in r.getMessage()]
+
+
+@pytest.mark.parametrize("name", ["tpu_1b", "tpu_8b"])
+def test_tpu_configs_keep_the_model_off_the_syncer_host(name, compile_log):
+  config = importlib.import_module(f"configs.{name}").get_config()
+  runconfig.validate(config)
+  model, _, _ = model_lib.abstract_params(config.model)
+  assert syncer_main.build_evaluator(config, model, None, syncer_main.Recorder()) is None
+  assert not _model_traces(compile_log)
+  config.service.evaluate_on = "syncer"
+  with pytest.raises(ConfigError, match=r"syncer host's CPU .* set --config.service.evaluate_on=none"):
+    runconfig.validate(config)
+
+
+def test_an_unknown_evaluate_on_is_refused():
+  config = service_config.get_config()
+  config.service.evaluate_on = "learner0"
+  with pytest.raises(ConfigError, match="service.evaluate_on='learner0' must be one of"):
+    runconfig.validate(config)
+
+
+def _merge_and_finish(config, tmp_path):
+  """The service syncer's evaluation path: build, one merge past the eval interval, finish."""
+  model, params, _ = model_lib.build_model(config.model, config.seed)
+  corpus = sources.load_corpus(config.data, config.model.seq_len, train=False)
+  with metrics_lib.MetricsWriter(str(tmp_path)) as writer:
+    recorder = syncer_main.Recorder(writer)
+    evaluator = syncer_main.build_evaluator(config, model, corpus, recorder)
+    core = syncer_main.build_core(config, params, str(tmp_path), recorder, evaluator)
+    core.start(time.time())
+    core.tokens_done = 10**9  # Past the first eval interval.
+    core.on_merge(1, params, time.time())
+    if evaluator is not None:
+      evaluator.close()
+    core.close()
+  return [r for r in metrics_lib.read_metrics(writer.path) if r["kind"] == "eval"]
+
+
+@pytest.mark.parametrize("evaluate_on", ["syncer", "none"])
+def test_a_syncer_with_evaluation_off_never_traces_the_model(evaluate_on, tmp_path, compile_log):
+  config = service_config.get_config()
+  config.service.evaluate_on = evaluate_on
+  runconfig.validate(config)
+  evals = _merge_and_finish(config, tmp_path)
+  assert bool(evals) == bool(_model_traces(compile_log)) == (evaluate_on == "syncer")
