@@ -1,72 +1,98 @@
-"""`start`: every command that puts the code, the secrets and the TLS material on the hosts and starts the processes."""
+"""`start`: the commands that put the code, the secrets, the TLS material and the data in place and start the processes.
 
-import dataclasses
+The syncer gets the run secret; the hosts of slice i only learner i's credential
+(security.learner_credential: derived here from a local 0600 file and copied, or derived on the
+host from a Secret Manager fetch that is never stored there). TLS is on unless --insecure: the
+run's CA (made once on this machine, its key never leaves it) signs a certificate naming the
+syncer's internal address; every host gets the CA like it gets its credential. No secret ever
+appears on a command line. A TFDS dataset is prepared once, by the syncer's host, into the run's
+bucket, and every process reads it from there.
+"""
+
 import os
 import shlex
 import sys
 
-from experiments.launch.hosts import SYNCER_IP, TPU_TYPES, Host, Step
+from experiments.launch import options as options_lib
+from experiments.launch import xpk
+from experiments.launch.options import learner_args, train_args
+from experiments.launch.hosts import SYNCER_IP, Host, Step
 from experiments.launch.options import Options
 
-def plan(options: Options) -> list[Step]:
-  """Every command of the launch, in order; pure, so a dry run prints exactly what a run runs."""
-  o, run = options, options.run_name
-  slices = [Host(f"{run}-{i}", s.zone) for i, s in enumerate(o.slices)]
-  if o.syncer_vm:
-    name, zone = o.syncer_vm.split("@")
-    syncer = Host(name, zone, tpu=False)
-  else:
-    syncer = dataclasses.replace(slices[0], worker="0")
-  remote = f'"$HOME/dd/{run}"'  # Each host's directory: src/, venv/, token, logs, work/.
-  steps = []
-  if not o.reuse:
-    for host, tpu in zip(slices, o.slices):
-      steps.append(Step(f"create slice {host.name} ({tpu.accelerator})", (
-          "gcloud", "compute", "tpus", "tpu-vm", "create", host.name, f"--zone={host.zone}",
-          f"--accelerator-type={tpu.accelerator}", f"--version={o.version or TPU_TYPES[tpu.generation][0]}",
-          f"--project={o.project}", *(["--spot"] if o.spot else []))))
-    if not syncer.tpu:
-      steps.append(Step(f"create the syncer VM {syncer.name}", (
-          "gcloud", "compute", "instances", "create", syncer.name, f"--zone={syncer.zone}",
-          f"--machine-type={o.machine_type}", "--image-family=ubuntu-2204-lts", "--image-project=ubuntu-os-cloud",
-          f"--project={o.project}")))
-  steps.append(Step("pack this checkout", ("tar", "--exclude=__pycache__", "-czf", o.archive, "-C", _repo(),
-                                           "setup.py", "decoupled_diloco", "experiments", "configs")))
-  hosts = slices + ([syncer] if not syncer.tpu else [])
-  for i, host in enumerate(hosts):
-    steps.append(Step(f"make the run directory on {host.name}",
-                      tuple(host.ssh(o.project, f"mkdir -p -m 700 {remote}"))))
-    steps.append(Step(f"upload the code to {host.name}", tuple(host.scp(o.project, o.archive, f"dd/{run}/src.tar.gz"))))
-    if o.tls == "given":  # The syncer serves with it, learners trust it.
-      steps.append(Step(f"copy the TLS certificate to {host.name}",
-                        tuple(host.scp(o.project, o.tls_cert, f"dd/{run}/tls.crt"))))
-    steps.append(Step(f"install into a venv on {host.name}", tuple(host.ssh(o.project, _setup(remote, host.tpu)))))
-    if host is not syncer:  # Learner i's credential: it can act as learner i only.
-      steps.extend(_credential_steps(o, host, i, remote))
-  steps.extend(_secret_steps(o, syncer, remote))
-  if o.tls_key:  # The private key goes to the syncer's host only.
-    steps.append(Step(f"copy the TLS key to {syncer.name}", tuple(syncer.scp(o.project, o.tls_key,
-                                                                             f"dd/{run}/tls.key"))))
-  if o.syncer_address:
-    address = o.syncer_address
-  else:
-    address = SYNCER_IP
-    steps.append(Step(f"look up the internal IP of {syncer.name}", tuple(_ip_lookup(syncer, o.project)), SYNCER_IP))
-  if o.tls == "generated":
-    steps.extend(_certificate_steps(o, syncer, hosts, address))
-  steps.append(Step(f"start the syncer on {syncer.name} (worker {syncer.worker})" if syncer.tpu else
-                    f"start the syncer on {syncer.name}", tuple(syncer.ssh(o.project, _syncer_command(o, remote)))))
+
+def start(o: Options) -> list[Step]:
+  """Every command of `start`, in order; pure, so a dry run prints exactly what a run runs."""
+  syncer = o.syncer()
+  slices = [] if o.xpk_cluster else o.slice_hosts()  # XPK pods get their code from the image.
+  steps = [_pack(o)] + (xpk.build(o) if o.xpk_cluster else [])
   for i, host in enumerate(slices):
-    steps.append(Step(f"start learner {i} on every worker of {host.name}",
-                      tuple(host.ssh(o.project, _learner_command(o, remote, i, f"{address}:{o.port}")))))
-  return steps
+    steps.extend(_host_steps(o, host, i))
+  if not syncer.tpu:
+    steps.extend(_host_steps(o, syncer, None))
+  steps.extend(_secret_steps(o, syncer))
+  if o.tls_key:  # The private key goes to the syncer's host only.
+    steps.append(Step(f"copy the TLS key to {syncer.name}", tuple(syncer.scp(o.project, o.tls_key, _file(o, "tls.key")))))
+  steps, address = _address(o, steps)
+  if o.tls == "generated":
+    steps.extend(_certificate_steps(o, syncer, address))
+    steps.extend(_ca_step(o, host) for host in slices)
+    steps.extend([xpk.publish_ca(o)] if o.xpk_cluster else [])
+  if o.tfds_name:
+    prepare = (f"D={o.remote}; \"$D/venv/bin/tfds\" build {shlex.quote(o.tfds_name)} "
+               f"--data_dir={shlex.quote(o.tfds_dir)} --file_format=array_record")
+    steps.append(Step(f"prepare {o.tfds_name} once into {o.tfds_dir} on {syncer.name} (skipped if it is there)",
+                      tuple(syncer.ssh(o.project, prepare))))
+  where = f"{syncer.name} (worker {syncer.worker})" if syncer.tpu else syncer.name
+  steps.append(Step(f"start the syncer on {where}", tuple(syncer.ssh(o.project, _syncer_command(o, syncer.tpu)))))
+  start_learner = xpk.start_learner if o.xpk_cluster else _learner_step
+  return steps + [start_learner(o, i, address) for i in range(len(o.slices))]
 
 
-def _credential_steps(o: Options, host: Host, index: int, remote: str) -> list[Step]:
+def restart_learner(o: Options, index: int) -> list[Step]:
+  """What a recreated slice needs to run learner `index` again (code, credential, CA, the same learner id);
+  it rejoins from its checkpoint in the workdir. Nothing else of the run is touched."""
+  host = o.slice_hosts()[index]
+  steps, address = _address(o, [_pack(o), *_host_steps(o, host, index)])
+  if o.tls == "generated":
+    steps.append(_ca_step(o, host))
+  return steps + [_learner_step(o, index, address)]
+
+
+def _pack(o: Options) -> Step:
+  return Step("pack this checkout", ("tar", "--exclude=__pycache__", "-czf", o.archive, "-C", options_lib.repo(),
+                                     "setup.py", "decoupled_diloco", "experiments", "configs"))
+
+
+def _file(o: Options, name: str) -> str:
+  """A file of the run's directory on a host, as scp names it (relative to the home directory)."""
+  return f"dd/{o.run_name}/{name}"
+
+
+def _host_steps(o: Options, host: Host, index: int | None) -> list[Step]:
+  """The run directory, the code in a venv and (for learner `index`'s slice) its credential on `host`."""
+  steps = [Step(f"make the run directory on {host.name}", tuple(host.ssh(o.project, f"mkdir -p -m 700 {o.remote}"))),
+           Step(f"upload the code to {host.name}", tuple(host.scp(o.project, o.archive, _file(o, "src.tar.gz"))))]
+  if o.tls == "given":  # The syncer serves with it, learners trust it.
+    steps.append(Step(f"copy the TLS certificate to {host.name}", tuple(host.scp(o.project, o.tls_cert,
+                                                                               _file(o, "tls.crt")))))
+  steps.append(Step(f"install into a venv on {host.name}", tuple(host.ssh(o.project, _setup(o, host.tpu)))))
+  return steps + ([] if index is None else _credential_steps(o, host, index))
+
+
+def _address(o: Options, steps: list[Step]) -> tuple[list[Step], str]:
+  """The syncer's address learners dial: given, or its internal IP looked up by a step appended here."""
+  if o.syncer_address:
+    return steps, o.syncer_address
+  syncer = o.syncer()
+  return steps + [Step(f"look up the internal IP of {syncer.name}", tuple(syncer.internal_ip(o.project)),
+                       SYNCER_IP)], SYNCER_IP
+
+
+def _credential_steps(o: Options, host: Host, index: int) -> list[Step]:
   """Learner `index`'s credential into $D/token on `host`: derived here and copied, or derived on the host
   from a Secret Manager fetch piped through (the secret is never stored there)."""
   if o.token_secret:
-    derive = (f"D={remote}; umask 077 && cd \"$D/src\" && gcloud secrets versions access latest "
+    derive = (f"D={o.remote}; umask 077 && cd \"$D/src\" && gcloud secrets versions access latest "
               f"--secret={shlex.quote(o.token_secret)} --project={shlex.quote(o.project)} | \"$D/venv/bin/python\" "
               f"-m experiments.credentials learner --secret_file=- --learner={index} --out=\"$D/token\"")
     return [Step(f"derive learner {index}'s credential on {host.name} from Secret Manager",
@@ -76,79 +102,65 @@ def _credential_steps(o: Options, host: Host, index: int, remote: str) -> list[S
                                                        f"--secret_file={o.token_file}", f"--learner={index}",
                                                        f"--out={local}")),
           Step(f"copy learner {index}'s credential to {host.name}",
-               tuple(host.scp(o.project, local, f"dd/{o.run_name}/token")))]
+               tuple(host.scp(o.project, local, _file(o, "token"))))]
 
 
-def _secret_steps(o: Options, syncer: Host, remote: str) -> list[Step]:
+def _secret_steps(o: Options, syncer: Host) -> list[Step]:
   """The run secret into $D/secret on the syncer's host only."""
   if o.token_secret:
-    fetch = (f"D={remote}; umask 077 && gcloud secrets versions access latest "
+    fetch = (f"D={o.remote}; umask 077 && gcloud secrets versions access latest "
              f"--secret={shlex.quote(o.token_secret)} --project={shlex.quote(o.project)} > \"$D/secret\"")
     return [Step(f"fetch the run secret from Secret Manager on {syncer.name}", tuple(syncer.ssh(o.project, fetch)))]
   return [Step(f"copy the run secret to {syncer.name}", tuple(syncer.scp(o.project, o.token_file,
-                                                                          f"dd/{o.run_name}/secret")))]
+                                                                          _file(o, "secret"))))]
 
 
-def _certificate_steps(o: Options, syncer: Host, hosts: list[Host], address: str) -> list[Step]:
-  """The run's CA (made once, kept here) signs a certificate naming `address`; the syncer gets it and
-  its key, every host the CA."""
+def _certificate_steps(o: Options, syncer: Host, address: str) -> list[Step]:
+  """The run's CA (made once, kept here) signs a certificate naming `address`; the syncer gets it and its key."""
   tls = os.path.join(o.local_dir, "tls")
   steps = [Step(f"make the TLS certificate for {address}", (sys.executable, "-m", "experiments.credentials", "certs",
                                                            f"--dir={tls}", f"--host={address}"))]
   for name, target in (("syncer.pem", "tls.crt"), ("syncer.key", "tls.key")):
     steps.append(Step(f"copy {name} to {syncer.name}", tuple(syncer.scp(o.project, os.path.join(tls, name),
-                                                                          f"dd/{o.run_name}/{target}"))))
-  for host in hosts:
-    steps.append(Step(f"copy the run's CA to {host.name}", tuple(host.scp(o.project, os.path.join(tls, "ca.pem"),
-                                                                          f"dd/{o.run_name}/tls_ca.pem"))))
+                                                                          _file(o, target)))))
   return steps
 
 
-def _repo() -> str:
-  """This checkout's root, which `start` packs and uploads."""
-  return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+def _ca_step(o: Options, host: Host) -> Step:
+  """The run's CA to `host`, like its credential: what learners verify the syncer's certificate against."""
+  return Step(f"copy the run's CA to {host.name}", tuple(host.scp(o.project, options_lib.ca_file(o), _file(o, "tls_ca.pem"))))
 
 
-def _setup(remote: str, tpu: bool) -> str:
+def _setup(o: Options, tpu: bool) -> str:
   """Unpacks the code and installs it (with JAX for TPU on slices) into a Python 3.11 venv."""
+  package = f"$D/src[{o.extras}]" if o.extras else "$D/src"
   jax = " 'jax[tpu]'" if tpu else ""
-  return (f"set -e; D={remote}; rm -rf \"$D/src\"; mkdir -p \"$D/src\"; tar -xzf \"$D/src.tar.gz\" -C \"$D/src\"; "
+  return (f"set -e; D={o.remote}; rm -rf \"$D/src\"; mkdir -p \"$D/src\"; tar -xzf \"$D/src.tar.gz\" -C \"$D/src\"; "
           "if [ ! -x \"$D/venv/bin/python\" ]; then command -v python3.11 >/dev/null || "
           "(sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3.11 "
           "python3.11-venv); python3.11 -m venv \"$D/venv\"; fi; "
-          f"\"$D/venv/bin/pip\" install -q -U pip; \"$D/venv/bin/pip\" install -q -e \"$D/src\"{jax}")
+          f"\"$D/venv/bin/pip\" install -q -U pip; \"$D/venv/bin/pip\" install -q -e \"{package}\"{jax}")
 
 
-def _train(o: Options, remote: str, log: str, env: str, *args: str, token: str = "token") -> str:
+def _train(o: Options, log: str, env: str, *args: str, token: str = "token") -> str:
   """A detached `experiments.train` process on a host: its secret by file path, output in its log."""
-  workdir = shlex.quote(o.workdir) if o.workdir else '"$D/work"'
-  command = ["\"$D/venv/bin/python\" -m experiments.train", shlex.quote(f"--config={o.config_path}"),
-             *map(shlex.quote, o.overrides), *args, f"--workdir={workdir}",
+  command = ["\"$D/venv/bin/python\" -m experiments.train", *map(shlex.quote, train_args(o)), *args,
              f"--config.service.token_file=\"$D/{token}\""]
-  return (f"D={remote}; cd \"$D/src\" && {env}nohup {' '.join(command)} > \"$D/{log}.log\" 2>&1 < /dev/null &")
+  return f"D={o.remote}; cd \"$D/src\" && {env}nohup {' '.join(command)} > \"$D/{log}.log\" 2>&1 < /dev/null &"
 
 
-def _syncer_command(o: Options, remote: str) -> str:
-  """The syncer binds every interface (learners come from other slices); on a slice it keeps off the TPU."""
+def _syncer_command(o: Options, on_tpu: bool) -> str:
+  """The syncer binds every interface (learners come from other hosts); on a slice it keeps off the TPU; its
+  write-ahead log stays on local disk (it needs fsync) while checkpoints and metrics go to the workdir."""
   tls = ["--config.service.tls_cert=\"$D/tls.crt\"", "--config.service.tls_key=\"$D/tls.key\""
          ] if o.tls != "none" else []
-  return _train(o, remote, "syncer", "" if o.syncer_vm else "JAX_PLATFORMS=cpu ", "--role=syncer",
-                "--config.service.host=0.0.0.0", f"--config.service.port={o.port}",
-                f"--config.service.data_port={o.port + 1}", *tls, token="secret")
+  wal = ["--config.service.wal_dir=\"$D/wal\""] if o.wal_dir else []
+  return _train(o, "syncer", "JAX_PLATFORMS=cpu " if on_tpu else "", "--role=syncer", "--config.service.host=0.0.0.0",
+                f"--config.service.port={o.port}", f"--config.service.data_port={o.port + 1}", *tls, *wal,
+                token="secret")
 
 
-def _learner_command(o: Options, remote: str, index: int, address: str) -> str:
-  tls = {"given": ["--config.service.tls_ca=\"$D/tls.crt\""],
-         "generated": ["--config.service.tls_ca=\"$D/tls_ca.pem\""], "none": []}[o.tls]
-  # Every worker of the slice runs this; --group_coordinator=auto makes them one JAX program.
-  return _train(o, remote, f"learner_{index}", "", "--role=learner", f"--learner_id={index}",
-                f"--syncer={shlex.quote(address)}", "--group_coordinator=auto", *tls)
-
-
-def _ip_lookup(host: Host, project: str) -> list[str]:
-  if host.tpu:
-    return ["gcloud", "compute", "tpus", "tpu-vm", "describe", host.name, f"--zone={host.zone}",
-            f"--project={project}", "--format=value(networkEndpoints[0].ipAddress)"]
-  return ["gcloud", "compute", "instances", "describe", host.name, f"--zone={host.zone}", f"--project={project}",
-          "--format=value(networkInterfaces[0].networkIP)"]
-
+def _learner_step(o: Options, index: int, address: str) -> Step:
+  host = o.slice_hosts()[index]
+  return Step(f"start learner {index} on every worker of {host.name}",
+              tuple(host.ssh(o.project, _train(o, f"learner_{index}", "", *learner_args(o, index, address)))))
