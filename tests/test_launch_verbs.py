@@ -123,8 +123,8 @@ def test_status_shows_each_learners_steps_version_staleness_and_last_push(fake_g
   rows = [line.split() for line in result.stdout.splitlines()[1:]]
   assert rows == [["0", "dd-t-0", "READY", "40", "3", "4", "11s", "0s"],
                   ["1", "dd-t-1", "PREEMPTED", "-", "-", "-", "-", "-"]]
-  assert all(c[2:4] == ["tpu-vm", "describe"] or c == ["storage", "cat", "gs://proj-decoupled-diloco/dd-t/metrics.jsonl"]
-             for c in _calls(env))  # Read-only.
+  records = ["storage", "cat", "gs://proj-decoupled-diloco/dd-t/metrics.jsonl"]
+  assert all(c[2:4] == ["tpu-vm", "describe"] or c == records for c in _calls(env))  # Read-only.
 
 
 def test_dry_run_of_up_and_start_for_v5p_and_v6e(tmp_path):
@@ -216,9 +216,10 @@ def test_xpk_mode_refuses_what_it_cannot_run(changes, message):
     xpk.check(launch_tpu.Options(**{**options.__dict__, **changes}))
 
 
-def test_unknown_verbs_local_workdirs_and_local_data_are_one_error_line(tmp_path):
+def test_unknown_verbs_and_local_workdirs_or_tfds_dirs_are_one_error_line(tmp_path):
   for args, message in ((("--workdir=/tmp/x",), "every host must see the run's workdir"),
-                        (("--config.data.source=text_file",), "reads a file on each host's disk")):
+                        (("--config.data.source=tfds", "--config.data.tfds_name=tiny_shakespeare",
+                          "--config.data.tfds_data_dir=/data/tfds"), "is not on GCS")):
     result = _launch("up", *args, "--dry_run")
     assert result.returncode == 2 and result.stdout == "" and message in result.stderr, result.stderr
     assert result.stderr.count("\n") == 1

@@ -124,19 +124,14 @@ def options_from_flags(f: dict, argv: list[str], verb: str) -> Options:
 
 
 def _data(data_cfg) -> dict:
-  """Options of the run's data: a TFDS set is prepared once into the bucket; other sources must be there."""
-  if data_cfg.source == "tfds":
-    if data_cfg.tfds_data_dir and not data_cfg.tfds_data_dir.startswith("gs://"):
-      raise ConfigError(f"data.tfds_data_dir={data_cfg.tfds_data_dir!r} is on this machine: every host reads the "
-                        "data, point it at gs://BUCKET/tfds (or leave it empty for the run's bucket)")
-    return {"tfds_name": data_cfg.tfds_name, "data_dir": data_cfg.tfds_data_dir, "extras": "tfds"}
-  if data_cfg.source == "text_file":
-    raise ConfigError("data.source='text_file' reads a file on each host's disk: convert it once with python -m "
-                      "experiments.prepare_data --input=FILE --output=gs://BUCKET/data and use source='array_record'")
-  if data_cfg.source == "array_record" and not data_cfg.path.startswith("gs://"):
-    raise ConfigError(f"data.path={data_cfg.path!r} is on this machine: every host reads the data, put the "
-                      "ArrayRecord shards on gs://BUCKET/... (experiments.prepare_data --output=gs://...)")
-  return {"extras": "tfds" if data_cfg.source == "array_record" else ""}
+  """Options of the run's data: a TFDS set is prepared once into the bucket (or data.tfds_data_dir on GCS);
+  other sources are read where data.path says, which every host must see (gs://, or a mount on each)."""
+  if data_cfg.source != "tfds":
+    return {"extras": "tfds" if data_cfg.source == "array_record" else ""}
+  if data_cfg.tfds_data_dir and not data_cfg.tfds_data_dir.startswith("gs://"):
+    raise ConfigError(f"data.tfds_data_dir={data_cfg.tfds_data_dir!r} is not on GCS: the syncer's VM prepares the "
+                      "data there once for every host, point it at gs://BUCKET/tfds (or leave it empty)")
+  return {"tfds_name": data_cfg.tfds_name, "data_dir": data_cfg.tfds_data_dir, "extras": "tfds"}
 
 
 def plan(options: Options, verb: str = "launch", lines: int = 50) -> list[Step]:

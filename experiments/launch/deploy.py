@@ -4,7 +4,7 @@ The syncer gets the run secret; the hosts of slice i only learner i's credential
 (security.learner_credential: derived here from a local 0600 file and copied, or derived on the
 host from a Secret Manager fetch that is never stored there). TLS is on unless --insecure: the
 run's CA (made once on this machine, its key never leaves it) signs a certificate naming the
-syncer's internal address; every host gets the CA like it gets its credential. No secret ever
+syncer's internal address; every learner slice gets the CA like it gets its credential. No secret ever
 appears on a command line. A TFDS dataset is prepared once, by the syncer's host, into the run's
 bucket, and every process reads it from there.
 """
@@ -15,9 +15,8 @@ import sys
 
 from experiments.launch import options as options_lib
 from experiments.launch import xpk
-from experiments.launch.options import learner_args, train_args
 from experiments.launch.hosts import SYNCER_IP, Host, Step
-from experiments.launch.options import Options
+from experiments.launch.options import Options, learner_args, train_args
 
 
 def start(o: Options) -> list[Step]:
@@ -31,7 +30,7 @@ def start(o: Options) -> list[Step]:
     steps.extend(_host_steps(o, syncer, None))
   steps.extend(_secret_steps(o, syncer))
   if o.tls_key:  # The private key goes to the syncer's host only.
-    steps.append(Step(f"copy the TLS key to {syncer.name}", tuple(syncer.scp(o.project, o.tls_key, _file(o, "tls.key")))))
+    steps.append(_copy(o, syncer, "the TLS key", o.tls_key, "tls.key"))
   steps, address = _address(o, steps)
   if o.tls == "generated":
     steps.extend(_certificate_steps(o, syncer, address))
@@ -68,13 +67,17 @@ def _file(o: Options, name: str) -> str:
   return f"dd/{o.run_name}/{name}"
 
 
+def _copy(o: Options, host: Host, what: str, local: str, name: str) -> Step:
+  """`local` copied to the run's directory on `host` as `name`, the way every file reaches a host."""
+  return Step(f"copy {what} to {host.name}", tuple(host.scp(o.project, local, _file(o, name))))
+
+
 def _host_steps(o: Options, host: Host, index: int | None) -> list[Step]:
   """The run directory, the code in a venv and (for learner `index`'s slice) its credential on `host`."""
   steps = [Step(f"make the run directory on {host.name}", tuple(host.ssh(o.project, f"mkdir -p -m 700 {o.remote}"))),
-           Step(f"upload the code to {host.name}", tuple(host.scp(o.project, o.archive, _file(o, "src.tar.gz"))))]
+           _copy(o, host, "the code", o.archive, "src.tar.gz")]
   if o.tls == "given":  # The syncer serves with it, learners trust it.
-    steps.append(Step(f"copy the TLS certificate to {host.name}", tuple(host.scp(o.project, o.tls_cert,
-                                                                               _file(o, "tls.crt")))))
+    steps.append(_copy(o, host, "the TLS certificate", o.tls_cert, "tls.crt"))
   steps.append(Step(f"install into a venv on {host.name}", tuple(host.ssh(o.project, _setup(o, host.tpu)))))
   return steps + ([] if index is None else _credential_steps(o, host, index))
 
@@ -101,8 +104,7 @@ def _credential_steps(o: Options, host: Host, index: int) -> list[Step]:
   return [Step(f"derive learner {index}'s credential", (sys.executable, "-m", "experiments.credentials", "learner",
                                                        f"--secret_file={o.token_file}", f"--learner={index}",
                                                        f"--out={local}")),
-          Step(f"copy learner {index}'s credential to {host.name}",
-               tuple(host.scp(o.project, local, _file(o, "token"))))]
+          _copy(o, host, f"learner {index}'s credential", local, "token")]
 
 
 def _secret_steps(o: Options, syncer: Host) -> list[Step]:
@@ -111,8 +113,7 @@ def _secret_steps(o: Options, syncer: Host) -> list[Step]:
     fetch = (f"D={o.remote}; umask 077 && gcloud secrets versions access latest "
              f"--secret={shlex.quote(o.token_secret)} --project={shlex.quote(o.project)} > \"$D/secret\"")
     return [Step(f"fetch the run secret from Secret Manager on {syncer.name}", tuple(syncer.ssh(o.project, fetch)))]
-  return [Step(f"copy the run secret to {syncer.name}", tuple(syncer.scp(o.project, o.token_file,
-                                                                          _file(o, "secret"))))]
+  return [_copy(o, syncer, "the run secret", o.token_file, "secret")]
 
 
 def _certificate_steps(o: Options, syncer: Host, address: str) -> list[Step]:
@@ -121,14 +122,13 @@ def _certificate_steps(o: Options, syncer: Host, address: str) -> list[Step]:
   steps = [Step(f"make the TLS certificate for {address}", (sys.executable, "-m", "experiments.credentials", "certs",
                                                            f"--dir={tls}", f"--host={address}"))]
   for name, target in (("syncer.pem", "tls.crt"), ("syncer.key", "tls.key")):
-    steps.append(Step(f"copy {name} to {syncer.name}", tuple(syncer.scp(o.project, os.path.join(tls, name),
-                                                                          _file(o, target)))))
+    steps.append(_copy(o, syncer, name, os.path.join(tls, name), target))
   return steps
 
 
 def _ca_step(o: Options, host: Host) -> Step:
   """The run's CA to `host`, like its credential: what learners verify the syncer's certificate against."""
-  return Step(f"copy the run's CA to {host.name}", tuple(host.scp(o.project, options_lib.ca_file(o), _file(o, "tls_ca.pem"))))
+  return _copy(o, host, "the run's CA", options_lib.ca_file(o), "tls_ca.pem")
 
 
 def _setup(o: Options, tpu: bool) -> str:
