@@ -1,4 +1,5 @@
-"""The launcher's options (its flags, parsed) and the checks that refuse a plan before anything is created."""
+"""The launcher's options (its flags, parsed), the checks that refuse a plan before anything is created, and the
+experiments.train arguments they imply for every process (the same on TPU VMs and in XPK pods)."""
 
 import dataclasses
 import os
@@ -7,6 +8,7 @@ import shlex
 
 from decoupled_diloco.errors import ConfigError
 from experiments.launch.hosts import NAME, ZONE, Host, Slice
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:

@@ -116,11 +116,12 @@ def status_table(o: Options, values: dict[str, str]) -> str:
 
 
 def logs(o: Options, lines: int) -> list[Step]:
-  """The last `lines` lines of the syncer's log and of each learner's (worker 0 of its slice)."""
+  """The last `lines` lines of the syncer's log and of each learner's (worker 0 of its slice; an XPK workload's
+  pods log to Cloud Logging instead)."""
   syncer = o.syncer()
   steps = [Step(f"the syncer's log on {syncer.name}", tuple(syncer.ssh(o.project, f"tail -n {lines} dd/{o.run_name}/"
                                                                                    "syncer.log")))]
-  for i, host in enumerate(o.slice_hosts()):
+  for i, host in enumerate([] if o.xpk_cluster else o.slice_hosts()):
     worker0 = dataclasses.replace(host, worker="0")
     steps.append(Step(f"learner {i}'s log on {host.name} (worker 0)",
                       tuple(worker0.ssh(o.project, f"tail -n {lines} dd/{o.run_name}/learner_{i}.log"))))
