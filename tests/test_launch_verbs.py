@@ -225,6 +225,8 @@ def test_unknown_verbs_and_local_workdirs_or_tfds_dirs_are_one_error_line(tmp_pa
     assert result.stderr.count("\n") == 1
   result = _launch("launch-all", "--dry_run")
   assert result.returncode == 2 and "unknown verb 'launch-all'" in result.stderr
+  result = _launch("down", env=dict(os.environ, PATH=str(tmp_path)))  # No gcloud: nothing can run.
+  assert result.returncode == 2 and result.stderr.startswith("error: gcloud not found on PATH"), result.stderr
 
 
 def test_the_syncer_vm_is_sized_from_the_plans_host_bytes():

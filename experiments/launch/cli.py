@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import os
 import secrets
+import shutil
 import sys
 import tempfile
 
@@ -155,21 +156,33 @@ def main(f: dict, argv: list[str]) -> None:
     sys.stderr.write("WARNING: --insecure: the syncer serves PLAINTEXT on every interface; learner credentials, "
                      "the run secret's uses and all parameters cross the network unencrypted.\n")
   dry = f["dry_run"].value
+  xpk_verb = options.xpk_cluster and verb in ("up", "start", "launch", "down")
+  tools = ("gcloud", "xpk", "docker") if xpk_verb else ("gcloud",)
+  missing = [tool for tool in tools if not dry and shutil.which(tool) is None]
+  if missing:
+    fail(f"{', '.join(missing)} not found on PATH: install the Google Cloud CLI (and pip install xpk, Docker for "
+         "--xpk_cluster), or pass --dry_run to print the commands")
+  if verb == "watch" and not dry and options.token_file and not os.path.isfile(options.token_file):
+    fail(f"{options.token_file} does not exist: watch restarts learners with the credentials `start` made from it "
+         "(pass the same --token_file or --token_secret as start)")
   if verb in ("start", "launch", "watch") and not dry:
     if options.token_file:
       ensure_token_file(options.token_file)
     os.makedirs(options.local_dir, mode=0o700, exist_ok=True)
-  if verb == "watch":
-    watch.dry_run(options, f["watch_seconds"].value) if dry else watch.watch(
-        options, f["watch_rounds"].value, f["watch_seconds"].value)
+  if verb == "watch" and dry:
+    watch.dry_run(options, f["watch_seconds"].value)
+  elif verb == "watch":
+    watch.watch(options, f["watch_rounds"].value, f["watch_seconds"].value)
   elif verb == "status":
     status = watch.status_steps(options)
     if dry:
       runner.dry_run(status)
     else:
       print(watch.status_table(options, {s.captures: runner.probe(s.argv)[1] for s in status}))
+  elif dry:
+    runner.dry_run(steps)
   else:
-    runner.dry_run(steps) if dry else runner.execute(steps)
+    runner.execute(steps)
   if verb in ("start", "launch"):
     print("# then: python -m experiments.launch_tpu status|watch|logs|down with the same flags")
 
