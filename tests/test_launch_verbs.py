@@ -21,13 +21,21 @@ SECRET = "s3cr3t-token-that-must-never-show-0123456789"
 SYNCER_VM_IP = "10.1.2.3"
 
 # Records its argv (one JSON line per call) and answers like gcloud would: slice dd-t-1 is PREEMPTED the first
-# time its state is asked for, every other slice READY; the syncer VM's internal IP; the syncer's records.
+# time its state is asked for, every other slice READY (describe fails for the slices in $FAKE_GCLOUD_FAIL; the
+# zone lists $FAKE_GCLOUD_LISTED); the syncer VM's internal IP; the syncer's records.
 FAKE_GCLOUD = """#!{python}
 import json, os, sys
 args = sys.argv[1:]
 with open(os.environ["FAKE_GCLOUD_LOG"], "a") as log:
   log.write(json.dumps(args) + "\\n")
-if args[:4] == ["compute", "tpus", "tpu-vm", "describe"] and "--format=value(state)" in args:
+describe = args[:4] == ["compute", "tpus", "tpu-vm", "describe"]
+if describe and args[4] in os.environ.get("FAKE_GCLOUD_FAIL", "").split(","):
+  sys.exit(1)  # gcloud could not tell (the slice is gone, or gcloud failed).
+elif args[:4] == ["compute", "tpus", "tpu-vm", "list"]:
+  if os.environ.get("FAKE_GCLOUD_LIST_FAILS"):
+    sys.exit(1)
+  print("\\n".join(os.environ.get("FAKE_GCLOUD_LISTED", "").split(",")))
+elif describe and "--format=value(state)" in args:
   flag = os.path.join(os.path.dirname(os.environ["FAKE_GCLOUD_LOG"]), "preempted_once")
   if args[4] == "dd-t-1" and not os.path.exists(flag):
     open(flag, "w").close()
@@ -104,6 +112,23 @@ def test_watch_recreates_the_preempted_slice_and_restarts_its_learner_with_the_s
   assert set(copied) == {"dd/dd-t/src.tar.gz", "dd/dd-t/token", "dd/dd-t/tls_ca.pem"}
   assert pathlib.Path(copied["dd/dd-t/token"]).read_text().strip() == security.learner_credential(SECRET, 1)
   assert SECRET not in result.stdout + result.stderr + str(calls)
+
+
+def test_watch_counts_a_slice_as_gone_only_when_the_zone_does_not_list_it(fake_gcloud, monkeypatch):
+  env, token = fake_gcloud
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  options = launch_tpu.Options("configs/default.py", OVERRIDES, tuple(launch_tpu.parse_slices(SLICES)), "proj",
+                               "dd-t", token_file=str(token))
+  monkeypatch.setenv("FAKE_GCLOUD_FAIL", "dd-t-0")
+  monkeypatch.setenv("FAKE_GCLOUD_LISTED", "dd-t-0,dd-t-1")  # describe failed, yet the slice is there: transient.
+  assert watch.lost(options) == [(1, True)]  # Only the PREEMPTED one.
+  monkeypatch.setenv("FAKE_GCLOUD_LIST_FAILS", "1")  # Nothing known about dd-t-0 this round: left alone.
+  assert watch.lost(options) == []
+  monkeypatch.delenv("FAKE_GCLOUD_LIST_FAILS")
+  monkeypatch.setenv("FAKE_GCLOUD_LISTED", "dd-t-1")
+  assert watch.lost(options) == [(0, False)]  # Gone: created again, nothing to delete.
+  assert [s.argv[3:5] for s in watch.recover(options, 0, False)[:1]] == [("tpu-vm", "create")]
 
 
 def test_status_shows_each_learners_steps_version_staleness_and_last_push(fake_gcloud):

@@ -73,6 +73,14 @@ def state_step(o: Options, index: int) -> Step:
   return Step(f"state of slice {host.name}", tuple(host.describe(o.project, "state")))
 
 
+def list_step(o: Options, index: int) -> Step:
+  """The command listing the slices (queued resources) in slice `index`'s zone, one name per line."""
+  host = o.slice_hosts()[index]
+  noun = "queued-resources" if o.queued else "tpu-vm"
+  return Step(f"slices in {host.zone}", ("gcloud", "compute", "tpus", noun, "list", f"--zone={host.zone}",
+                                         f"--project={o.project}", "--format=value(name.basename())"))
+
+
 def delete_slice(o: Options, index: int) -> Step:
   """Deletes slice `index` (its queued resource with it)."""
   host = o.slice_hosts()[index]

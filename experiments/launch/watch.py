@@ -34,14 +34,18 @@ def recover(o: Options, index: int, listed: bool) -> list[Step]:
 
 
 def lost(o: Options) -> list[tuple[int, bool]]:
-  """(index, still listed) of every slice that needs recovering now."""
+  """(index, still listed) of every slice that needs recovering now. A slice whose state gcloud cannot tell
+  counts as gone only when the zone's list of slices, read successfully, lacks it: a transient gcloud failure
+  must not start a recreation."""
   found = []
   for index in range(len(o.slices)):
     status, state = runner.probe(provision.state_step(o, index).argv)
-    if status != 0 or not state:
-      found.append((index, False))
-    elif state in LOST:
+    if status == 0 and state in LOST:
       found.append((index, True))
+    elif status != 0 or not state:
+      listed, names = runner.probe(provision.list_step(o, index).argv)
+      if listed == 0 and o.slice_hosts()[index].name not in names.split():
+        found.append((index, False))
   return found
 
 
