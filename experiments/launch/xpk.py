@@ -1,7 +1,7 @@
 """The XPK mode (--xpk_cluster=PREFIX): learner slices as XPK workloads on GKE, the syncer on its CPU VM.
 
-XPK (`pip install xpk`) runs a container image on the TPU node pools of a GKE cluster. Each
-slice type gets its own cluster (PREFIX-<type>, in the slice's zone: a GKE cluster lives in
+XPK (`pip install xpk`; the flags used here are xpk 1.16's) runs a container image on the TPU
+node pools of a GKE cluster. Each slice type gets its own cluster (PREFIX-<type>, in the slice's zone: a GKE cluster lives in
 one region) and one workload of one slice, built from this checkout's Dockerfile. A workload
 of several slices would join them over DCN into one JAX program (megascale); independent
 learners must not be, so the mode takes one slice per type. Every pod of learner i's
@@ -56,7 +56,7 @@ def up(o: Options) -> list[Step]:
   """One GKE cluster with one slice's node pool per slice type (Spot with --spot)."""
   return [Step(f"create the XPK cluster for slice {i} ({tpu.accelerator})",
                ("xpk", "cluster", "create", *cluster(o, i), f"--tpu-type={tpu.accelerator}", "--num-slices=1",
-                *(["--spot"] if o.spot else [])))
+                "--spot" if o.spot else "--on-demand"))
           for i, tpu in enumerate(o.slices)]
 
 
@@ -97,7 +97,7 @@ def start_learner(o: Options, index: int, address: str) -> Step:
 def down(o: Options) -> list[Step]:
   """Every learner workload and its cluster."""
   steps = [Step(f"delete the workload {workload(o, i)}", ("xpk", "workload", "delete", *cluster(o, i),
-                                                            f"--workload={workload(o, i)}"))
+                                                            f"--workload={workload(o, i)}", "--force"))
            for i in range(len(o.slices))]
-  return steps + [Step(f"delete the XPK cluster of slice {i}", ("xpk", "cluster", "delete", *cluster(o, i)))
+  return steps + [Step(f"delete the XPK cluster of slice {i}", ("xpk", "cluster", "delete", *cluster(o, i), "--force"))
                   for i in range(len(o.slices))]
