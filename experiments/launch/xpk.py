@@ -1,8 +1,9 @@
 """The XPK mode (--xpk_cluster=PREFIX): learner slices as XPK workloads on GKE, the syncer on its CPU VM.
 
 XPK (`pip install xpk`; the flags used here are xpk 1.16's) runs a container image on the TPU
-node pools of a GKE cluster. Each slice type gets its own cluster (PREFIX-<type>, in the slice's zone: a GKE cluster lives in
-one region) and one workload of one slice, built from this checkout's Dockerfile. A workload
+node pools of a GKE cluster. Each slice type gets its own cluster (PREFIX-<type>, in the slice's
+zone: a GKE cluster lives in one region) and one workload of one slice, built from this
+checkout's Dockerfile. A workload
 of several slices would join them over DCN into one JAX program (megascale); independent
 learners must not be, so the mode takes one slice per type. Every pod of learner i's
 workload derives learner i's credential from Secret Manager (--token_secret: no file can be
