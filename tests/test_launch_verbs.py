@@ -11,7 +11,7 @@ import pytest
 
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.service import security
-from experiments import launch_tpu
+from experiments import credentials, launch_tpu
 from experiments.launch import provision, watch
 
 REPO = pathlib.Path(__file__).parents[1]
@@ -88,6 +88,11 @@ def _remote(command: list[str]) -> str:
 def test_watch_recreates_the_preempted_slice_and_restarts_its_learner_with_the_same_id(fake_gcloud):
   env, token = fake_gcloud
   result = _launch("watch", f"--token_file={token}", "--watch_rounds=2", "--watch_seconds=0", env=env)
+  assert result.returncode == 2 and "run start first" in result.stderr  # No CA of the run here yet.
+  assert not os.path.exists(env["FAKE_GCLOUD_LOG"])
+  tls = pathlib.Path(env["HOME"], ".config", "decoupled_diloco", "dd-t", "tls")
+  ca = credentials.make_certificates(str(tls), SYNCER_VM_IP)["ca.pem"]  # What `start` made.
+  result = _launch("watch", f"--token_file={token}", "--watch_rounds=2", "--watch_seconds=0", env=env)
   assert result.returncode == 0, result.stderr
   calls = _calls(env)
   reads = [c for c in calls if c[3] == "describe" or c[2] == "describe"]
@@ -111,6 +116,7 @@ def test_watch_recreates_the_preempted_slice_and_restarts_its_learner_with_the_s
   copied = {c[5].split(":", 1)[1]: c[4] for c in changes if c[3] == "scp"}
   assert set(copied) == {"dd/dd-t/src.tar.gz", "dd/dd-t/token", "dd/dd-t/tls_ca.pem"}
   assert pathlib.Path(copied["dd/dd-t/token"]).read_text().strip() == security.learner_credential(SECRET, 1)
+  assert copied["dd/dd-t/tls_ca.pem"] == ca
   assert SECRET not in result.stdout + result.stderr + str(calls)
 
 

@@ -14,6 +14,7 @@ from ml_collections import config_flags
 
 from decoupled_diloco.errors import ConfigError
 from experiments.launch import deploy, provision, runner, watch, xpk
+from experiments.launch import options as options_lib
 from experiments.launch.hosts import EXAMPLE, Step, parse_slices
 from experiments.launch.options import Options, check
 
@@ -165,6 +166,9 @@ def main(f: dict, argv: list[str]) -> None:
   if verb == "watch" and not dry and options.token_file and not os.path.isfile(options.token_file):
     fail(f"{options.token_file} does not exist: watch restarts learners with the credentials `start` made from it "
          "(pass the same --token_file or --token_secret as start)")
+  if verb == "watch" and not dry and options.tls == "generated" and not os.path.isfile(options_lib.ca_file(options)):
+    fail(f"{options_lib.ca_file(options)} does not exist: watch gives restarted learners the CA `start` made; "
+         "run start first (with the same --run_name)")
   if verb in ("start", "launch", "watch") and not dry:
     if options.token_file:
       ensure_token_file(options.token_file)
