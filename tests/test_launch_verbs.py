@@ -266,3 +266,23 @@ def test_the_syncer_vm_is_sized_from_the_plans_host_bytes():
   assert provision.syncer_machine_type(150 * gb) == "n2-highmem-48"  # tpu_8b: 150 GB -> 308 GB needed, 384 GB.
   with pytest.raises(ValueError, match="more than n2-highmem-128"):
     provision.syncer_machine_type(600 * gb)
+
+
+@pytest.mark.parametrize("verb, expected", [
+    ("status", [["gcloud", "compute", "tpus", "tpu-vm", "describe", "dd-t-0"]]),
+    ("logs", [["gcloud", "compute", "ssh", "dd-t-syncer"], ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "dd-t-0"]]),
+    ("watch", [["gcloud", "compute", "tpus", "tpu-vm", "describe", "dd-t-0"],
+               ["gcloud", "compute", "tpus", "tpu-vm", "delete", "dd-t-0"]]),
+    ("down", [["gcloud", "compute", "tpus", "tpu-vm", "delete", "dd-t-0"],
+              ["gcloud", "compute", "instances", "delete", "dd-t-syncer"]]),
+])
+def test_every_verb_has_a_dry_run_that_runs_nothing(tmp_path, verb, expected):
+  # No gcloud on PATH and a HOME of its own: a dry run neither calls gcloud nor makes a token.
+  env = dict(os.environ, PATH=str(tmp_path), HOME=str(tmp_path))
+  result = _launch(verb, "--dry_run", env=env)
+  assert result.returncode == 0, result.stderr
+  commands = _commands(result.stdout)
+  for prefix in expected:
+    assert any(c[:len(prefix)] == prefix for c in commands), (prefix, result.stdout)
+  assert all(c[0] in ("gcloud", "tar", sys.executable) for c in commands)
+  assert os.listdir(tmp_path) == []
