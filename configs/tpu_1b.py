@@ -6,12 +6,23 @@ group fits and whether the exchange hides under compute, on any machine (no TPU 
 
   python -m experiments.plan --config=configs/tpu_1b.py
 
-Run it (one learner process per slice, the syncer on the first slice's worker 0), on C4 via TFDS
-(ArrayRecord; docs/data.md prepares it), byte-level or with a SentencePiece model
-(--config.data.tokenizer=sentencepiece --config.data.tokenizer_path=PATH.model):
+Run it on Cloud TPU (docs/launch.md walks through it): one learner process per slice, every host
+of a slice running it as one multi-host JAX program, the syncer on its own CPU VM, the workdir
+and the data (C4 via TFDS as ArrayRecord, docs/data.md) in a GCS bucket; byte-level or with a
+SentencePiece model (--config.data.tokenizer=sentencepiece --config.data.tokenizer_path=PATH.model):
 
-  python -m experiments.launch_tpu --config=configs/tpu_1b.py --slices=v5p-128@us-east5-a,v6e-64@us-east1-d \
+  python -m experiments.launch_tpu up --config=configs/tpu_1b.py --slices=v5p-128@us-east5-a,v6e-64@us-east1-d \
+      --project=my-project --run_name=dd-1b --spot --dry_run
+  python -m experiments.launch_tpu start --config=configs/tpu_1b.py --slices=v5p-128@us-east5-a,v6e-64@us-east1-d \
       --project=my-project --run_name=dd-1b --dry_run
+  (then status, watch, logs, down with the same flags; drop --dry_run to run them)
+
+What `start` runs on every host of slice i (one process of a config with two groups cannot run it:
+`experiments.train --role=local` refuses and names this launcher):
+
+  python -m experiments.train --config=configs/tpu_1b.py --workdir=gs://BUCKET/dd-1b --role=learner \
+      --learner_id=i --group_coordinator=auto --syncer=SYNCER_IP:50051 --config.service.token_file=... \
+      --config.service.tls_ca=...
 """
 
 from configs import default

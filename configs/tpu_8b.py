@@ -7,9 +7,12 @@ slice runs data × FSDP, the v6e slice FSDP × tensor. Streaming fragments (P = 
 
   python -m experiments.plan --config=configs/tpu_8b.py
 
-Launch it (one learner process per slice, the syncer on the first slice's worker 0):
+Launch it (one learner process per slice, the syncer on its own CPU VM, an n2-highmem sized
+from the plan's syncer host bytes; docs/launch.md walks through a run):
 
-  python -m experiments.launch_tpu --config=configs/tpu_8b.py --slices=v5p-512@us-east5-a,v6e-256@us-east1-d \
+  python -m experiments.launch_tpu up --config=configs/tpu_8b.py --slices=v5p-512@us-east5-a,v6e-256@us-east1-d \
+      --project=my-project --run_name=dd-8b --queued --dry_run
+  python -m experiments.launch_tpu start --config=configs/tpu_8b.py --slices=v5p-512@us-east5-a,v6e-256@us-east1-d \
       --project=my-project --run_name=dd-8b --dry_run
 
 The vocabulary needs a subword tokenizer of 128,256 pieces; the byte-level pipeline feeds it

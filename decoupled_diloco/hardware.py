@@ -22,14 +22,17 @@ class Accelerator:
   peak_bf16_flops: float  # Dense bf16 peak FLOP/s of one chip (one JAX device).
   hbm_bytes: float        # High-bandwidth memory of one chip, in bytes (GB = 1e9 as vendors quote).
   backend: str = "tpu"    # JAX backend it runs under: picks attention='auto''s kernel in the plan.
+  tpu_type: str = ""      # Cloud TPU accelerator-type prefix (gcloud's v5p in 'v5p-128'); '' = not a Cloud TPU.
+  runtime_version: str = ""  # Cloud TPU VM software version that runs JAX on it (gcloud --version).
+  cores_per_chip: int = 1    # What a Cloud TPU size counts per chip: TensorCores on v4/v5p (v5p-128 = 64 chips).
 
 
 # One table for every reader (simulated clock, experiments.plan, launchers): TPU chips and GPUs.
 ACCELERATORS = {
-    "v4": Accelerator(275e12, 32e9),
-    "v5e": Accelerator(197e12, 16e9),
-    "v5p": Accelerator(459e12, 95e9),
-    "v6e": Accelerator(918e12, 32e9),
+    "v4": Accelerator(275e12, 32e9, tpu_type="v4", runtime_version="tpu-ubuntu2204-base", cores_per_chip=2),
+    "v5e": Accelerator(197e12, 16e9, tpu_type="v5litepod", runtime_version="v2-alpha-tpuv5-lite"),
+    "v5p": Accelerator(459e12, 95e9, tpu_type="v5p", runtime_version="v2-alpha-tpuv5", cores_per_chip=2),
+    "v6e": Accelerator(918e12, 32e9, tpu_type="v6e", runtime_version="v2-alpha-tpuv6e"),
     "h100": Accelerator(989e12, 80e9, "gpu"),   # H100 SXM, dense bf16.
     "h200": Accelerator(989e12, 141e9, "gpu"),  # H200 SXM: H100's compute, more and faster HBM.
 }

@@ -12,6 +12,8 @@ shared token comes from $DD_SYNCER_TOKEN or --config.service.token_file, never a
 A learner group over several JAX processes (a multi-host slice) runs the learner command in
 each of them, adding --group_coordinator=HOST:PORT --group_processes=N --group_process_id=K
 (or --group_coordinator=auto on Cloud TPU, where JAX finds the slice's hosts itself).
+A config whose groups need more devices than the process sees is refused in one line naming
+the launcher (experiments/startup.py); on Cloud TPU, experiments.launch_tpu starts every process.
 
 Bad input (unknown config key, impossible device layout, missing data) prints one line
 starting with `error:` and exits with status 2 before anything is written.
@@ -27,6 +29,7 @@ import jax
 from ml_collections import config_flags
 
 from experiments import cli
+from experiments import startup
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/demo.py", "Experiment config file (a configs/*.py with get_config()).", lock_config=True)
@@ -38,11 +41,14 @@ _ROLE = flags.DEFINE_enum("role", "local", ["local", "syncer", "learner"],
 _LEARNER_ID = flags.DEFINE_integer("learner_id", None, "Learner group this process trains (--role=learner).")
 _SYNCER = flags.DEFINE_string("syncer", None, "host:port of the syncer service (--role=learner).")
 _GROUP_COORDINATOR = flags.DEFINE_string(
-    "group_coordinator", "", "--role=learner in a multi-process group: HOST:PORT of the group's process 0 "
-    "(JAX's coordinator), or 'auto' on Cloud TPU; '' = this process is the whole group.")
-_GROUP_PROCESSES = flags.DEFINE_integer("group_processes", 1, "Processes of this learner group (with "
-                                        "--group_coordinator=HOST:PORT); they split its devices evenly.")
-_GROUP_PROCESS_ID = flags.DEFINE_integer("group_process_id", 0, "This process's index in its group, 0..N-1.")
+    "group_coordinator", startup.from_env("coordinator", ""), "--role=learner in a multi-process group: HOST:PORT "
+    "of the group's process 0 (JAX's coordinator), or 'auto' on Cloud TPU / GKE; '' = this process is the whole "
+    "group. Default: $DD_GROUP_COORDINATOR.")
+_GROUP_PROCESSES = flags.DEFINE_integer("group_processes", startup.from_env("processes", 1), "Processes of this "
+                                        "learner group (with --group_coordinator=HOST:PORT); they split its devices "
+                                        "evenly. Default: $DD_GROUP_PROCESSES or 1.")
+_GROUP_PROCESS_ID = flags.DEFINE_integer("group_process_id", startup.from_env("process_id", 0), "This process's "
+                                         "index in its group, 0..N-1. Default: $DD_GROUP_PROCESS_ID or 0.")
 
 
 def load_config():
@@ -64,7 +70,9 @@ def main(argv: list[str]) -> None:
   # Virtual CPU devices must be requested before JAX's CPU backend starts; on TPU
   # hosts this only sizes the (unused) CPU backend.
   try:
-    jax.config.update("jax_num_cpu_devices", _process_devices(config))
+    jax.config.update("jax_num_cpu_devices", startup.process_devices(
+        tuple(config.learners.devices), _ROLE.value, _LEARNER_ID.value, _GROUP_COORDINATOR.value,
+        _GROUP_PROCESSES.value))
   except ValueError as error:  # ConfigError: a group's devices that its processes do not split.
     cli.fail(error)
   # Imported here so that `--help` and flag errors stay fast.
@@ -77,8 +85,10 @@ def main(argv: list[str]) -> None:
     return
   if config.runtime == "service":
     cli.fail("runtime 'service' runs as separate processes: start them with --role=syncer and --role=learner, "
-         "or all at once with python -m experiments.launch_local")
+             "all at once on this machine with python -m experiments.launch_local, or on Cloud TPU slices with "
+             "python -m experiments.launch_tpu up/start")
   try:
+    startup.check_devices(tuple(config.learners.devices), "local", None)
     exp = experiment.build(config)
     logging.info("%s: %d learner group(s) on %s devices, data %s, tokenizer %s", config.mode,
                  len(exp.learners), tuple(config.learners.devices), exp.corpus.name, exp.corpus.tokenizer.name)
@@ -103,18 +113,6 @@ def main(argv: list[str]) -> None:
   print(message)
 
 
-def _process_devices(config) -> int:
-  """CPU devices this process needs: all groups (local), one group (learner) or one (syncer)."""
-  devices = tuple(config.learners.devices)
-  if _ROLE.value == "syncer":
-    return 1
-  if _ROLE.value == "learner" and _LEARNER_ID.value is not None and 0 <= _LEARNER_ID.value < len(devices):
-    from decoupled_diloco.service import group  # pylint: disable=g-import-not-at-top
-    processes = _GROUP_PROCESSES.value if _GROUP_COORDINATOR.value != group.AUTO else 1
-    return group.local_device_count(devices[_LEARNER_ID.value], processes)
-  return max(sum(devices), 1)
-
-
 def _run_service_role(config) -> None:
   """One process of a networked run: the syncer service, or learner --learner_id."""
   from decoupled_diloco import experiment  # pylint: disable=g-import-not-at-top
@@ -134,6 +132,7 @@ def _run_service_role(config) -> None:
         raise ConfigError("--role=learner needs --learner_id=I and --syncer=HOST:PORT")
       from decoupled_diloco.service import group  # pylint: disable=g-import-not-at-top
       group.initialize(_GROUP_COORDINATOR.value, _GROUP_PROCESSES.value, _GROUP_PROCESS_ID.value)
+      startup.check_devices(tuple(config.learners.devices), "learner", _LEARNER_ID.value)
       summary = learner_main.run(config, _WORKDIR.value, _LEARNER_ID.value, _SYNCER.value)
       message = (f"learner {summary['learner']}: {summary['steps']} steps, blocked "
                  f"{100 * summary['blocked_fraction']:.2f}% of {summary['wall_seconds']:.1f}s")

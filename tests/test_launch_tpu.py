@@ -47,7 +47,8 @@ def test_dry_run_creates_each_slice_and_starts_the_syncer_and_one_learner_per_sl
   secret = "s3cr3t-token-that-must-never-show-0123456789"
   token = tmp_path / "token"
   token.write_text(secret + "\n")
-  result = _dry_run(*OVERRIDES, f"--slices={SLICES}", "--project=proj", "--run_name=dd-t", f"--token_file={token}")
+  result = _dry_run(*OVERRIDES, f"--slices={SLICES}", "--project=proj", "--run_name=dd-t", f"--token_file={token}",
+                    "--syncer_on_slice")
   assert result.returncode == 0, result.stderr
   assert secret not in result.stdout + result.stderr
   commands = _commands(result.stdout)
