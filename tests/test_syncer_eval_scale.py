@@ -12,6 +12,7 @@ import pytest
 from decoupled_diloco import metrics as metrics_lib, model as model_lib
 from decoupled_diloco.data import sources
 from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.run import records
 from decoupled_diloco.service import runconfig, syncer_main
 from tests import service_config
 
@@ -34,7 +35,7 @@ def test_tpu_configs_keep_the_model_off_the_syncer_host(name, compile_log):
   config = importlib.import_module(f"configs.{name}").get_config()
   runconfig.validate(config)
   model, _, _ = model_lib.abstract_params(config.model)
-  assert syncer_main.build_evaluator(config, model, None, syncer_main.Recorder()) is None
+  assert syncer_main.build_evaluator(config, model, None, records.Recorder()) is None
   assert not _model_traces(compile_log)
   config.service.evaluate_on = "syncer"
   with pytest.raises(ConfigError, match=r"syncer host's CPU .* set --config.service.evaluate_on=none"):
@@ -53,7 +54,7 @@ def _merge_and_finish(config, tmp_path):
   model, params, _ = model_lib.build_model(config.model, config.seed)
   corpus = sources.load_corpus(config.data, config.model.seq_len, train=False)
   with metrics_lib.MetricsWriter(str(tmp_path)) as writer:
-    recorder = syncer_main.Recorder(writer)
+    recorder = records.Recorder(writer)
     evaluator = syncer_main.build_evaluator(config, model, corpus, recorder)
     core = syncer_main.build_core(config, params, str(tmp_path), recorder, evaluator)
     core.start(time.time())
