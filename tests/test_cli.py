@@ -154,6 +154,25 @@ def test_readme_launch_local_command_runs(tmp_path):
   _assert_service_run_finished(tmp_path / "local", 4)
 
 
+@pytest.mark.parametrize("command", [c for c in _doc_commands("experiments.launch_tpu") if "--dry_run" in c])
+def test_documented_launch_tpu_dry_runs_run(command, tmp_path):
+  """The README's and docs' TPU launch commands print their gcloud steps and touch nothing (no gcloud needed);
+  a SentencePiece model the command names as a placeholder is trained first, on a little text."""
+  if "--config.data.tokenizer_path=" in command:
+    text = tmp_path / "text.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog {i % 7}\n" for i in range(2000)))
+    made = subprocess.run([sys.executable, "-m", "experiments.train_tokenizer", f"--input={text}", "--vocab_size=300",
+                           f"--output={tmp_path / 'tok.model'}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    command = re.sub(r"--config\.data\.tokenizer_path=\S+", f"--config.data.tokenizer_path={tmp_path / 'tok.model'}",
+                     command)
+  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PATH": os.path.dirname(sys.executable)}
+  result = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "gcloud " in result.stdout, result.stdout[-2000:]
+
+
 @pytest.mark.parametrize("flag, message", [
     ("--config.outer.lrr=0.5", 'unknown config key outer.lrr: fix the --config.* override. Did you mean "lr"'),
     ("--config.inner.stpes=3", "unknown config key inner.stpes: fix the --config.* override"),
