@@ -2,6 +2,7 @@
 
 import os
 
+from decoupled_diloco import storage
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.experiment import Experiment
 
@@ -11,11 +12,10 @@ def fresh_workdir(workdir: str, resume: bool, no_resume: str) -> str:
   already holds a run, before anything is written; returns the checkpoints directory."""
   if resume:
     raise ConfigError(no_resume)
-  checkpoints = os.path.join(workdir, "checkpoints")
-  if os.path.isdir(checkpoints) and os.listdir(checkpoints):
+  checkpoints = storage.makedirs(workdir) / "checkpoints"
+  if checkpoints.is_dir() and any(checkpoints.iterdir()):
     raise ConfigError(f"workdir {workdir} already holds a run: pick a new --workdir")
-  os.makedirs(workdir, exist_ok=True)
-  return checkpoints
+  return os.fspath(checkpoints)
 
 
 def train_records(learner, outer_step: int, log_every: int, extra: dict) -> list[dict]:

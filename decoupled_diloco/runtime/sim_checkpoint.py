@@ -93,6 +93,7 @@ def save(checkpointer: checkpoint_lib.Checkpointer, simulation, done: bool = Fal
               "syncer_versions": exp.syncer.versions if exp.syncer is not None else None,
               "records": simulation.writer.records, "blob_bytes": int(blob.size), "done": done,
               **({"summary": summary} if summary is not None else {})}
+  simulation.writer.sync()  # The records the metadata counts are durable before the checkpoint is.
   checkpointer.save(sum(l.steps for l in exp.learners), {**lockstep.run_state(exp), BLOB: {"bytes": blob}}, metadata)
 
 
