@@ -91,7 +91,7 @@ class SyncerCore:
                checkpoint_every_merges: int, lease_seconds: float, metadata: dict, emit=None, on_merge=None,
                limits: limits_lib.PushLimits | None = None, downlink_format: str = "fp32",
                truncate_corrupt_log: bool = False, min_learners_to_start: int = 1,
-               start_timeout_seconds: float = 600.0):
+               start_timeout_seconds: float = 600.0, wal_dir: str | None = None):
     self.syncer, self.num_learners, self.budget_steps = syncer, num_learners, budget_steps
     # Start barrier: joins wait until this many learners joined (1 = none), or the timeout since start().
     self.min_learners_to_start = min_learners_to_start
@@ -126,7 +126,7 @@ class SyncerCore:
     self._checkpoint_retry_at = 0.0  # After a failed save, not before this time.
     self._fragment_cache: dict[int, tuple[int, list]] = {}  # fragment -> (its version, encoded Θ_p)
     self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(directory, "checkpoints"), max_to_keep=2)
-    self.wal_dir = os.path.join(directory, "wal")
+    self.wal_dir = wal_dir or os.path.join(directory, "wal")  # Local disk (fsync): service.local_dir for gs://.
     self.log: wal.Log | None = None
     self.truncate_corrupt_log = truncate_corrupt_log  # The operator gives up records after a corrupt one.
     self.failed: Stopped | None = None  # Set once the log failed: fail-stop, the process must exit.

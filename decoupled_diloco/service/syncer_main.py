@@ -19,7 +19,7 @@ import jax
 
 from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import compression, experiment, fragments, metrics as metrics_lib, model as model_lib, outer
-from decoupled_diloco import workdir_lock
+from decoupled_diloco import storage, workdir_lock
 from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import sources
 from decoupled_diloco.data import tokenizer as tokenizer_lib
@@ -94,7 +94,8 @@ class Evaluator:
     self._thread.join()
 
 
-def build_core(config, params, workdir: str, recorder: Recorder, evaluator: Evaluator) -> core_lib.SyncerCore:
+def build_core(config, params, workdir: str, recorder: Recorder, evaluator: Evaluator,
+               wal_dir: str | None = None) -> core_lib.SyncerCore:
   """The syncer (same state machine as the simulator's) wrapped for the service; evals every
   eval_every × inner_steps × Σ batch tokens, as the simulator does."""
   num_learners = len(config.learners.devices)
@@ -116,7 +117,7 @@ def build_core(config, params, workdir: str, recorder: Recorder, evaluator: Eval
                              emit=recorder.write, on_merge=on_merge,
                              limits=limits.PushLimits.from_config(config, runconfig.budget_steps(config)),
                              downlink_format=config.compression.downlink_format,
-                             truncate_corrupt_log=config.service.truncate_corrupt_log,
+                             truncate_corrupt_log=config.service.truncate_corrupt_log, wal_dir=wal_dir,
                              min_learners_to_start=config.syncer.min_learners_to_start or num_learners,
                              start_timeout_seconds=config.syncer.start_timeout_seconds)
   return core
@@ -144,25 +145,26 @@ def run(config, workdir: str) -> dict:
   tokenizer_lib.resolve_model_vocab(config)
   model, params, _ = model_lib.build_model(config.model, config.seed)
   corpus = sources.load_corpus(config.data, config.model.seq_len, train=False)  # Eval text only.
+  local = storage.local_dir(workdir, config.service.local_dir, "the syncer's write-ahead log and lock")
   check_same_layout(config, os.path.join(workdir, "checkpoints"))
-  lock = workdir_lock.DirectoryLock(workdir, "syncer.lock", "syncer")  # One syncer per workdir, before any write.
+  lock = workdir_lock.DirectoryLock(local, "syncer.lock", "syncer")  # One syncer per workdir, before any write.
   try:
-    checkpoints = os.path.join(workdir, "checkpoints")
-    if os.path.isdir(checkpoints) and os.listdir(checkpoints) and not config.resume:
+    checkpoints = storage.path(workdir) / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()) and not config.resume:
       raise ConfigError(f"workdir {workdir} already holds a syncer run: pass --config.resume=True to continue it "
                         "(launch_local does on restarts), or pick a new --workdir")
-    return _serve(config, workdir, token, credentials, model, params, corpus)
+    return _serve(config, workdir, local, token, credentials, model, params, corpus)
   finally:
     lock.release()
 
 
-def _serve(config, workdir: str, token: str, credentials, model, params, corpus) -> dict:
+def _serve(config, workdir: str, local: str, token: str, credentials, model, params, corpus) -> dict:
   """The syncer's life in a workdir it holds: restore, serve, finish."""
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   recorder = Recorder()
   evaluator = Evaluator(config, model, corpus, recorder)
-  core = build_core(config, params, workdir, recorder, evaluator)
+  core = build_core(config, params, workdir, recorder, evaluator, wal_dir=os.path.join(local, "wal"))
   try:
     try:
       step = core.start(time.time())
@@ -212,7 +214,7 @@ def check_same_layout(config, checkpoints: str) -> None:
   Why before restoring: orbax would fail deep inside with advice (partial restore) that is
   wrong here; the field that changed is what the operator needs to know.
   """
-  if not os.path.isdir(checkpoints):
+  if not storage.path(checkpoints).is_dir():
     return
   with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
     for step in reversed(checkpointer.all_steps()):
