@@ -23,11 +23,15 @@ from typing import IO
 os.environ.setdefault("EPATH_USE_TF", "false")  # Before epath picks (and caches) its gs:// backend.
 
 from etils import epath  # pylint: disable=g-import-not-at-top,wrong-import-position
+import fsspec  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tensorboardX.record_writer  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from decoupled_diloco.errors import ConfigError  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 REMOTE_SCHEMES = ("gs",)
+# gcsfs caches directory listings by default, but other processes and TensorStore (orbax's arrays)
+# write to the bucket behind its back: a cached listing would hide their objects.
+fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache", False)
 # 'scheme:/' at the start of a path: a URL, or a mangled one ('gs:/BUCKET' after os.path.normpath).
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/")
 

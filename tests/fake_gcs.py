@@ -77,7 +77,7 @@ def fake_gcs():
   try:
     _wait_until_serving(url, server)
     os.environ.update(env)
-    fsspec.config.conf["gcs"] = {"token": "anon"}  # fsspec read FSSPEC_GCS_TOKEN at its import, maybe before.
+    fsspec.config.conf["gcs"] = {**(saved_conf or {}), "token": "anon"}  # fsspec read FSSPEC_GCS_TOKEN at import.
     request = urllib.request.Request(f"{url}/storage/v1/b?project=test", method="POST",
                                      data=json.dumps({"name": BUCKET}).encode(),
                                      headers={"Content-Type": "application/json"})
