@@ -126,9 +126,10 @@ class ObjectAppender:
 
   def __init__(self, location: epath.Path, binary: bool, interval: float):
     self._path, self._binary, self._interval = location, binary, interval
-    self._data = bytearray(location.read_bytes() if location.exists() else b"")
-    self._uploaded = time.monotonic()
-    self._dirty = not location.exists()  # A new file is created at the first flush even if empty.
+    if not location.exists():
+      location.write_bytes(b"")  # Exists once opened, as a local file does (readers may look for it).
+    self._data = bytearray(location.read_bytes())
+    self._uploaded, self._dirty = time.monotonic(), False
 
   def write(self, data) -> int:
     """Appends `data` (bytes in binary mode, str otherwise) to the in-memory object."""

@@ -137,6 +137,7 @@ def clock(core: core_lib.SyncerCore, version: int, now: float) -> dict:
 def run(config, workdir: str) -> dict:
   """Serves until the budget is spent and every learner heard so (or linger_seconds passed); returns the summary."""
   runconfig.validate(config)
+  local = storage.local_dir(workdir, config.service.local_dir, "the syncer's write-ahead log and lock")
   token = security.load_token(config.service.token_file)
   credentials = security.server_credentials(config.service.tls_cert, config.service.tls_key)
   # Everything that can refuse the run comes before the first write: a refused start leaves no
@@ -145,7 +146,6 @@ def run(config, workdir: str) -> dict:
   tokenizer_lib.resolve_model_vocab(config)
   model, params, _ = model_lib.build_model(config.model, config.seed)
   corpus = sources.load_corpus(config.data, config.model.seq_len, train=False)  # Eval text only.
-  local = storage.local_dir(workdir, config.service.local_dir, "the syncer's write-ahead log and lock")
   check_same_layout(config, os.path.join(workdir, "checkpoints"))
   lock = workdir_lock.DirectoryLock(local, "syncer.lock", "syncer")  # One syncer per workdir, before any write.
   try:
