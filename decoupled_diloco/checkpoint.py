@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from decoupled_diloco import storage
 
 PyTree = Any
 
@@ -125,11 +126,12 @@ class Checkpointer:
         enable_async_checkpointing=False,
         create=True,
     )
-    self._manager = ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), options=options)
+    # storage.path: an absolute local path or gs://...; any other scheme is refused, never made local.
+    self._manager = ocp.CheckpointManager(storage.path(directory), options=options)
 
   @property
   def directory(self) -> str:
-    """Where the step directories live (absolute)."""
+    """Where the step directories live (absolute, or a gs:// URL)."""
     return os.fspath(self._manager.directory)
 
   def save(self, step: int, state: dict[str, PyTree], metadata: dict) -> None:
@@ -146,7 +148,11 @@ class Checkpointer:
       self._manager.wait_until_finished()
     except Exception:
       # A failed save (e.g. a full disk) leaves its tmp dir behind: free that space now, not at the next start.
-      shutil.rmtree(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp"), ignore_errors=True)
+      tmp = self._manager.directory / f"{step}.orbax-checkpoint-tmp"
+      try:
+        tmp.rmtree(missing_ok=True)
+      except OSError:
+        pass  # The save's own error is the one to report; orbax removes the rest at the next start.
       raise
 
   def all_steps(self) -> list[int]:
@@ -197,11 +203,10 @@ class Checkpointer:
     same step, and `latest_step`, must not meet it.
     """
     self._check_step(step)
-    source = os.path.join(self.directory, str(step))
-    target = f"{source}.corrupt"
-    os.rename(source, target)
+    source = self._manager.directory / str(step)
+    target = source.rename(f"{source}.corrupt")
     self._manager.reload()
-    return target
+    return os.fspath(target)
 
   def _check_step(self, step: int) -> None:
     """Names the available steps instead of surfacing a deep orbax path error."""

@@ -33,8 +33,12 @@ from typing import Any
 import numpy as np
 import tensorboardX
 
+from decoupled_diloco import storage
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+# A gs:// metrics.jsonl is re-uploaded whole at most this often (and by sync/close): objects cannot be appended to.
+UPLOAD_SECONDS = 30.0
 # Fields that locate a record rather than measure something; never plotted.
 _INDEX_FIELDS = ("kind", "outer_step", "inner_step", "learner")
 
@@ -90,13 +94,17 @@ def _integer_histogram(counts: collections.Counter) -> dict:
 
 
 def read_metrics(path) -> list[dict]:
-  """All records of a metrics.jsonl file, in write order.
+  """All records of a metrics.jsonl file (local or gs://), in write order."""
+  return _parse(storage.path(path).read_text(encoding="utf-8"), path)
+
+
+def _parse(text: str, path) -> list[dict]:
+  """The records of a metrics.jsonl file's text.
 
   Why lenient about the last line only: a crash can cut the final write short, and
   that torn record was never acknowledged; a malformed line anywhere else is corruption.
   """
-  with open(path, encoding="utf-8") as f:
-    lines = f.read().split("\n")
+  lines = text.split("\n")
   records = []
   for index, line in enumerate(lines):
     if not line.strip():
@@ -110,27 +118,20 @@ def read_metrics(path) -> list[dict]:
   return records
 
 
-def _drop_torn_tail(path: str) -> None:
-  """Cuts a final line that a crash left without its newline, so appends start clean."""
-  with open(path, "rb+") as f:
-    data = f.read()
-    cut = data.rfind(b"\n") + 1
-    if cut != len(data):
-      f.truncate(cut)
-
-
-def _truncate(path: str, last_outer_step: int | None, keep_records: int | None = None) -> list[dict]:
-  """Keeps records with outer_step <= last_outer_step, or the first `keep_records` records (a
-  runtime whose records do not follow outer steps); atomic via a temp file + os.replace."""
-  kept = read_metrics(path)
-  kept = kept[:keep_records] if keep_records is not None else [r for r in kept if r["outer_step"] <= last_outer_step]
-  tmp_path = path + ".tmp"
-  with open(tmp_path, "w", encoding="utf-8") as f:
-    for record in kept:
-      f.write(json.dumps(record, sort_keys=True) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp_path, path)
+def _kept_records(path, last_outer_step: int | None, keep_records: int | None, truncating: bool) -> list[dict]:
+  """The records a reopened writer keeps: all, those with outer_step <= last_outer_step, or the first
+  `keep_records` (a runtime whose records do not follow outer steps). A final line without its newline
+  (a crash cut it) is dropped. The file is rewritten atomically when anything is dropped, so appends
+  start clean."""
+  text = storage.path(path).read_text(encoding="utf-8")
+  whole = text[:text.rfind("\n") + 1]
+  records = _parse(whole, path)
+  kept = records
+  if truncating:
+    kept = records[:keep_records] if keep_records is not None else [r for r in records
+                                                                      if r["outer_step"] <= last_outer_step]
+  if len(whole) != len(text) or len(kept) != len(records):
+    storage.replace_text(path, "".join(json.dumps(record, sort_keys=True) + "\n" for record in kept))
   return kept
 
 
@@ -144,20 +145,18 @@ class MetricsWriter:
   """
 
   def __init__(self, workdir, resume_from_step: int | None = None, keep_records: int | None = None):
-    workdir = os.fspath(workdir)
-    os.makedirs(workdir, exist_ok=True)
-    self.path = os.path.join(workdir, METRICS_FILE)
+    directory = storage.makedirs(workdir)
+    self.path = os.fspath(directory / METRICS_FILE)
     kept = []
     truncating = resume_from_step is not None or keep_records is not None
-    if os.path.exists(self.path):
-      _drop_torn_tail(self.path)
-      kept = _truncate(self.path, resume_from_step, keep_records) if truncating else read_metrics(self.path)
+    if storage.path(self.path).exists():
+      kept = _kept_records(self.path, resume_from_step, keep_records, truncating)
     self.records = len(kept)  # In the file so far: kept ones and those written since.
     self._purge_step = None
     if truncating:
       self._purge_step = max((_x_axis(r) for r in kept), default=-1) + 1
-    self._file = open(self.path, "a", encoding="utf-8")
-    self._tb_dir = os.path.join(workdir, TENSORBOARD_DIR)
+    self._file = storage.open_append(self.path, interval=UPLOAD_SECONDS)
+    self._tb_dir = os.fspath(directory / TENSORBOARD_DIR)
     self._tb_runs: dict[str, tensorboardX.SummaryWriter] = {}
     self._tb_run("")
     # Staleness of the pushes so far, per TensorBoard run, for the cumulative histograms.
@@ -172,7 +171,7 @@ class MetricsWriter:
       # a resume within the same second would overwrite the crashed run's file. A
       # nanosecond suffix keeps names unique and in write order, as TensorBoard reads them.
       self._tb_runs[run] = tensorboardX.SummaryWriter(
-          logdir=os.path.join(self._tb_dir, run) if run else self._tb_dir,
+          logdir=f"{self._tb_dir}/{run}" if run else self._tb_dir,
           purge_step=self._purge_step,
           flush_secs=30,
           filename_suffix=f".{time.time_ns()}",
@@ -203,6 +202,14 @@ class MetricsWriter:
     for run in self._count_staleness(record):
       self._tb_run(run).add_histogram_raw("push/staleness_distribution", global_step=step,
                                           **_integer_histogram(self._staleness[run]))
+
+  def sync(self) -> None:
+    """Makes every record written so far durable (fsync, or an upload of a remote file).
+
+    Why: runtimes call it right before saving a checkpoint, so a run resumed from that
+    checkpoint finds every record up to it, also on a gs:// workdir that uploads in batches.
+    """
+    storage.sync(self._file)
 
   def close(self) -> None:
     """Flushes and closes both outputs."""

@@ -33,7 +33,8 @@ from experiments import startup
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/demo.py", "Experiment config file (a configs/*.py with get_config()).", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where metrics.jsonl, TensorBoard events and checkpoints go.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where metrics.jsonl, TensorBoard events and checkpoints go: a "
+                                "local directory or gs://BUCKET/PATH (docs/storage.md).")
 flags.mark_flag_as_required("workdir")
 _ROLE = flags.DEFINE_enum("role", "local", ["local", "syncer", "learner"],
                           "local: the whole run in this process (config.runtime); syncer / learner: one process "
@@ -67,6 +68,11 @@ def main(argv: list[str]) -> None:
   del argv
   quiet_library_logs()
   config = load_config()
+  from decoupled_diloco import storage  # pylint: disable=g-import-not-at-top
+  try:
+    storage.path(_WORKDIR.value)  # A workdir the file-system layer cannot open is refused before any work.
+  except ValueError as error:
+    cli.fail(error)
   # Virtual CPU devices must be requested before JAX's CPU backend starts; on TPU
   # hosts this only sizes the (unused) CPU backend.
   try:

@@ -11,6 +11,7 @@ every field is there, null where the runtime does not measure it.
 
 import collections
 import csv
+import io
 import os
 import statistics
 import textwrap
@@ -18,7 +19,7 @@ import textwrap
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from decoupled_diloco import metrics
+from decoupled_diloco import metrics, storage
 from decoupled_diloco.errors import ConfigError
 
 # Summary figures of one run, in table (and results.csv) order.
@@ -41,13 +42,14 @@ def find_runs(paths: list[str]) -> dict[str, str]:
   """
   runs = {}
   for path in paths:
-    if not os.path.exists(path):
+    root = storage.path(path)
+    if not root.exists():
       raise ConfigError(f"{path} does not exist: pass a run's --workdir or a sweep's")
-    if os.path.exists(os.path.join(path, metrics.METRICS_FILE)):
+    if (root / metrics.METRICS_FILE).exists():
       found = [path]
     else:
-      entries = sorted(os.listdir(path)) if os.path.isdir(path) else []
-      subdirs = [d for d in entries if os.path.exists(os.path.join(path, d, metrics.METRICS_FILE))]
+      entries = sorted(entry.name for entry in root.iterdir()) if root.is_dir() else []
+      subdirs = [d for d in entries if (root / d / metrics.METRICS_FILE).exists()]
       order = _sweep_order(path)
       found = [os.path.join(path, d) for d in sorted(subdirs, key=lambda d: order.get(d, len(order)))]
     if not found:
@@ -59,11 +61,11 @@ def find_runs(paths: list[str]) -> dict[str, str]:
 
 
 def _sweep_order(root: str) -> dict[str, int]:
-  path = os.path.join(root, "results.csv")
-  if not os.path.exists(path):
+  path = storage.path(root) / "results.csv"
+  if not path.exists():
     return {}
-  with open(path, encoding="utf-8", newline="") as f:
-    return {row["name"]: index for index, row in enumerate(csv.DictReader(f))}
+  rows = csv.DictReader(io.StringIO(path.read_text(encoding="utf-8"), newline=""))
+  return {row["name"]: index for index, row in enumerate(rows)}
 
 
 def load_runs(paths: list[str]) -> dict[str, list[dict]]:
@@ -249,14 +251,14 @@ def figures(runs: dict[str, list[dict]]) -> dict[str, Figure]:
 
 def write_report(runs: dict[str, list[dict]], out_dir: str) -> list[str]:
   """Saves every plot as PNG and report.md (the table, then the plots); returns the paths written."""
-  os.makedirs(out_dir, exist_ok=True)
+  storage.makedirs(out_dir)
   paths, sections = [], []
   for stem, figure in figures(runs).items():
     paths.append(os.path.join(out_dir, f"{stem}.png"))
-    figure.savefig(paths[-1], dpi=110)
+    with storage.path(paths[-1]).open("wb") as f:  # A file object: matplotlib itself only writes local paths.
+      figure.savefig(f, format="png", dpi=110)
     sections.append(f"## {PLOTS[stem][0]}\n\n![{stem}]({stem}.png)\n")
   table = markdown_table({name: summarize_run(records) for name, records in runs.items()})
   paths.append(os.path.join(out_dir, "report.md"))
-  with open(paths[-1], "w", encoding="utf-8") as f:
-    f.write(f"# Report: {len(runs)} run(s)\n\n{table}\n" + "\n".join(sections))
+  storage.path(paths[-1]).write_text(f"# Report: {len(runs)} run(s)\n\n{table}\n" + "\n".join(sections))
   return paths

@@ -23,6 +23,7 @@ import dataclasses
 import difflib
 import hashlib
 import importlib.util
+import io
 import itertools
 import json
 import os
@@ -35,7 +36,7 @@ from absl import logging
 import ml_collections
 import numpy as np
 
-from decoupled_diloco import experiment, metrics
+from decoupled_diloco import experiment, metrics, storage
 from decoupled_diloco.research import report
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.runtime import lockstep, sim, threads
@@ -222,16 +223,15 @@ def run_point(point: Point, workdir: str) -> dict:
   """Trains one point in `workdir` as experiments.train would; returns its summary figures."""
   exp = experiment.build(point.config)
   RUNTIMES[point.config.runtime].run(exp, workdir)
-  return report.summarize_run(metrics.read_metrics(os.path.join(workdir, metrics.METRICS_FILE)))
+  return report.summarize_run(metrics.read_metrics(storage.path(workdir) / metrics.METRICS_FILE))
 
 
 def _finished_row(point: Point, workdir: str) -> dict | None:
   """The stored result of an earlier run of exactly this point's config, if it finished."""
-  path = os.path.join(workdir, POINT_FILE)
-  if not os.path.exists(path):
+  path = storage.path(workdir) / POINT_FILE
+  if not path.exists():
     return None
-  with open(path, encoding="utf-8") as f:
-    stored = json.load(f)
+  stored = json.loads(path.read_text(encoding="utf-8"))
   return stored["row"] if stored["config"] == point.config.to_json(sort_keys=True) else None
 
 
@@ -244,8 +244,8 @@ def _run_row(point: Point, workdir: str) -> dict:
     logging.error("sweep point %s failed: %s", point.name, error)
     return {"status": "failed", "error": str(error), "seconds": round(time.time() - begin, 1)}
   row["seconds"] = round(time.time() - begin, 1)
-  with open(os.path.join(workdir, POINT_FILE), "w", encoding="utf-8") as f:
-    json.dump({"config": point.config.to_json(sort_keys=True), "row": row}, f, indent=1)
+  storage.replace_text(storage.path(workdir) / POINT_FILE,
+                       json.dumps({"config": point.config.to_json(sort_keys=True), "row": row}, indent=1))
   return row
 
 
@@ -253,14 +253,13 @@ def write_results(path: str, points: list[Point], rows: dict[str, dict]) -> None
   """results.csv: one row per point (its overrides, status and summary figures), atomically."""
   keys = list(dict.fromkeys(key for point in points for key in point.overrides))
   columns = ["name", *keys, "status", *report.SUMMARY_FIELDS, "seconds", "error"]
-  tmp_path = path + ".tmp"
-  with open(tmp_path, "w", encoding="utf-8", newline="") as f:
-    writer = csv.DictWriter(f, columns, extrasaction="ignore")
-    writer.writeheader()
-    for point in points:
-      row = {"name": point.name, **{k: flag_value(v) for k, v in point.overrides.items()}, **rows[point.name]}
-      writer.writerow({k: "" if v is None else v for k, v in row.items()})
-  os.replace(tmp_path, path)
+  text = io.StringIO(newline="")
+  writer = csv.DictWriter(text, columns, extrasaction="ignore")
+  writer.writeheader()
+  for point in points:
+    row = {"name": point.name, **{k: flag_value(v) for k, v in point.overrides.items()}, **rows[point.name]}
+    writer.writerow({k: "" if v is None else v for k, v in row.items()})
+  storage.replace_text(path, text.getvalue())
 
 
 def run_sweep(points: list[Point], root: str) -> list[dict]:
@@ -269,7 +268,7 @@ def run_sweep(points: list[Point], root: str) -> list[dict]:
   results.csv is rewritten after every point, so an interrupted sweep keeps what finished,
   and a rerun reuses every point whose workdir holds a finished run of the same config.
   """
-  os.makedirs(root, exist_ok=True)
+  root = storage.makedirs(root)
   rows = {point.name: {"status": "pending"} for point in points}
   begin = time.time()
   for index, point in enumerate(points):
@@ -277,12 +276,12 @@ def run_sweep(points: list[Point], root: str) -> list[dict]:
     eta = f" | eta {metrics.format_duration(elapsed / index * (len(points) - index))}" if index else ""
     logging.info("sweep %s | running %s | elapsed %s%s", progress_bar(index, len(points)), point.name,
                  metrics.format_duration(elapsed), eta)
-    workdir = os.path.join(root, point.name)
+    workdir = os.fspath(root / point.name)
     finished = _finished_row(point, workdir)
     if finished is not None:
       logging.info("sweep point %s already finished in %s: reusing its result", point.name, workdir)
     rows[point.name] = finished or _run_row(point, workdir)
-    write_results(os.path.join(root, RESULTS_FILE), points, rows)
+    write_results(os.fspath(root / RESULTS_FILE), points, rows)
   logging.info("sweep %s | done in %s", progress_bar(len(points), len(points)),
                metrics.format_duration(time.time() - begin))
   return [rows[point.name] for point in points]

@@ -9,6 +9,7 @@ import os
 import threading
 
 from decoupled_diloco import metrics as metrics_lib
+from decoupled_diloco import storage
 from decoupled_diloco.errors import ConfigError
 
 # Per learner group, at the run's end. Seconds are virtual under sim, wall-clock otherwise.
@@ -79,11 +80,10 @@ def fresh_workdir(workdir: str, resume: bool, no_resume: str) -> str:
   already holds a run, before anything is written; returns the checkpoints directory."""
   if resume:
     raise ConfigError(no_resume)
-  checkpoints = os.path.join(workdir, "checkpoints")
-  if os.path.isdir(checkpoints) and os.listdir(checkpoints):
+  checkpoints = storage.makedirs(workdir) / "checkpoints"
+  if checkpoints.is_dir() and any(checkpoints.iterdir()):
     raise ConfigError(f"workdir {workdir} already holds a run: pick a new --workdir")
-  os.makedirs(workdir, exist_ok=True)
-  return checkpoints
+  return os.fspath(checkpoints)
 
 
 def train_records(learner, outer_step: int, log_every: int, extra: dict) -> list[dict]:

@@ -6,7 +6,6 @@ step, so groups on disjoint meshes compute concurrently; the only host syncs are
 round ends. Under ddp there is one group and no syncer: a round is just H steps.
 """
 
-import os
 import time
 
 from absl import logging
@@ -14,6 +13,7 @@ import jax
 
 from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import metrics as metrics_lib
+from decoupled_diloco import storage
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.experiment import Experiment
 from decoupled_diloco.run import evaluator, records, schedule, state
@@ -50,8 +50,7 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
   """
   config = exp.config
   schedule.require_supported(config.mode, "lockstep")
-  os.makedirs(workdir, exist_ok=True)
-  checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
+  checkpointer = checkpoint_lib.Checkpointer(storage.makedirs(workdir) / "checkpoints")
   start = checkpointer.latest_step() or 0
   if start and not config.resume:
     checkpointer.close()
@@ -83,6 +82,7 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
         eval_loss = record["eval_loss"]
         writer.write(record)
       if outer_step % config.checkpoint_every == 0 or outer_step == last:
+        writer.sync()  # Every record up to this checkpoint is durable before it is.
         state.save(checkpointer, exp, outer_step, state.metadata(exp, outer_step))
       round_time = time.time() - round_begin
       logging.info("%s", metrics_lib.format_progress(

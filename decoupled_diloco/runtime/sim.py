@@ -23,7 +23,6 @@ import collections
 import dataclasses
 import heapq
 import itertools
-import os
 import time
 
 from absl import logging
@@ -34,6 +33,7 @@ from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import compression, fragments
 from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco import policy as policy_lib
+from decoupled_diloco import storage
 from decoupled_diloco.costmodel.link import Link
 from decoupled_diloco.experiment import Experiment
 from decoupled_diloco.run import account as account_lib
@@ -342,8 +342,7 @@ def run(exp: Experiment, workdir: str) -> dict:
   """Simulates `exp` in `workdir`, checkpointing every checkpoint_every rounds' tokens and at the end;
   with resume=True continues from the latest checkpoint, writing exactly the records an
   uninterrupted run writes (those after the checkpoint are replaced). Returns the summary."""
-  os.makedirs(workdir, exist_ok=True)
-  with checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints")) as checkpointer:
+  with checkpoint_lib.Checkpointer(storage.makedirs(workdir) / "checkpoints") as checkpointer:
     resume_from = sim_checkpoint.latest(checkpointer, exp, workdir)
     # Without a checkpoint, a rerun after a crash drops every record of the crashed attempt.
     with metrics_lib.MetricsWriter(workdir, keep_records=resume_from["records"] if resume_from else 0) as writer:

@@ -90,6 +90,7 @@ def save(checkpointer: checkpoint_lib.Checkpointer, simulation, done: bool = Fal
   meta = state_lib.metadata(exp, exp.syncer.version if exp.syncer is not None else 0,
                             records=simulation.writer.records, blob_bytes=int(blob.size), done=done,
                             **({"summary": summary} if summary is not None else {}))
+  simulation.writer.sync()  # The records the metadata counts are durable before the checkpoint is.
   state_lib.save(checkpointer, exp, sum(l.steps for l in exp.learners), meta, **{BLOB: {"bytes": blob}})
 
 

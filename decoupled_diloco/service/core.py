@@ -56,7 +56,7 @@ class SyncerCore:
                checkpoint_every_merges: int, lease_seconds: float, metadata: dict, emit=None, on_merge=None,
                limits: limits_lib.PushLimits | None = None, downlink_format: str = "fp32",
                truncate_corrupt_log: bool = False, min_learners_to_start: int = 1,
-               start_timeout_seconds: float = 600.0):
+               start_timeout_seconds: float = 600.0, local_dir: str | None = None):
     self.syncer, self.num_learners, self.budget_steps = syncer, num_learners, budget_steps
     self.checkpoint_every, self.lease_seconds = checkpoint_every_merges, lease_seconds
     self.metadata = metadata  # Static facts saved with every checkpoint (e.g. the config).
@@ -82,7 +82,7 @@ class SyncerCore:
     self._unabsorbed: list[tuple[int, dict, wal.Location]] = []
     self._merges_since_checkpoint = 0
     self._checkpoint_due = False  # A checkpoint for the next tick (periodic, or the run's end).
-    self.store = durable.Store(directory, truncate_corrupt_log)
+    self.store = durable.Store(directory, truncate_corrupt_log, local_dir)
     self.syncer_incarnation = 0  # This process's start on the workdir (start() takes the next one).
 
   # Start, restore, checkpoint.

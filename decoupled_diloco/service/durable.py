@@ -20,6 +20,7 @@ import os
 from absl import logging
 
 from decoupled_diloco import checkpoint as checkpoint_lib
+from decoupled_diloco import storage
 from decoupled_diloco.service import wal
 
 CHECKPOINT_RETRY_SECONDS = 10.0  # Between attempts after a checkpoint save failed (e.g. a full disk).
@@ -33,10 +34,11 @@ class Stopped(RuntimeError):
 class Store:
   """The log and checkpoints of one syncer workdir; callers hold the core's lock."""
 
-  def __init__(self, directory: str, truncate_corrupt_log: bool = False):
-    self.directory = directory
-    self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(directory, "checkpoints"), max_to_keep=2)
-    self.wal_dir = os.path.join(directory, "wal")
+  def __init__(self, directory: str, truncate_corrupt_log: bool = False, local_dir: str | None = None):
+    self.directory = directory  # Checkpoints: local or gs:// (storage.py).
+    self.local_dir = local_dir or directory  # What needs fsync: the log and the incarnation (service.local_dir).
+    self.checkpointer = checkpoint_lib.Checkpointer(storage.path(directory) / "checkpoints", max_to_keep=2)
+    self.wal_dir = os.path.join(self.local_dir, "wal")
     self.log: wal.Log | None = None
     self.truncate_corrupt_log = truncate_corrupt_log  # The operator gives up records after a corrupt one.
     self.failed: Stopped | None = None  # Set once the log failed: fail-stop, the process must exit.
@@ -48,7 +50,7 @@ class Store:
     Why a file of its own, not a log record: it must never repeat, even after the operator
     truncated a corrupt log or restored an older checkpoint.
     """
-    path = os.path.join(self.directory, INCARNATION_FILE)
+    path = os.path.join(self.local_dir, INCARNATION_FILE)
     last = 0
     if os.path.exists(path):
       with open(path, encoding="utf-8") as f:
@@ -57,13 +59,13 @@ class Store:
         raise checkpoint_lib.CorruptCheckpoint(f"{path} holds {text[:40]!r}, not a number: write the highest "
                                                "syncer_incarnation learners have seen (or a larger one) into it")
       last = int(text)
-    os.makedirs(self.directory, exist_ok=True)
+    os.makedirs(self.local_dir, exist_ok=True)
     with open(f"{path}.tmp", "w", encoding="utf-8") as f:
       f.write(f"{last + 1}\n")
       f.flush()
       os.fsync(f.fileno())
     os.replace(f"{path}.tmp", path)
-    wal.fsync_directory(self.directory)
+    wal.fsync_directory(self.local_dir)
     return last + 1
 
   def open_fresh(self) -> None:

@@ -42,7 +42,7 @@ from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import experiment, fragments, metrics as metrics_lib
 from decoupled_diloco import model as model_lib
 from decoupled_diloco import policy as policy_lib
-from decoupled_diloco import workdir_lock
+from decoupled_diloco import storage, workdir_lock
 from decoupled_diloco.data import sources
 from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
@@ -113,7 +113,9 @@ class LearnerProcess:
     self.compute_since_push = [0.0] * self.learner.num_fragments  # A push's compute_seconds, per fragment.
     self.directory = os.path.join(workdir, f"learner_{index}")
     # Before anything in it is touched: a frozen predecessor's save in progress stays its own.
-    self.lock = workdir_lock.DirectoryLock(self.directory, f"learner.{jax.process_index()}.lock", f"learner {index}")
+    local = storage.local_dir(workdir, config.service.local_dir, "a learner's lock")
+    lock_dir = os.path.join(local, f"learner_{index}")
+    self.lock = workdir_lock.DirectoryLock(lock_dir, f"learner.{jax.process_index()}.lock", f"learner {index}")
     self.writer = metrics_lib.MetricsWriter(self.directory) if self.group.leader else None
     self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(self.directory, "checkpoints"), max_to_keep=1)
     self.exchanges = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="exchange")

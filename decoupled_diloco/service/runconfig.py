@@ -7,6 +7,7 @@ import jax
 import numpy as np
 
 from decoupled_diloco import model as model_lib
+from decoupled_diloco import storage
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.run import schedule
 from decoupled_diloco.service import settings
@@ -71,16 +72,12 @@ def max_payload_bytes(params) -> int:
 
 def write_address(workdir: str, address: str) -> None:
   """Publishes 'host:port' atomically, so a launcher never reads half of it."""
-  path = os.path.join(workdir, ADDRESS_FILE)
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    f.write(address)
-  os.replace(path + ".tmp", path)
+  storage.replace_text(os.path.join(workdir, ADDRESS_FILE), address)
 
 
 def read_address(workdir: str) -> str | None:
   """The address a syncer in `workdir` published, or None before it has."""
-  path = os.path.join(workdir, ADDRESS_FILE)
-  if not os.path.exists(path):
+  path = storage.path(workdir) / ADDRESS_FILE
+  if not path.exists():
     return None
-  with open(path, encoding="utf-8") as f:
-    return f.read().strip() or None
+  return path.read_text(encoding="utf-8").strip() or None

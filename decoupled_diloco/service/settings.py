@@ -36,6 +36,7 @@ class Settings:
   max_concurrent_rpcs: int          # Calls in the syncer at once (checked against its threads in runconfig).
   link_mbps: tuple                  # Per learner, pacing its data-channel traffic (checked in link.validate).
   link_latency_ms: tuple
+  local_dir: str                    # The log and locks when the workdir is gs:// (checked by storage.local_dir).
   evaluate_on: str                  # 'syncer' (this host runs the model's loss) or 'none' (no eval records).
   learner_checkpoint_every: int  # 0 = never.
 

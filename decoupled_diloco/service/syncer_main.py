@@ -18,7 +18,7 @@ import jax
 
 from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import experiment, metrics as metrics_lib, model as model_lib
-from decoupled_diloco import workdir_lock
+from decoupled_diloco import storage, workdir_lock
 from decoupled_diloco.data import sources
 from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
@@ -42,7 +42,7 @@ def build_evaluator(config, model, corpus, recorder: records.Recorder) -> evalua
 
 
 def build_core(config, params, workdir: str, recorder: records.Recorder,
-               evaluator: evaluator_lib.Evaluator | None) -> core_lib.SyncerCore:
+               evaluator: evaluator_lib.Evaluator | None, local_dir: str | None = None) -> core_lib.SyncerCore:
   """The syncer (built as the in-process runtimes build it) wrapped for the service; evals every
   plan.tokens_per_eval tokens, as the in-process runtimes do."""
   plan = schedule.RunPlan.from_config(config)
@@ -58,7 +58,7 @@ def build_core(config, params, workdir: str, recorder: records.Recorder,
                              emit=recorder.write, on_merge=on_merge,
                              limits=limits.PushLimits.from_config(config, plan.budget_steps),
                              downlink_format=config.compression.downlink_format,
-                             truncate_corrupt_log=config.service.truncate_corrupt_log,
+                             truncate_corrupt_log=config.service.truncate_corrupt_log, local_dir=local_dir,
                              min_learners_to_start=config.syncer.min_learners_to_start or plan.num_learners,
                              start_timeout_seconds=config.syncer.start_timeout_seconds)
   return core
@@ -73,6 +73,7 @@ def clock(core: core_lib.SyncerCore, version: int, now: float) -> dict:
 def run(config, workdir: str) -> dict:
   """Serves until the budget is spent and every learner heard so (or linger_seconds passed); returns the summary."""
   runconfig.validate(config)
+  local = storage.local_dir(workdir, config.service.local_dir, "the syncer's write-ahead log and lock")
   token = security.load_token(config.service.token_file)
   credentials = security.server_credentials(config.service.tls_cert, config.service.tls_key)
   # Everything that can refuse the run comes before the first write: a refused start leaves no
@@ -83,24 +84,24 @@ def run(config, workdir: str) -> dict:
   corpus = (sources.load_corpus(config.data, config.model.seq_len, train=False)  # Eval text only.
             if config.service.evaluate_on == "syncer" else None)
   check_same_layout(config, os.path.join(workdir, "checkpoints"))
-  lock = workdir_lock.DirectoryLock(workdir, "syncer.lock", "syncer")  # One syncer per workdir, before any write.
+  lock = workdir_lock.DirectoryLock(local, "syncer.lock", "syncer")  # One syncer per workdir, before any write.
   try:
-    checkpoints = os.path.join(workdir, "checkpoints")
-    if os.path.isdir(checkpoints) and os.listdir(checkpoints) and not config.resume:
+    checkpoints = storage.path(workdir) / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()) and not config.resume:
       raise ConfigError(f"workdir {workdir} already holds a syncer run: pass --config.resume=True to continue it "
                         "(launch_local does on restarts), or pick a new --workdir")
-    return _serve(config, workdir, token, credentials, model, params, corpus)
+    return _serve(config, workdir, local, token, credentials, model, params, corpus)
   finally:
     lock.release()
 
 
-def _serve(config, workdir: str, token: str, credentials, model, params, corpus) -> dict:
+def _serve(config, workdir: str, local: str, token: str, credentials, model, params, corpus) -> dict:
   """The syncer's life in a workdir it holds: restore, serve, finish."""
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   recorder = records.Recorder()
   evaluator = build_evaluator(config, model, corpus, recorder)
-  core = build_core(config, params, workdir, recorder, evaluator)
+  core = build_core(config, params, workdir, recorder, evaluator, local_dir=local)
   try:
     try:
       step = core.start(time.time())
@@ -153,7 +154,7 @@ def check_same_layout(config, checkpoints: str) -> None:
   Why before restoring: orbax would fail deep inside with advice (partial restore) that is
   wrong here; the field that changed is what the operator needs to know.
   """
-  if not os.path.isdir(checkpoints):
+  if not storage.path(checkpoints).is_dir():
     return
   with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
     for step in reversed(checkpointer.all_steps()):
