@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tensorboardX.proto import event_pb2
 
-from decoupled_diloco import report, storage, sweep
+from decoupled_diloco import storage
+from decoupled_diloco.research import report, sweep
 from decoupled_diloco.checkpoint import Checkpointer, abstract_like
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.metrics import MetricsWriter, read_metrics
