@@ -62,8 +62,10 @@ def calibrate(slowdown: float) -> tuple[float, int]:
   common.use_virtual_devices(2)
   import jax  # pylint: disable=g-import-not-at-top
   from configs import demo  # pylint: disable=g-import-not-at-top
-  from decoupled_diloco.service import learner_main  # pylint: disable=g-import-not-at-top
-  learner, _ = learner_main.build_learner(demo.get_config(), 0)
+  from decoupled_diloco.run import schedule  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.service import group, learner_main  # pylint: disable=g-import-not-at-top
+  config = demo.get_config()
+  learner = learner_main.build_learner(config, schedule.RunPlan.from_config(config), 0, group.GroupLink())
   model_bytes = sum(x.nbytes for x in jax.tree.leaves(learner.state.params))
   for _ in range(3):  # Compiles.
     learner.timed_step()
