@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from decoupled_diloco import accumulate, compression, fragments, merge, outer
+from decoupled_diloco import accumulate, compression, fragments, merge
 from decoupled_diloco.errors import ConfigError
 
 
@@ -211,10 +211,6 @@ class Syncer:
     """
     read_only = all(isinstance(x, np.ndarray) and not x.flags.writeable for x in jax.tree.leaves(tree))
     return jax.device_put(tree, self.device, may_alias=True if read_only else None)
-
-  def pseudo_gradient(self, anchor, local_params):
-    """Δ_m = Θ_anchor − θ_m, computed on the host from the learner's current params."""
-    return _jit_pseudo_gradient(anchor, self.to_host(local_params))
 
   def validate(self, push: Push) -> None:
     """Raises PushRejected, naming the problem, for anything that must not be merged."""
@@ -412,9 +408,6 @@ class Syncer:
   def _xi_update(self, name: str, seconds: float) -> None:
     a = self.settings.ema
     self._xi[name] = seconds if self._xi[name] == 0 else (1 - a) * self._xi[name] + a * seconds
-
-
-_jit_pseudo_gradient = jax.jit(outer.pseudo_gradient)
 
 
 @jax.jit

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from decoupled_diloco import compression, experiment, fragments, model as model_lib
+from decoupled_diloco import compression, experiment, fragments, model as model_lib, outer
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.runtime import sim
 from decoupled_diloco.syncer import Push, PushRejected, Settings, Syncer
@@ -91,10 +91,10 @@ def test_fragmented_syncer_equals_the_whole_model_syncer_when_every_fragment_syn
   for round_ in range(3):
     for learner in (0, 1):
       local = jax.tree.map(lambda x: x - 0.1 * (learner + 1) * (round_ + 1), whole.params)
-      whole.receive(Push(learner, whole.pseudo_gradient(whole.params, local), round_, 10, 2), now=0.0)
+      whole.receive(Push(learner, outer.pseudo_gradient(whole.params, local), round_, 10, 2), now=0.0)
       for p in range(3):
         anchor = fragments.select(streamed.params, streamed.assignment, p)
-        delta = streamed.pseudo_gradient(anchor, fragments.select(local, streamed.assignment, p))
+        delta = outer.pseudo_gradient(anchor, fragments.select(local, streamed.assignment, p))
         streamed.receive(Push(learner, delta, round_, 10, 2, fragment=p), now=0.0)
   assert streamed.versions == (3, 3, 3) and streamed.version == 9 and whole.version == 3
   chex.assert_trees_all_close(streamed.params, whole.params, rtol=1e-6)

@@ -30,7 +30,7 @@ def test_outer_sgd_lr1_without_momentum_makes_theta_the_weighted_mean(tokens, ex
   syncer = _syncer(token_weighting="tokens")
   for learner, (value, n) in enumerate(zip((1.0, 2.0, 3.0), tokens)):
     theta = _tree(10.0 - value)
-    syncer.receive(Push(learner, syncer.pseudo_gradient(syncer.params, theta), 0, n, 1), now=0.0)
+    syncer.receive(Push(learner, outer.pseudo_gradient(syncer.params, theta), 0, n, 1), now=0.0)
   chex.assert_trees_all_close(syncer.params, _tree(expected), atol=1e-6)
   assert syncer.version == 1
 
