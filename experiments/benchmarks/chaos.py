@@ -65,9 +65,9 @@ _SIZES = {
              "every": 10.0, "min_uptime": 30.0, "timeout": 900.0},
     "tiny": {"overrides": ("--config.model.seq_len=16", "--config.model.d_model=32",
                            "--config.model.num_layers=1", "--config.model.num_heads=2", "--config.model.d_ff=64",
-                           "--config.learners.batch_size=(4,4)", "--config.outer_steps=60",
+                           "--config.learners.batch_size=(4,4)", "--config.outer_steps=150",
                            "--config.inner_steps=20", "--config.data.synthetic.num_tokens=30000"),
-             "every": 6.0, "min_uptime": 20.0, "timeout": 600.0},
+             "every": 2.0, "min_uptime": 5.0, "timeout": 600.0},
 }
 
 
