@@ -103,7 +103,7 @@ class LocalCluster:
     address_file = os.path.join(self.workdir, "syncer_address")
     args = ["--role=syncer"]
     if self.address is None:
-      self.address = f"{self.host}:{self.port or _free_port(self.host)}"
+      self.address = f"{self.host}:{self.port or free_port(self.host)}"
     else:  # A restart: resume from the checkpoint and the log.
       args.append("--config.resume=True")
     args.append(f"--config.service.port={self.address.rsplit(':', 1)[1]}")
@@ -113,8 +113,10 @@ class LocalCluster:
     deadline = time.monotonic() + timeout
     while wait and not os.path.exists(address_file):
       if process.poll() is not None:
-        raise RuntimeError(f"the syncer exited with {process.returncode} before serving: see "
-                           f"{self.workdir}/logs/syncer.log")
+        log = os.path.join(self.workdir, "logs", "syncer.log")
+        with open(log, errors="replace") as text:
+          tail = "".join(text.readlines()[-15:])
+        raise RuntimeError(f"the syncer exited with {process.returncode} before serving; the end of {log}:\n{tail}")
       if time.monotonic() > deadline:
         raise TimeoutError(f"the syncer did not publish its address within {timeout:.0f}s")
       time.sleep(0.1)
@@ -128,7 +130,7 @@ class LocalCluster:
     if count == 1:
       self._spawn(f"learner_{index}", self._command(*args), env)
       return
-    coordinator = f"127.0.0.1:{_free_port('127.0.0.1')}"
+    coordinator = f"127.0.0.1:{free_port('127.0.0.1')}"
     for k in range(count):
       self._spawn(f"learner_{index}.p{k}", self._command(*args, f"--group_coordinator={coordinator}",
                                                          f"--group_processes={count}", f"--group_process_id={k}"),
@@ -232,9 +234,27 @@ def _validate(config) -> None:
     cli.fail(f"--processes_per_group={_PROCESSES_PER_GROUP.value} must be >= 1")
 
 
-def _free_port(host: str) -> int:
-  """A port nobody listens on right now (the OS picks it)."""
-  with socket.socket() as probe:
+def free_port(host: str = "127.0.0.1") -> int:
+  """A port free now, chosen below the OS's ephemeral range so it stays free until bound.
+
+  A port the OS hands out for `bind(0)` comes from the ephemeral range, which every outgoing
+  connection and every `port=0` server on the machine also draws from: in the seconds between
+  picking it and a child process binding it, another process can take it (a test run once lost
+  its syncer to that). Ports below the range are only ever taken on purpose.
+  """
+  try:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+      ephemeral_low = int(ports.read().split()[0])
+  except (OSError, ValueError, IndexError):
+    ephemeral_low = 32768
+  for candidate in random.SystemRandom().sample(range(10000, max(ephemeral_low, 10001)), 64):
+    with socket.socket() as probe:
+      try:
+        probe.bind((host, candidate))
+      except OSError:
+        continue
+      return candidate
+  with socket.socket() as probe:  # Everything sampled was busy: let the OS choose.
     probe.bind((host, 0))
     return probe.getsockname()[1]
 

@@ -15,24 +15,18 @@ TensorStore through TENSORSTORE_GCS_HTTP_URL and GOOGLE_AUTH_TOKEN_FOR_TESTING.
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.request
 
 import pytest
 
+from experiments.launch_local import free_port
+
 BUCKET = "dd-test-bucket"
 # gcsfs's experimental zonal/HNS bucket lookup asks a gRPC control API the emulator lacks (60 s
 # timeouts); read when gcsfs is first imported, so set at this module's import.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
-
-
-def free_port() -> int:
-  """A port free on 127.0.0.1 right now."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def emulator_env(url: str) -> dict[str, str]:

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from experiments.launch_local import free_port
+
 # Every test here starts real processes (the entry points): the fast subset leaves them out.
 pytestmark = pytest.mark.slow
 
@@ -110,12 +112,6 @@ def _readme_block(marker: str) -> str:
   return block.split("\n", 1)[1]
 
 
-def _free_port() -> int:
-  with socket.socket() as probe:
-    probe.bind(("127.0.0.1", 0))
-    return probe.getsockname()[1]
-
-
 def _assert_service_run_finished(workdir: pathlib.Path, learners: int) -> None:
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   summary, = [r for r in records if r["kind"] == "summary"]
@@ -133,7 +129,7 @@ def test_readme_service_commands_run_as_written(tmp_path):
   """The README's syncer + learners shell block, run by bash with a free port, a tmp workdir, a short run."""
   block = _readme_block("service-commands")
   assert block.count("python -m experiments.train") == 2 and "--role=syncer" in block
-  shortened = (block.replace("/tmp/dd_svc", str(tmp_path / "svc")).replace("50051", str(_free_port()))
+  shortened = (block.replace("/tmp/dd_svc", str(tmp_path / "svc")).replace("50051", str(free_port()))
                .replace("--config.mode=decoupled", "--config.mode=decoupled " + " ".join(SHORTEN)))
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DD_SYNCER_TOKEN")}
   env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"  # `python` in the block is this interpreter.

@@ -25,8 +25,8 @@ from decoupled_diloco.research import report, sweep
 from decoupled_diloco.checkpoint import Checkpointer, abstract_like
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.metrics import MetricsWriter, read_metrics
+from experiments.launch_local import free_port
 from tests.fake_gcs import BUCKET, fake_gcs  # noqa: F401  pylint: disable=unused-import
-from tests.fake_gcs import free_port
 
 REPO = pathlib.Path(__file__).parents[1]
 UNOPENABLE = ["foo://x/run", "memory://run", "s3://bucket/run", "gs:/BUCKET/run", "gs:///run"]
