@@ -15,7 +15,7 @@ import jax
 
 from decoupled_diloco import compression, fragments, outer
 from decoupled_diloco.inner import InnerLoop, TrainState
-from decoupled_diloco.syncer import Push
+from decoupled_diloco.push import Push
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ every learner group's mesh, so no learner holds an extra device copy of it.
 """
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -23,24 +23,9 @@ import numpy as np
 import optax
 
 from decoupled_diloco import accumulate, compression, fragments, merge
+from decoupled_diloco import push as push_lib
+from decoupled_diloco.push import Push, PushRejected
 from decoupled_diloco.errors import ConfigError
-
-
-class PushRejected(ValueError):
-  """A malformed push; the syncer's state is untouched."""
-
-
-@dataclasses.dataclass
-class Push:
-  """What a learner hands the syncer at the end of its local work."""
-  learner: int
-  delta: Any             # Pseudo-gradient Θ_base − θ of the fragment, or its compression.Compressed.
-  base_version: int      # Syncer version the learner started from.
-  tokens: int            # Tokens processed since that pull.
-  local_steps: int       # Inner steps since that pull.
-  compute_seconds: float = 0.0  # Time those steps took (feeds the grace window's step EMA).
-  fragment: int = 0      # Which parameter fragment `delta` covers (streaming); 0 when P = 1.
-  wire_bytes: int = 0    # Exact bytes of the payload as sent (compressed or not).
 
 
 class SyncerState(NamedTuple):
@@ -212,62 +197,6 @@ class Syncer:
     read_only = all(isinstance(x, np.ndarray) and not x.flags.writeable for x in jax.tree.leaves(tree))
     return jax.device_put(tree, self.device, may_alias=True if read_only else None)
 
-  def validate(self, push: Push) -> None:
-    """Raises PushRejected, naming the problem, for anything that must not be merged."""
-    who = f"push from learner {push.learner}"
-    if push.learner not in self.learners:
-      raise PushRejected(f"{who} rejected: unknown learner; registered learners are {sorted(self.learners)}")
-    if not (isinstance(push.fragment, int) and 0 <= push.fragment < len(self.fragments)):
-      raise PushRejected(f"{who} rejected: fragment {push.fragment!r} is not in [0, {len(self.fragments)})")
-    fragment = self.fragments[push.fragment]
-    if not 0 <= push.base_version <= fragment.version:
-      raise PushRejected(f"{who} rejected: base version {push.base_version} is not in [0, {fragment.version}] "
-                         "(a version from the future means a misrouted or corrupt push)")
-    if push.tokens < 1 or push.local_steps < 1:
-      raise PushRejected(f"{who} rejected: tokens={push.tokens}, local_steps={push.local_steps}; "
-                         "need tokens >= 1 and local_steps >= 1")
-    if isinstance(push.delta, compression.Compressed):  # Decoded: float32 tensors of the payload's shapes.
-      if len(push.delta.shapes) != len(fragment.leaf_specs):
-        raise PushRejected(f"{who} rejected: {len(push.delta.shapes)} tensors for fragment {push.fragment}'s "
-                           f"{len(fragment.leaf_specs)}")
-      specs = [(tuple(shape), np.dtype(np.float32)) for shape in push.delta.shapes]
-    elif jax.tree.structure(push.delta) != jax.tree.structure(fragment.params):
-      raise PushRejected(f"{who} rejected: pseudo-gradient tree structure differs from fragment "
-                         f"{push.fragment}'s params")
-    else:
-      specs = [(tuple(np.shape(leaf)), np.dtype(getattr(leaf, "dtype", type(leaf)))) for leaf in
-               jax.tree.leaves(push.delta)]
-    for (path, _), got, (shape, dtype) in zip(jax.tree_util.tree_leaves_with_path(fragment.params), specs,
-                                              fragment.leaf_specs):
-      if got != (shape, dtype):
-        raise PushRejected(f"{who} rejected: {jax.tree_util.keystr(path)} is {got[1]}{list(got[0])}, "
-                           f"expected {dtype}{list(shape)}")
-    if not self._finite(push):
-      raise PushRejected(f"{who} rejected: the pseudo-gradient holds NaN or Inf (did the learner diverge?)")
-
-  def _finite(self, push: Push) -> bool:
-    """No NaN or Inf in the push: one fused pass over a tree, or decoded tensor by tensor (never whole)."""
-    if isinstance(push.delta, compression.Compressed):
-      return all(bool(_jit_all_finite(leaf)) for leaf in self._delta_leaves(push))
-    return bool(_jit_all_finite(push.delta))
-
-  def _delta_leaves(self, push: Push) -> Iterator:
-    """The push's float tensors in leaf order, a compressed one decoded one tensor at a time."""
-    if isinstance(push.delta, compression.Compressed):
-      return (compression.decode_leaf(self.codec, shape, payload)
-              for shape, payload in zip(push.delta.shapes, push.delta.leaves))
-    return iter(jax.tree.leaves(push.delta))
-
-  def _decoded(self, push: Push) -> Push:
-    """The push with its delta on the syncer's device; a compressed one checked, left encoded
-    (it is decoded tensor by tensor straight into the accumulator)."""
-    delta = push.delta
-    if isinstance(delta, compression.Compressed):
-      delta = delta._replace(leaves=self.to_host(delta.leaves))
-      compression.check(self.codec, delta)
-      return dataclasses.replace(push, delta=delta)
-    return dataclasses.replace(push, delta=self.to_host(delta))
-
   def check(self, push: Push) -> Push:
     """The push decoded onto the syncer's device and validated; raises PushRejected (counted).
 
@@ -277,13 +206,13 @@ class Syncer:
     # Explicit move onto the syncer's device (and the payload's check) first: a merge must never
     # meet a leaf that lives elsewhere after the push was accepted.
     try:
-      push = self._decoded(push)
+      push = push_lib.on_device(push, self.codec, self.to_host)
     except (TypeError, ValueError) as error:
       self.counts["rejected"] += 1
       raise PushRejected(f"push from learner {push.learner} rejected: its pseudo-gradient is not a valid tree or "
                          f"payload of arrays ({error})") from error
     try:
-      self.validate(push)
+      push_lib.validate(push, self.learners, self.fragments, self.codec)
     except PushRejected:
       self.counts["rejected"] += 1
       raise
@@ -341,7 +270,7 @@ class Syncer:
     """
     for state in self.fragments:
       zeros = self.to_host(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state.params))
-      _jit_all_finite(zeros)
+      push_lib.all_finite(zeros)
       sums, radii = accumulate.fold(state.rda, None, None, jax.tree.leaves(zeros), np.float32(1))
       sums, radii = accumulate.fold(state.rda, sums, radii, jax.tree.leaves(zeros), np.float32(1))
       opt_state = jax.tree.map(jnp.copy, state.opt_state)  # The merge donates it.
@@ -375,7 +304,7 @@ class Syncer:
     ref = weight if accumulator is None else accumulator.ref
     sums, radii = (None, None) if accumulator is None else (accumulator.sums, accumulator.radii)
     fragment.accumulator = None  # Its buffers are donated to the fold.
-    sums, radii = accumulate.fold(fragment.rda, sums, radii, self._delta_leaves(push),
+    sums, radii = accumulate.fold(fragment.rda, sums, radii, push_lib.delta_leaves(push, self.codec),
                                   merge.fold_scale(weight, damping, ref))
     total = weight / ref + (0.0 if accumulator is None else accumulator.total)
     fragment.accumulator = merge.Accumulator(jax.block_until_ready(sums), radii, total, ref)  # Done with the push.
@@ -409,9 +338,3 @@ class Syncer:
     a = self.settings.ema
     self._xi[name] = seconds if self._xi[name] == 0 else (1 - a) * self._xi[name] + a * seconds
 
-
-@jax.jit
-def _jit_all_finite(tree):
-  # x·0 is 0 for finite x and NaN for NaN/±Inf, and a sum keeps a NaN: one fused pass that
-  # XLA's CPU backend runs ~5x faster than a reduction of isfinite's booleans.
-  return jnp.isfinite(sum(jnp.sum(x * 0, dtype=jnp.float32) for x in jax.tree.leaves(tree)))

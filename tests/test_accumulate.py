@@ -14,7 +14,8 @@ import optax
 import pytest
 
 from decoupled_diloco import compression, merge, outer
-from decoupled_diloco.syncer import Push, Settings, Syncer, SyncerState
+from decoupled_diloco.push import Push
+from decoupled_diloco.syncer import Settings, Syncer, SyncerState
 
 _SHAPES = {"token_embed": {"embedding": (16, 8)}, "block_0": {"w": (8, 12), "b": (12,)}, "head": {"w": (12, 16)}}
 _BASES, _TOKENS, _STEPS = (3, 2, 0, 3), (100, 300, 50, 1000), (2, 5, 1, 10)

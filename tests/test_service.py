@@ -161,7 +161,7 @@ def test_a_killed_syncer_resumes_from_its_checkpoint_and_log_with_streamed_fragm
     steps = [(r["fragment"], r["local_steps"]) for r in pushes if r["learner"] == m]
     assert steps[:2] == [(0, 4), (1, 8)][:len(steps)] and {n for _, n in steps[2:-3]} <= {8}, steps
   assert sum(r["local_steps"] == 8 for r in pushes) >= 10
-  summary, = _syncer_records(run.workdir, "summary")  # Each step counted once, from budget_steps (core.budget_share).
+  summary, = _syncer_records(run.workdir, "summary")  # Each step counted once, from budget_steps (admission.budget_share).
   assert summary["steps_done"] >= 10 * 8 * 2
   for m in range(2):  # Each learner heard the new syncer incarnation in a reply, and carried on.
     learner_summary, = _learner_records(run.workdir, m, "learner_summary")

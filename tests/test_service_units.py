@@ -20,7 +20,8 @@ from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import server as server_lib
 from decoupled_diloco.service import security, wal, wire
-from decoupled_diloco.syncer import PushRejected, Settings, Syncer
+from decoupled_diloco.push import PushRejected
+from decoupled_diloco.syncer import Settings, Syncer
 from tests import service_config
 
 TOKEN = "t" * 32

@@ -12,7 +12,8 @@ import pytest
 from decoupled_diloco import compression, experiment, fragments, model as model_lib, outer
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.runtime import sim
-from decoupled_diloco.syncer import Push, PushRejected, Settings, Syncer
+from decoupled_diloco.push import Push, PushRejected
+from decoupled_diloco.syncer import Settings, Syncer
 from tests.helpers import tiny_config
 
 

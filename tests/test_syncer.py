@@ -10,7 +10,8 @@ import pytest
 
 from decoupled_diloco import outer
 from decoupled_diloco.errors import ConfigError
-from decoupled_diloco.syncer import Push, PushRejected, Settings, Syncer, grace_seconds
+from decoupled_diloco.push import Push, PushRejected
+from decoupled_diloco.syncer import Settings, Syncer, grace_seconds
 
 
 def _tree(value):

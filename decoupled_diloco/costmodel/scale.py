@@ -43,7 +43,8 @@ import optax
 
 from decoupled_diloco import policy as policy_lib
 from decoupled_diloco.errors import ConfigError
-from decoupled_diloco.syncer import Push, Settings, Syncer
+from decoupled_diloco.push import Push
+from decoupled_diloco.syncer import Settings, Syncer
 
 SECONDS_PER_YEAR = 365 * 24 * 3600
 # Priorities at equal times: repairs land first, rounds that end push before a failure at

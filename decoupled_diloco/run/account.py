@@ -10,7 +10,7 @@ import dataclasses
 
 from absl import logging
 
-from decoupled_diloco.syncer import PushRejected
+from decoupled_diloco.push import PushRejected
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -45,7 +45,8 @@ from decoupled_diloco.experiment import Experiment
 from decoupled_diloco.run import account as account_lib
 from decoupled_diloco.run import evaluator as evaluator_lib
 from decoupled_diloco.run import records, schedule, state
-from decoupled_diloco.syncer import MergeReport, Push
+from decoupled_diloco.push import Push
+from decoupled_diloco.syncer import MergeReport
 
 
 class ThreadedRun:

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from decoupled_diloco import compression
-from decoupled_diloco.syncer import PushRejected
+from decoupled_diloco.push import PushRejected
 
 PUSH_SCHEMA = {"learner": int, "seq": int, "base_version": int, "fragment": int, "tokens": int, "local_steps": int,
                "compute_seconds": float, "payload_bytes": int, "budget_steps": int, "budget_tokens": int,
@@ -51,3 +51,14 @@ def check_float32(delta, learner: int) -> None:
     if dtype != np.float32:
       raise PushRejected(f"push from learner {learner} rejected: {jax.tree_util.keystr(path)} arrived as {dtype}; "
                          "uncompressed pseudo-gradients travel as float32")
+
+
+def budget_share(header: dict) -> tuple[int, int]:
+  """(steps, tokens) a push adds to the run's count: its `budget_steps` / `budget_tokens`.
+
+  Why not local_steps / tokens: those count from the receipt of Θ_p (the weight of the Δ),
+  so the τ steps before a landing are in no push, and with P fragments each other step is in
+  P pushes. A learner instead counts every step it took once, in the first push after it
+  (of any fragment; its last pushes leave nothing uncounted).
+  """
+  return header["budget_steps"], header["budget_tokens"]

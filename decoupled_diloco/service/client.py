@@ -232,7 +232,7 @@ class SyncerClient:
            fragment: int = 0, budget_steps: int | None = None, budget_tokens: int | None = None) -> dict:
     """Sends one push (resent as the same seq until acknowledged); returns the syncer's reply.
 
-    budget_steps / budget_tokens: what the run's budget counts of it (core.budget_share); by
+    budget_steps / budget_tokens: what the run's budget counts of it (admission.budget_share); by
     default its local_steps / tokens, right for a learner that counts every push from the last.
     """
     parts = wire.encode(delta)

@@ -13,7 +13,7 @@ networked syncer needs, behind one lock (gRPC handlers run on a thread pool):
     starts a new incarnation of its learner, and pushes of older ones are refused;
   * membership: the start barrier, and leases (silent for `lease_seconds`: out of the quorum until it calls);
   * the run's budget: outer_steps × inner_steps × M inner steps, counted from pushes (each
-    step once, in the first push after it: see `budget_share`);
+    step once, in the first push after it: see `admission.budget_share`);
   * streaming: pushes and pulls name their fragment (`pullcache`: Θ_p encoded once per version);
   * measured speeds: an EMA of each learner's steps per compute-second; every reply carries the
     fastest other learner's (`max_speed`), DyLU's reference (a learner knows its own better);
@@ -32,21 +32,11 @@ from absl import logging
 from decoupled_diloco import policy as policy_lib
 from decoupled_diloco.service import admission, durable, membership, pullcache, wal, wire
 from decoupled_diloco.service import limits as limits_lib
-from decoupled_diloco.syncer import MergeReport, Push, PushRejected, Syncer, SyncerState
+from decoupled_diloco.push import Push, PushRejected
+from decoupled_diloco.syncer import MergeReport, Syncer, SyncerState
 
 # Re-exported: the server, syncer_main and tests name them as the core's.
 PUSH_SCHEMA, Stopped, UnknownLearner = admission.PUSH_SCHEMA, durable.Stopped, admission.UnknownLearner
-
-
-def budget_share(header: dict) -> tuple[int, int]:
-  """(steps, tokens) a push adds to the run's count: its `budget_steps` / `budget_tokens`.
-
-  Why not local_steps / tokens: those count from the receipt of Θ_p (the weight of the Δ),
-  so the τ steps before a landing are in no push, and with P fragments each other step is in
-  P pushes. A learner instead counts every step it took once, in the first push after it
-  (of any fragment; its last pushes leave nothing uncounted).
-  """
-  return header["budget_steps"], header["budget_tokens"]
 
 
 class SyncerCore:
@@ -126,8 +116,8 @@ class SyncerCore:
     if self.store.latest_step() == version:
       return  # The log already holds everything since that checkpoint.
     carried = [(dict(record, carried=True), location) for _, record, location in self._unabsorbed]
-    pending_steps = sum(budget_share(r["header"])[0] for r, _ in carried)
-    pending_tokens = sum(budget_share(r["header"])[1] for r, _ in carried)
+    pending_steps = sum(admission.budget_share(r["header"])[0] for r, _ in carried)
+    pending_tokens = sum(admission.budget_share(r["header"])[1] for r, _ in carried)
     meta = {**self.metadata, "versions": list(self.syncer.versions), "segment": version, "done": self.done,
             "acked": {str(m): s for m, s in self.acked.items()}, "start_time": self.start_time,
             "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens,
@@ -278,7 +268,7 @@ class SyncerCore:
           if seq <= self.acked[learner]:
             self.counts["duplicates"] += 1
             return {"status": "duplicate", **self.status(learner)}
-          self.counts["late"] += 1  # Steps the budget did not count (see budget_share).
+          self.counts["late"] += 1  # Steps the budget did not count (see admission.budget_share).
           self.acked[learner] = seq
           return {"status": "late", **self.status(learner)}
         excluded_live = self._readmit(learner)  # Receive needs it in the quorum; undone if refused.
@@ -322,7 +312,7 @@ class SyncerCore:
       payload = self.store.append(record, payload)  # From here on, only where the log holds it.
     accepted, report = syncer.receive(push, now, checked=not replay)
     self.acked[header["learner"]] = max(self.acked[header["learner"]], header["seq"])
-    steps, tokens = budget_share(header)
+    steps, tokens = admission.budget_share(header)
     self.steps_done, self.tokens_done = self.steps_done + steps, self.tokens_done + tokens
     if header["local_steps"] > 0 and header["compute_seconds"] > 0:
       self.speeds.observe(header["learner"], header["compute_seconds"] / header["local_steps"])

@@ -14,7 +14,7 @@ next push of p counts its steps and tokens from that landing (learner.land). A f
 whose turn comes round while it is still in flight (a short period) lands first.
 
 The run's budget counts every step once, in the first push after it (the push header's
-budget_steps, core.budget_share); a period is cut short to the budget left, so its last step
+budget_steps, admission.budget_share); a period is cut short to the budget left, so its last step
 pushes. At the budget's end a learner pushes what is left of the fragments not in flight,
 lands the rest and pushes what is left of them, fragment 0 last each time, each waited for.
 
@@ -287,7 +287,7 @@ class LearnerProcess:
 
   def _send(self, fragment: int) -> None:
     """Δ_p against its anchor, compressed as configured, to the background exchange; the budget's
-    count of the steps since the last push of any fragment rides along (core.budget_share)."""
+    count of the steps since the last push of any fragment rides along (admission.budget_share)."""
     push = self.learner.push(fragment)  # Waits for the steps JAX dispatched asynchronously, so the
     self._tick()  # push's compute_seconds (the syncer's measure of this learner's speed) holds their time.
     push.compute_seconds, self.compute_since_push[fragment] = self.compute_since_push[fragment], 0.0
@@ -328,7 +328,7 @@ class LearnerProcess:
 
   def _uncounted(self) -> int:
     """This learner's steps the syncer has not counted yet: those since its last push, and those
-    of its pushes still in flight (core.budget_share)."""
+    of its pushes still in flight (admission.budget_share)."""
     return self.budget[0] + sum(budget[0] for _, _, _, budget in self.inflight.values())
 
   def _push_the_rest(self) -> None:

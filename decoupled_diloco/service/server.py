@@ -50,7 +50,7 @@ import grpc
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import datachannel, limits, security, wire
 from decoupled_diloco.service import link as link_lib
-from decoupled_diloco.syncer import PushRejected
+from decoupled_diloco.push import PushRejected
 
 SERVICE = "decoupled_diloco.Syncer"
 HEADER_SLACK = wire.MAX_HEADER_BYTES
