@@ -119,12 +119,7 @@ class AfterMerges(Chaos):
 def _run(workdir: str, overrides: list[str], size: dict, chaos: Chaos | None) -> TimedCluster:
   """One run to the end of its budget; raises if a process failed for another reason than a kill."""
   cluster = TimedCluster("configs/demo.py", workdir, [*_COMMON, *size["overrides"], *overrides], 2)
-  cluster.start()
-  codes = cluster.wait(size["timeout"], chaos)
-  ended_by_chaos = (chaos.abandoned if chaos else set()) | cluster.stopped_after_end
-  failed = {name: code for name, code in codes.items() if code and name not in ended_by_chaos}
-  if failed:
-    raise RuntimeError(f"processes failed: {failed}; see {workdir}/logs")
+  common.run_to_end(cluster, size["timeout"], chaos)
   return cluster
 
 

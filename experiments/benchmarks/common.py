@@ -1,4 +1,4 @@
-"""What every benchmark shares: virtual devices, a fixed model config, interleaved timing.
+"""What every benchmark shares: virtual devices, interleaved timing, one local service run, the JSON line.
 
 The machine is shared and noisy, so a benchmark never compares against a number from
 another run: it alternates short blocks of the framework and of the baseline and takes
@@ -10,6 +10,8 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+
+from decoupled_diloco import metrics as metrics_lib
 
 NUM_DEVICES = 8
 
@@ -30,6 +32,34 @@ def interleaved_medians(runners: dict[str, Callable[[], None]], blocks: int) -> 
       run()
       times[name].append(time.perf_counter() - begin)
   return {name: statistics.median(values) for name, values in times.items()}
+
+
+def run_to_end(cluster, timeout: float, chaos=None) -> None:
+  """Runs a local service run (an experiments.launch_local.LocalCluster) to the end of its budget.
+
+  Whatever is left is stopped, and a process that exited with an error fails the benchmark (a figure of a
+  failed run would be wrong), except those `chaos` killed and learners stopped after the run ended.
+  """
+  cluster.start()
+  try:
+    codes = cluster.wait(timeout, chaos)
+  finally:
+    cluster.stop()
+  excused = (chaos.abandoned if chaos is not None else set()) | cluster.stopped_after_end
+  failed = {name: code for name, code in codes.items() if code and name not in excused}
+  if failed:
+    raise RuntimeError(f"processes failed: {failed}; see {cluster.workdir}/logs")
+
+
+def learner_summaries(cluster) -> list[dict]:
+  """Each learner's `learner_summary` record of a finished run, in learner order: its accounting."""
+  summaries = []
+  for m in range(cluster.num_learners):
+    path = os.path.join(cluster.workdir, f"learner_{m}", "metrics.jsonl")
+    summaries.append(next((r for r in metrics_lib.read_metrics(path) if r["kind"] == "learner_summary"), None))
+    if summaries[-1] is None:
+      raise RuntimeError(f"learner {m} wrote no learner_summary to {path}; see {cluster.workdir}/logs")
+  return summaries
 
 
 def emit(figures: dict) -> None:

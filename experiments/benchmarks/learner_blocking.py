@@ -16,11 +16,9 @@ round can hide.
 """
 
 import argparse
-import os
 import tempfile
 import time
 
-from decoupled_diloco import metrics as metrics_lib
 from experiments.benchmarks import common
 from experiments.launch_local import LocalCluster
 
@@ -42,15 +40,8 @@ def main():
                                                         f"--config.inner_steps={args.inner_steps}",
                                                         f"--config.streaming.overlap_steps={overlap}"], 2)
     begin = time.perf_counter()
-    cluster.start()
-    try:
-      codes = cluster.wait(1800)
-    finally:
-      cluster.stop()
-    if any(codes.values()):
-      raise SystemExit(f"the run failed: exit codes {codes}")
-    summaries = [next(r for r in metrics_lib.read_metrics(os.path.join(workdir, f"learner_{m}", "metrics.jsonl"))
-                      if r["kind"] == "learner_summary") for m in range(2)]
+    common.run_to_end(cluster, 1800)
+    summaries = common.learner_summaries(cluster)
   for summary in summaries:
     print(f"learner {summary['learner']}: {summary['steps']} steps in {summary['rounds']} rounds, wall "
           f"{summary['wall_seconds']:.1f}s, compute {summary['busy_seconds']:.1f}s, blocked "

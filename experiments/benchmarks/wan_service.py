@@ -24,12 +24,10 @@ the mean over learners of blocked / wall. Target: streaming_int4 <= 0.05 where p
 """
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
 
-from decoupled_diloco import metrics as metrics_lib
 from experiments.benchmarks import common
 from experiments.launch_local import LocalCluster
 
@@ -77,15 +75,8 @@ def calibrate(slowdown: float) -> tuple[float, int]:
 def run(name: str, overrides: list[str], workdir: str) -> list[dict]:
   """One local run of the service; every learner's summary record."""
   cluster = LocalCluster(CONFIG, workdir, [*overrides, *RUNS[name]], LEARNERS)
-  cluster.start()
-  try:
-    codes = cluster.wait(1200)
-  finally:
-    cluster.stop()
-  if any(codes.values()):
-    raise SystemExit(f"the {name} run failed: exit codes {codes}; see {workdir}/logs")
-  return [next(r for r in metrics_lib.read_metrics(os.path.join(workdir, f"learner_{m}", "metrics.jsonl"))
-               if r["kind"] == "learner_summary") for m in range(LEARNERS)]
+  common.run_to_end(cluster, 1200)
+  return common.learner_summaries(cluster)
 
 
 def main(argv=None):
