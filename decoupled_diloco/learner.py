@@ -70,7 +70,7 @@ class Learner:
       self.anchors[p], self.base_versions[p] = fragments.select(global_params, self.assignment, p), versions[p]
       self.tokens_since_push[p] = self.steps_since_push[p] = 0
 
-  def land(self, fragment: int, fragment_params, version: int) -> None:
+  def land(self, fragment: int, fragment_params, version: int, anchor=None) -> None:
     """A merged fragment lands: θ_p ← α·θ_p + (1 − α)·Θ_p, and Θ_p anchors the next push.
 
     With α = 0 the local leaves are freed and replaced (a fresh start of that fragment), so what
@@ -79,6 +79,10 @@ class Learner:
     steps taken after it. α > 0 keeps the share α of θ_p − Θ_p, which holds the τ steps'
     progress, so a share α of their tokens and steps stays counted (rounded): the weight
     follows what the Δ carries.
+
+    `anchor`: Θ_p on the host when `fragment_params` is Θ_p placed elsewhere (a multi-process group
+    places it on its devices; its leader forms Δ against the host copy); a learner that forms no Δ (a
+    group's follower) keeps no anchor.
     """
     leaves, treedef = jax.tree.flatten(self.state.params)
     shardings = jax.tree.leaves(self.loop.param_shardings)
@@ -92,7 +96,8 @@ class Learner:
       leaves[i].delete()
       leaves[i] = merged
     self.state = self.state._replace(params=jax.tree.unflatten(treedef, leaves))
-    self.anchors[fragment], self.base_versions[fragment] = fragment_params, version
+    self.anchors[fragment] = (fragment_params if anchor is None else anchor) if self.forms_delta else None
+    self.base_versions[fragment] = version
     self.pushed.pop(fragment, None)  # The new Θ_p anchors: θ_p as pushed is not needed any more.
     self.tokens_since_push[fragment] = round(self.alpha * self.tokens_since_push[fragment])
     self.steps_since_push[fragment] = round(self.alpha * self.steps_since_push[fragment])

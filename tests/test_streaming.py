@@ -131,6 +131,20 @@ def test_a_landing_fragment_is_blended_with_alpha_and_leaves_the_rest_alone():
   assert learner.base_versions == [0, 5]
 
 
+def test_a_landing_anchors_on_the_host_copy_it_is_given_and_a_follower_keeps_no_anchor():
+  """A multi-process group lands Θ_p placed on its devices; its leader forms the next Δ against `anchor=`."""
+  learner = experiment.build(tiny_config(**{"mode": "decoupled", "runtime": "sim"})).learners[0]
+  host = jax.device_get(learner.state.params)
+  learner.land(0, jax.tree.map(jnp.asarray, host), version=1, anchor=host)
+  assert learner.anchors[0] is host
+  placed = jax.tree.map(jnp.asarray, host)
+  learner.land(0, placed, version=2)
+  assert learner.anchors[0] is placed
+  learner.forms_delta = False
+  learner.land(0, jax.tree.map(jnp.asarray, host), version=3, anchor=host)
+  assert learner.anchors[0] is None and learner.base_versions == [3]
+
+
 def _streaming(**overrides):
   base = {"mode": "decoupled", "runtime": "sim", "learners.speed": (1.0, 2.0), "policy.kind": "dylu",
           "outer_steps": 3, "inner_steps": 6, "streaming.num_fragments": 3, "streaming.strategy": "balanced",

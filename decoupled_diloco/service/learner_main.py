@@ -318,13 +318,13 @@ class LearnerProcess:
     self._record_ack(seq, reply)
     if not moved:
       self.learner.anchor_on_pushed(fragment)
-    elif self.group.processes == 1:
+      return
+    if self.group.processes == 1:
       self.learner.land(fragment, theta, self.status["versions"][fragment])
     else:  # Θ_p placed on the group's devices leaf by leaf; the leader's host copy anchors the next push.
       like = fragments.select(self.learner.state.params, self.learner.assignment, fragment)
-      self.learner.land(fragment, self.group.share_tree(theta, like), self.status["versions"][fragment])
-      self.learner.anchors[fragment] = theta
-      self.compute_since_push[fragment] *= self.learner.alpha
+      self.learner.land(fragment, self.group.share_tree(theta, like), self.status["versions"][fragment], anchor=theta)
+    self.compute_since_push[fragment] *= self.learner.alpha  # As the learner's counts: from the landing.
 
   def _uncounted(self) -> int:
     """This learner's steps the syncer has not counted yet: those since its last push, and those
