@@ -222,12 +222,10 @@ def _validate(config) -> None:
   """The checks the syncer and learner processes make, made once here before anything starts or is written."""
   from decoupled_diloco import experiment  # pylint: disable=g-import-not-at-top  (keeps --help fast)
   from decoupled_diloco.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from decoupled_diloco.service import runconfig  # pylint: disable=g-import-not-at-top
 
   config.runtime = "service"  # What --role does in each child.
   try:
-    experiment.validate(config)
-    runconfig.validate(config)
+    experiment.validate(config)  # With runtime='service': the service group too.
   except ConfigError as error:
     cli.fail(error)
   if _PROCESSES_PER_GROUP.value < 1:

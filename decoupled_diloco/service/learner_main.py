@@ -52,7 +52,7 @@ from decoupled_diloco.run import records, schedule
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import group as group_lib
 from decoupled_diloco.service import link as link_lib
-from decoupled_diloco.service import runconfig, security
+from decoupled_diloco.service import security
 
 
 def build_learner(config, plan: schedule.RunPlan, index: int, group: group_lib.GroupLink) -> Learner:
@@ -87,7 +87,6 @@ class LearnerProcess:
   """The loop of one learner group: periods of steps, pushes at the fragments' offsets, landings τ steps later."""
 
   def __init__(self, config, workdir: str, index: int, target: str):
-    runconfig.validate(config)
     if not 0 <= index < len(config.learners.devices):
       raise ConfigError(f"--learner_id={index} is not in [0, {len(config.learners.devices)}): the config has "
                         f"{len(config.learners.devices)} learner groups")
@@ -363,5 +362,8 @@ class LearnerProcess:
 
 
 def run(config, workdir: str, index: int, target: str) -> dict:
-  """Runs learner `index` against the syncer at `target` until the run is done."""
+  """Runs learner `index` against the syncer at `target` until the run is done.
+
+  `config` is one experiment.validate accepted with runtime='service' (experiments.train checks it once).
+  """
   return LearnerProcess(config, workdir, index, target).run()

@@ -71,8 +71,10 @@ def clock(core: core_lib.SyncerCore, version: int, now: float) -> dict:
 
 
 def run(config, workdir: str) -> dict:
-  """Serves until the budget is spent and every learner heard so (or linger_seconds passed); returns the summary."""
-  runconfig.validate(config)
+  """Serves until the budget is spent and every learner heard so (or linger_seconds passed); returns the summary.
+
+  `config` is one experiment.validate accepted with runtime='service' (experiments.train checks it once).
+  """
   local = storage.local_dir(workdir, config.service.local_dir, "the syncer's write-ahead log and lock")
   token = security.load_token(config.service.token_file)
   credentials = security.server_credentials(config.service.tls_cert, config.service.tls_key)

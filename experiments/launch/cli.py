@@ -99,10 +99,8 @@ def options_from_flags(f: dict, argv: list[str], verb: str) -> Options:
   config = f["config"].value
   # Imported after the cheap checks, so that a bad --slices fails fast.
   from decoupled_diloco import experiment  # pylint: disable=g-import-not-at-top
-  from decoupled_diloco.service import runconfig  # pylint: disable=g-import-not-at-top
   config.runtime = "service"  # What experiments.train --role=... runs.
-  experiment.validate(config)
-  runconfig.validate(config)
+  experiment.validate(config)  # The service group too.
   options = Options(
       config_flags.get_config_filename(flags.FLAGS["config"]), tuple(a for a in argv[1:] if a.startswith("--config.")),
       tuple(parse_slices(f["slices"].value)), f["project"].value, run, reuse=f["reuse"].value,
