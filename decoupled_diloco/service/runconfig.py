@@ -73,11 +73,3 @@ def max_payload_bytes(params) -> int:
 def write_address(workdir: str, address: str) -> None:
   """Publishes 'host:port' atomically, so a launcher never reads half of it."""
   storage.replace_text(os.path.join(workdir, ADDRESS_FILE), address)
-
-
-def read_address(workdir: str) -> str | None:
-  """The address a syncer in `workdir` published, or None before it has."""
-  path = storage.path(workdir) / ADDRESS_FILE
-  if not path.exists():
-    return None
-  return path.read_text(encoding="utf-8").strip() or None

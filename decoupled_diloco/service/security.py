@@ -45,12 +45,6 @@ def load_token(token_file: str) -> str:
 ANY_LEARNER = -1  # What `caller` returns for the run secret: it may act as every learner.
 
 
-def token_matches(metadata, token: str) -> bool:
-  """Whether the call's metadata carries `token` (constant-time comparison)."""
-  sent = dict(metadata or ()).get(TOKEN_METADATA_KEY, "")
-  return hmac.compare_digest(str(sent).encode(), token.encode())
-
-
 def learner_credential(secret: str, learner: int) -> str:
   """Learner `learner`'s own credential, derived from the run secret (launchers hand it out instead of it).
 
