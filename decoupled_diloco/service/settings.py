@@ -9,7 +9,7 @@ import dataclasses
 
 from decoupled_diloco import settings as settings_lib
 
-EVALUATE_ON = ("syncer", "none")
+EVALUATE_ON = ("syncer", "evaluator", "none")
 _TIMEOUTS = ("lease_seconds", "linger_seconds", "rpc_timeout_seconds", "retry_seconds", "keepalive_seconds",
              "keepalive_timeout_seconds")
 
@@ -37,7 +37,7 @@ class Settings:
   link_mbps: tuple                  # Per learner, pacing its data-channel traffic (checked in link.validate).
   link_latency_ms: tuple
   local_dir: str                    # The log and locks when the workdir is gs:// (checked by storage.local_dir).
-  evaluate_on: str                  # 'syncer' (this host runs the model's loss) or 'none' (no eval records).
+  evaluate_on: str                  # 'syncer' (its host runs the loss), 'evaluator' (--role=evaluator), 'none'.
   learner_checkpoint_every: int  # 0 = never.
 
   def __post_init__(self):
