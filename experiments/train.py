@@ -82,7 +82,7 @@ def main(argv: list[str]) -> None:
   try:
     jax.config.update("jax_num_cpu_devices", startup.process_devices(
         tuple(config.learners.devices), _ROLE.value, _LEARNER_ID.value, _GROUP_COORDINATOR.value,
-        _GROUP_PROCESSES.value))
+        _GROUP_PROCESSES.value, config.service.evaluator_devices))
   except ValueError as error:  # ConfigError: a group's devices that its processes do not split.
     cli.fail(error)
   # Imported here so that `--help` and flag errors stay fast.

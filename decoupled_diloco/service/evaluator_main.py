@@ -3,8 +3,8 @@
 Why a process of its own (service.evaluate_on='evaluator', issue 16): at 1B one eval is ~4e15
 FLOPs and 150 GB of XLA temporaries, which the syncer's host CPU must never run (every
 learner waits on the syncer). This process runs the model where it can run, on its own
-devices laid out as learner group 0's (learners.devices[0], its mesh layout), and reads Θ like
-a learner: over the same client, with its own read-only credential (security.EVALUATOR:
+devices (service.evaluator_devices = N: N devices, params and batches sharded fsdp over all of
+them; 0: learner group 0's devices and layout), and reads Θ like a learner: over the same client, with its own read-only credential (security.EVALUATOR:
 pulls and status only, no lease, no quorum, never a push).
 
 Every `eval_every` rounds' worth of tokens (the cadence the syncer used) it reads Θ, one
@@ -40,18 +40,17 @@ MAX_PASSES = 8  # Read passes over the fragments before giving up on a Θ that k
 
 
 def build_evaluate(config, devices) -> tuple:
-  """(evaluate(params) -> mean held-out loss, EvalSet): the model's loss jitted on `devices`, laid out
-  as learner group 0 (the run's eval batches must fit where a learner group's training batches do)."""
-  count = config.learners.devices[0]
-  if len(devices) < count:
-    raise ConfigError(f"the evaluator runs on learner group 0's layout ({count} devices) but this process has "
-                      f"{len(devices)}: start it on a slice like learner 0's (experiments.train sizes the CPU backend)")
+  """(evaluate(params) -> mean held-out loss, EvalSet): the model's loss jitted on the evaluator's layout."""
+  layout = runconfig.evaluator_layout(config)
+  if len(devices) < layout.devices:
+    raise ConfigError(f"the evaluator's layout {layout} needs {layout.devices} devices but this process has "
+                      f"{len(devices)}: start it where it has them, or set --config.service.evaluator_devices")
   tokenizer_lib.resolve_model_vocab(config)
   corpus = sources.load_corpus(config.data, config.model.seq_len, train=False)  # Eval text only.
   evals = evaluator_lib.EvalSet.from_corpus(config, corpus)
   model, shapes, param_axes = model_lib.abstract_params(config.model)  # Θ comes from the syncer: no init here.
-  loop = inner.build_inner_loop(model, optax.identity(), mesh.group_mesh(devices[:count],
-                                mesh.layouts_from_config(config.learners)[0]), shapes, param_axes)
+  loop = inner.build_inner_loop(model, optax.identity(), mesh.group_mesh(devices[:layout.devices], layout), shapes,
+                                param_axes)
   return (lambda params: evals.mean_loss(lambda p, batch: loop.loss(p, loop.put_batch(batch)),
                                          loop.put_params(params))), evals
 
