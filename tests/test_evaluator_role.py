@@ -3,6 +3,10 @@ against a real server, and a real service run (syncer, two learners, evaluator p
 name the Θ versions they evaluated, the last one the final Θ."""
 
 import os
+import pathlib
+import shlex
+import subprocess
+import sys
 import time
 
 import grpc
@@ -16,9 +20,11 @@ from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import security, server as server_lib
 from decoupled_diloco.syncer import Settings, Syncer
+from experiments import launch_tpu
 from experiments.launch_local import LocalCluster
 from tests import service_config
 
+REPO = pathlib.Path(__file__).parents[1]
 TOKEN = "e" * 32
 
 
@@ -106,3 +112,34 @@ def test_a_service_run_with_an_evaluator_writes_eval_records_tagged_with_theta_v
   done, = [r for r in records if r["kind"] == "evaluator_summary"]
   assert done["evaluated_version"] == summary["outer_updates"] and done["eval_loss"] == evals[-1]["eval_loss"]
   assert report.summarize_run(report.load_runs([workdir])["run"])["eval_loss"] == evals[-1]["eval_loss"]
+
+
+def test_launch_tpu_places_the_evaluator_on_its_own_slice_with_its_own_credential(tmp_path):
+  token = tmp_path / "token"
+  token.write_text(TOKEN + "\n")
+  result = subprocess.run([sys.executable, "-m", "experiments.launch_tpu", "--config=configs/default.py",
+                           "--config.learners.devices=(16, 32)", "--config.learners.batch_size=(16, 32)",
+                           "--config.service.evaluate_on=evaluator", "--config.service.evaluator_devices=4",
+                           "--slices=v5p-32@us-east5-a,v6e-32@us-east1-d", "--project=proj", "--run_name=dd-t",
+                           f"--token_file={token}", "--dry_run"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0, result.stderr
+  commands = [shlex.split(line) for line in result.stdout.splitlines() if line and not line.startswith("#")]
+  creates = [c[5:8] for c in commands if c[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "create"]]
+  assert creates[-1] == ["dd-t-eval", "--zone=us-east5-a", "--accelerator-type=v5p-8"]  # 4 chips, slice 0's kind.
+  derived, = [c for c in commands if c[1:4] == ["-m", "experiments.credentials", "evaluator"]]
+  out = derived[-1][len("--out="):]
+  assert [c[6] for c in commands if c[4:5] == ["scp"] and c[5] == out] == ["dd-t-eval:dd/dd-t/token"]
+  assert not [c for c in commands if c[4:5] == ["scp"] and c[5] == str(token) and c[6].startswith("dd-t-eval")]
+  start, = [c for c in commands if any("--role=evaluator" in a for a in c)]
+  remote = next(a for a in start if a.startswith("--command="))
+  assert start[5] == "dd-t-eval" and "--syncer=SYNCER_IP:50051" in remote
+  assert '--config.service.token_file="$D/token"' in remote and '--config.service.tls_ca="$D/tls_ca.pem"' in remote
+  assert "--config.service.evaluator_devices=4" in remote
+  assert subprocess.run([sys.executable, *derived[1:4], f"--secret_file={token}", f"--out={tmp_path / 'cred'}"],
+                        cwd=REPO, timeout=60).returncode == 0
+  assert (tmp_path / "cred").read_text().strip() == security.evaluator_credential(TOKEN)
+  options = launch_tpu.Options("configs/default.py", (), tuple(launch_tpu.parse_slices("v5p-32@us-east5-a")), "proj",
+                               "dd-t", evaluator_slice=launch_tpu.parse_slices("v6e-4@us-east1-d")[0])
+  deletes = [s.argv[5] for s in launch_tpu.plan(options, "down") if s.argv[4:5] == ("delete",)]
+  assert deletes == ["dd-t-0", "dd-t-eval"]
