@@ -103,16 +103,16 @@ def _address(o: Options, steps: list[Step]) -> tuple[list[Step], str]:
 def _credential_steps(o: Options, host: Host, index: int | None) -> list[Step]:
   """Learner `index`'s credential (None: the evaluator's) into $D/token on `host`: derived here and copied, or
   derived on the host from a Secret Manager fetch piped through (the secret is never stored there)."""
-  who, args, name = ((f"learner {index}", ["learner", f"--learner={index}"], f"learner_{index}") if index is not None
-                     else ("the evaluator", ["evaluator"], "evaluator"))
+  who, command, which, name = ((f"learner {index}", "learner", [f"--learner={index}"], f"learner_{index}")
+                               if index is not None else ("the evaluator", "evaluator", [], "evaluator"))
   if o.token_secret:
     derive = (f"D={o.remote}; umask 077 && cd \"$D/src\" && gcloud secrets versions access latest "
               f"--secret={shlex.quote(o.token_secret)} --project={shlex.quote(o.project)} | \"$D/venv/bin/python\" "
-              f"-m experiments.credentials {' '.join(args)} --secret_file=- --out=\"$D/token\"")
+              f"-m experiments.credentials {' '.join([command, '--secret_file=-', *which])} --out=\"$D/token\"")
     return [Step(f"derive {who}'s credential on {host.name} from Secret Manager", tuple(host.ssh(o.project, derive)))]
   local = os.path.join(o.local_dir, f"{name}.token")
-  return [Step(f"derive {who}'s credential", (sys.executable, "-m", "experiments.credentials", *args,
-                                             f"--secret_file={o.token_file}", f"--out={local}")),
+  return [Step(f"derive {who}'s credential", (sys.executable, "-m", "experiments.credentials", command,
+                                             f"--secret_file={o.token_file}", *which, f"--out={local}")),
           _copy(o, host, f"{who}'s credential", local, "token")]
 
 
