@@ -14,11 +14,12 @@ import jax
 import numpy as np
 import pytest
 
-from decoupled_diloco import metrics as metrics_lib, model as model_lib, outer
+from decoupled_diloco import fragments, metrics as metrics_lib, model as model_lib, outer
 from decoupled_diloco.research import report
+from decoupled_diloco.run import records
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import core as core_lib
-from decoupled_diloco.service import security, server as server_lib
+from decoupled_diloco.service import evaluator_main, security, server as server_lib, syncer_main
 from decoupled_diloco.syncer import Settings, Syncer
 from experiments import launch_tpu
 from experiments.launch_local import LocalCluster
@@ -143,3 +144,44 @@ def test_launch_tpu_places_the_evaluator_on_its_own_slice_with_its_own_credentia
                                "dd-t", evaluator_slice=launch_tpu.parse_slices("v6e-4@us-east1-d")[0])
   deletes = [s.argv[5] for s in launch_tpu.plan(options, "down") if s.argv[4:5] == ("delete",)]
   assert deletes == ["dd-t-0", "dd-t-eval"]
+
+
+def test_the_evaluator_reads_theta_again_until_it_holds_one_version(tmp_path, monkeypatch):
+  """Streaming (2 fragments): fragment 0 merges after the evaluator pulled it and before it pulls fragment 1, so
+  the pair it holds never existed; its read goes round again, and the Θ it then holds is the syncer's at the
+  version it names."""
+  config = service_config.get_config()
+  config.service.evaluate_on, config.syncer.min_learners_to_start = "evaluator", 1
+  config.streaming.num_fragments, config.streaming.strategy = 2, "balanced"
+  params = model_lib.build_model(config.model, config.seed)[1]
+  core = syncer_main.build_core(config, params, str(tmp_path / "run"), records.Recorder(), None)
+  core.start(time.time())
+  server = server_lib.SyncerServer(core, TOKEN, host="127.0.0.1", port=0, chunk_bytes=1 << 16,
+                                   max_payload_bytes=1 << 24)
+  target = f"127.0.0.1:{server.start()}"
+  monkeypatch.setenv(security.TOKEN_ENV, security.evaluator_credential(TOKEN))
+  process = evaluator_main.EvaluatorProcess(config, str(tmp_path / "run"), target)
+  try:
+    learner = client_lib.SyncerClient(target, security.learner_credential(TOKEN, 0), 0, chunk_bytes=1 << 16,
+                                      timeout_seconds=10, retry_seconds=5)
+    learner.join()
+    delta = fragments.select(jax.tree.map(lambda x: np.full(np.shape(x), 0.01, np.float32), params),
+                             process.assignment, 0)
+    pulls, pull = [], process.client.pull
+
+    def pull_then_merge(have_version, fragment):
+      pulls.append(fragment)
+      reply = pull(have_version, fragment)
+      if len(pulls) == 1:  # Between this pull and the next, fragment 0 merges.
+        learner.push(0, delta, base_version=0, tokens=64, local_steps=4, compute_seconds=0.1, fragment=0)
+      return reply
+
+    process.client.pull = pull_then_merge
+    status = process.read()
+    assert pulls == [0, 1, 0, 1] and status["versions"] == list(core.syncer.versions) == [1, 0]
+    assert status["version"] == core.syncer.version == 1
+    assert _leaves_equal(fragments.combine(process.held, process.assignment), core.syncer.params)
+  finally:
+    process.close()
+    server.stop(grace=0)
+    core.close()
