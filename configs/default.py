@@ -161,8 +161,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.service.link_latency_ms = ()  # Per-learner one-way latency added to each data-channel transfer (() = none).
   config.service.learner_checkpoint_every = 5  # Rounds between a learner's checkpoints of its inner state (0 = never).
   # "syncer": its host CPU runs model.loss on the eval batches (small models only: refused above 100M params);
-  # "none": the syncer never builds or runs the model's loss and writes no eval records.
-  config.service.evaluate_on = "syncer"  # Where the service evaluates Θ: "syncer" or "none".
+  # "evaluator": a --role=evaluator process reads Θ like a learner and evaluates it on its own devices
+  # (<workdir>/evaluator/metrics.jsonl; docs/evaluation.md); "none": no eval records. Only "syncer" runs the
+  # model on the syncer's host.
+  config.service.evaluate_on = "syncer"  # Where the service evaluates Θ: "syncer", "evaluator" or "none".
+  config.service.evaluator_devices = 0  # The evaluator's devices: 0 = learner group 0's (and its layout), N = fsdp=N.
 
   config.eval_every = 1  # Evaluate the global params every this many outer steps (and at the end).
   config.eval_batches = 4  # Held-out batches per evaluation.

@@ -56,7 +56,10 @@ def get_config():
   config.streaming.num_fragments = 4  # Streaming: a quarter of the model syncs every H/4 steps...
   config.streaming.overlap_steps = 5  # ...and may land 5 steps late (tau) while training goes on.
   config.compression.format = "bf16"
-  config.service.evaluate_on = "none"  # The syncer host must never run a 1B model (service.SYNCER_EVAL_MAX_PARAMS).
+  # The syncer host must never run a 1B model (runconfig.SYNCER_EVAL_MAX_PARAMS): an evaluator process on its own
+  # single-host slice (launch_tpu --evaluator_slice, e.g. v5p-8: 4 chips) reads Θ and evaluates it.
+  config.service.evaluate_on = "evaluator"
+  config.service.evaluator_devices = 4
   config.inner.lr = 4e-4
   config.inner.warmup_steps = 1000
   config.eval_batch_size = 256

@@ -36,6 +36,7 @@ import tensorboardX
 from decoupled_diloco import storage
 
 METRICS_FILE = "metrics.jsonl"
+EVALUATOR_DIR = "evaluator"  # <workdir>/evaluator/: the evaluator process's records (service.evaluate_on='evaluator').
 TENSORBOARD_DIR = "tensorboard"
 # A gs:// metrics.jsonl is re-uploaded whole at most this often (and by sync/close): objects cannot be appended to.
 UPLOAD_SECONDS = 30.0

@@ -3,6 +3,8 @@ r"""What launch_tpu hands out instead of the run secret: learner credentials and
   python -m experiments.credentials learner --secret_file=F --learner=I --out=P
       learner I's credential (security.learner_credential of the secret in F; '-' = stdin),
       written 0600 to P: a learner host never stores the run secret.
+  python -m experiments.credentials evaluator --secret_file=F --out=P
+      the evaluator's read-only credential (security.evaluator_credential), likewise.
   python -m experiments.credentials certs --dir=D --host=IP_OR_NAME
       a self-signed CA (D/ca.pem + D/ca.key, made once and kept) and a certificate for the
       syncer naming HOST (D/syncer.pem + D/syncer.key), so that the syncer serves TLS by
@@ -35,9 +37,9 @@ def _write_private(path: str, data: bytes) -> None:
   os.replace(path + ".tmp", path)
 
 
-def write_learner_credential(secret: str, learner: int, out: str) -> None:
-  """Learner `learner`'s credential into `out` (0600)."""
-  _write_private(out, (security.learner_credential(secret, learner) + "\n").encode())
+def write_credential(credential: str, out: str) -> None:
+  """A learner's or the evaluator's credential into `out` (0600)."""
+  _write_private(out, (credential + "\n").encode())
 
 
 def _key_pem(key) -> bytes:
@@ -91,20 +93,24 @@ def main(argv: list[str]) -> int:
   learner.add_argument("--secret_file", required=True)
   learner.add_argument("--learner", type=int, required=True)
   learner.add_argument("--out", required=True)
+  evaluator = commands.add_parser("evaluator")
+  evaluator.add_argument("--secret_file", required=True)
+  evaluator.add_argument("--out", required=True)
   certs = commands.add_parser("certs")
   certs.add_argument("--dir", required=True)
   certs.add_argument("--host", required=True)
   args = parser.parse_args(argv)
-  if args.command == "learner":
+  if args.command in ("learner", "evaluator"):
     if args.secret_file != "-" and not os.path.isfile(args.secret_file):
       sys.stderr.write(f"error: --secret_file {args.secret_file!r} does not exist\n")
       return 2
     with (sys.stdin if args.secret_file == "-" else open(args.secret_file, encoding="utf-8")) as f:
       secret = f.read().strip()
-    if len(secret) < security.MIN_TOKEN_CHARS or args.learner < 0:
+    if len(secret) < security.MIN_TOKEN_CHARS or getattr(args, "learner", 0) < 0:
       sys.stderr.write(f"error: need a secret of at least {security.MIN_TOKEN_CHARS} characters and --learner >= 0\n")
       return 2
-    write_learner_credential(secret, args.learner, args.out)
+    write_credential(security.learner_credential(secret, args.learner) if args.command == "learner"
+                     else security.evaluator_credential(secret), args.out)
   else:
     if not args.host:
       sys.stderr.write("error: --host must name the syncer's IP address or DNS name\n")

@@ -1,4 +1,5 @@
-r"""Starts a syncer and one process per learner group on this machine; optionally kills them on a schedule.
+r"""Starts a syncer and one process per learner group on this machine (and the evaluator, with
+service.evaluate_on='evaluator'); optionally kills them on a schedule.
 
   python -m experiments.launch_local --config=configs/demo.py --workdir=/tmp/dd_local
   python -m experiments.launch_local --config=configs/demo.py --workdir=/tmp/dd_chaos \
@@ -8,7 +9,8 @@ r"""Starts a syncer and one process per learner group on this machine; optionall
 `--config.*` overrides are passed on to every process. The run secret is
 $DD_SYNCER_TOKEN if set (or the config's service.token_file), else a fresh random one; the
 syncer gets it and each learner only its own credential derived from it
-(security.learner_credential), both through their environment, never on a command line. The launcher picks a
+(security.learner_credential), both through their environment, never on a command line; the evaluator gets
+its read-only credential (security.evaluator_credential) the same way. The launcher picks a
 free port (or takes service.port), so the learners start with the syncer and retry until it
 serves; a restarted syncer gets the same port and --config.resume=True. Logs: <workdir>/logs/<process>.log. The launcher
 exits 0 once the syncer and every learner exited 0.
@@ -63,10 +65,11 @@ class LocalCluster:
 
   def __init__(self, config_path: str, workdir: str, overrides: list[str], num_learners: int,
                env: dict | None = None, host: str = "127.0.0.1", port: int = 0,
-               group_processes: tuple[int, ...] = ()):
+               group_processes: tuple[int, ...] = (), evaluator: bool = False):
     self.config_path, self.workdir, self.overrides = config_path, os.path.abspath(workdir), list(overrides)
     self.num_learners, self.host, self.port = num_learners, host, port
     self.group_processes = tuple(group_processes) or (1,) * num_learners  # JAX processes per learner group.
+    self.evaluator = evaluator  # Whether an evaluator process reads Θ (service.evaluate_on='evaluator').
     self.env = dict(os.environ if env is None else env)
     self.env.pop("XLA_FLAGS", None)  # Each process sizes its own CPU backend (jax_num_cpu_devices).
     self.env.setdefault(TOKEN_ENV, secrets.token_hex(16))
@@ -136,11 +139,18 @@ class LocalCluster:
                                                          f"--group_processes={count}", f"--group_process_id={k}"),
                   env)
 
+  def start_evaluator(self) -> None:
+    """Starts (or restarts) the evaluator against the syncer, with its read-only credential."""
+    env = {**self.env, TOKEN_ENV: security.evaluator_credential(self.env[TOKEN_ENV])}
+    self._spawn("evaluator", self._command("--role=evaluator", f"--syncer={self.address}"), env)
+
   def start(self) -> None:
-    """The syncer and every learner, all at once."""
+    """The syncer, every learner and the evaluator (if any), all at once."""
     self.start_syncer(wait=False)
     for index in range(self.num_learners):
       self.start_learner(index)
+    if self.evaluator:
+      self.start_evaluator()
 
   def kill(self, name: str) -> None:
     """SIGKILL of a process, or of every process of a learner group: no handler runs, like a lost machine."""
@@ -154,6 +164,8 @@ class LocalCluster:
     """Starts a killed process again (a syncer resumes from its checkpoint and log)."""
     if name == "syncer":
       self.start_syncer()
+    elif name == "evaluator":
+      self.start_evaluator()
     else:
       self.start_learner(int(name.split("_")[1]))
 
@@ -317,7 +329,8 @@ def main(argv: list[str]) -> None:
   cluster = LocalCluster(config_path, _WORKDIR.value, overrides, len(config.learners.devices),
                          host=config.service.host if config.service.host not in ("0.0.0.0", "::") else "127.0.0.1",
                          port=config.service.port,
-                         group_processes=(_PROCESSES_PER_GROUP.value,) * len(config.learners.devices))
+                         group_processes=(_PROCESSES_PER_GROUP.value,) * len(config.learners.devices),
+                         evaluator=config.service.evaluate_on == "evaluator")
   chaos = None
   if _CHAOS_SEED.value is not None and _KILL_EVERY.value > 0:
     chaos = Chaos(_CHAOS_SEED.value, _KILL_EVERY.value, _RESTART_DELAY.value, _CHAOS_SYNCER.value, _MIN_UPTIME.value,

@@ -25,13 +25,16 @@ def from_env(name: str, default):
 
 
 def process_devices(devices: tuple[int, ...], role: str, learner_id: int | None, coordinator: str,
-                    processes: int) -> int:
-  """Devices this process needs: all groups (local), one group or its share of one (learner), one (syncer).
-  Sizes the virtual CPU backend, which must be set before JAX starts."""
+                    processes: int, evaluator_devices: int = 0) -> int:
+  """Devices this process needs: all groups (local), one group or its share of one (learner), one (syncer),
+  service.evaluator_devices or learner group 0's (evaluator). Sizes the virtual CPU backend, which must be set
+  before JAX starts."""
   from decoupled_diloco.service import group  # pylint: disable=g-import-not-at-top  (imports JAX)
 
   if role == "syncer":
     return 1
+  if role == "evaluator":
+    return evaluator_devices or max(devices[0], 1)
   if role == "learner" and learner_id is not None and 0 <= learner_id < len(devices):
     return group.local_device_count(devices[learner_id], processes if coordinator != group.AUTO else 1)
   return max(sum(devices), 1)

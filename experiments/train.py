@@ -8,7 +8,10 @@ shared token comes from $DD_SYNCER_TOKEN or --config.service.token_file, never a
   python -m experiments.train --config=configs/demo.py --role=syncer --workdir=/tmp/dd_svc
   python -m experiments.train --config=configs/demo.py --role=learner --learner_id=0 \
       --syncer=127.0.0.1:PORT --workdir=/tmp/dd_svc
-(experiments/launch_local.py starts all of them and reads PORT from <workdir>/syncer_address.)
+  python -m experiments.train --config=configs/demo.py --config.service.evaluate_on=evaluator \
+      --role=evaluator --syncer=127.0.0.1:PORT --workdir=/tmp/dd_svc
+(experiments/launch_local.py starts all of them and reads PORT from <workdir>/syncer_address; the
+evaluator, which reads Θ with its own read-only credential, only with service.evaluate_on='evaluator'.)
 A learner group over several JAX processes (a multi-host slice) runs the learner command in
 each of them, adding --group_coordinator=HOST:PORT --group_processes=N --group_process_id=K
 (or --group_coordinator=auto on Cloud TPU, where JAX finds the slice's hosts itself).
@@ -36,11 +39,12 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where metrics.jsonl, TensorBoard events and checkpoints go: a "
                                 "local directory or gs://BUCKET/PATH (docs/storage.md).")
 flags.mark_flag_as_required("workdir")
-_ROLE = flags.DEFINE_enum("role", "local", ["local", "syncer", "learner"],
-                          "local: the whole run in this process (config.runtime); syncer / learner: one process "
-                          "of a networked run (runtime 'service').")
+_ROLE = flags.DEFINE_enum("role", "local", ["local", "syncer", "learner", "evaluator"],
+                          "local: the whole run in this process (config.runtime); syncer / learner / evaluator: "
+                          "one process of a networked run (runtime 'service'; evaluator: with "
+                          "service.evaluate_on='evaluator').")
 _LEARNER_ID = flags.DEFINE_integer("learner_id", None, "Learner group this process trains (--role=learner).")
-_SYNCER = flags.DEFINE_string("syncer", None, "host:port of the syncer service (--role=learner).")
+_SYNCER = flags.DEFINE_string("syncer", None, "host:port of the syncer service (--role=learner, --role=evaluator).")
 _GROUP_COORDINATOR = flags.DEFINE_string(
     "group_coordinator", startup.from_env("coordinator", ""), "--role=learner in a multi-process group: HOST:PORT "
     "of the group's process 0 (JAX's coordinator), or 'auto' on Cloud TPU / GKE; '' = this process is the whole "
@@ -78,7 +82,7 @@ def main(argv: list[str]) -> None:
   try:
     jax.config.update("jax_num_cpu_devices", startup.process_devices(
         tuple(config.learners.devices), _ROLE.value, _LEARNER_ID.value, _GROUP_COORDINATOR.value,
-        _GROUP_PROCESSES.value))
+        _GROUP_PROCESSES.value, config.service.evaluator_devices))
   except ValueError as error:  # ConfigError: a group's devices that its processes do not split.
     cli.fail(error)
   # Imported here so that `--help` and flag errors stay fast.
@@ -120,10 +124,10 @@ def main(argv: list[str]) -> None:
 
 
 def _run_service_role(config) -> None:
-  """One process of a networked run: the syncer service, or learner --learner_id."""
+  """One process of a networked run: the syncer service, learner --learner_id, or the evaluator."""
   from decoupled_diloco import experiment  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from decoupled_diloco.service import learner_main, syncer_main  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.service import evaluator_main, learner_main, syncer_main  # pylint: disable=g-import-not-at-top
 
   config.runtime = "service"
   try:
@@ -133,6 +137,11 @@ def _run_service_role(config) -> None:
       message = (f"syncer: {summary['outer_updates']} outer updates, {summary['steps_done']} inner steps, "
                  f"final eval loss {summary['eval_loss']}" if summary["done"] else "syncer stopped (SIGTERM); "
                  "restart it with --config.resume=True to continue")
+    elif _ROLE.value == "evaluator":
+      if not _SYNCER.value:
+        raise ConfigError("--role=evaluator needs --syncer=HOST:PORT")
+      summary = evaluator_main.run(config, _WORKDIR.value, _SYNCER.value)
+      message = f"evaluator: Θ version {summary['evaluated_version']}, final eval loss {summary['eval_loss']}"
     else:
       if _LEARNER_ID.value is None or not _SYNCER.value:
         raise ConfigError("--role=learner needs --learner_id=I and --syncer=HOST:PORT")

@@ -70,8 +70,15 @@ def _sweep_order(root: str) -> dict[str, int]:
 
 def load_runs(paths: list[str]) -> dict[str, list[dict]]:
   """Run name -> its records, for every run under `paths` (see find_runs)."""
-  return {name: metrics.read_metrics(os.path.join(workdir, metrics.METRICS_FILE))
-          for name, workdir in find_runs(paths).items()}
+  return {name: run_records(workdir) for name, workdir in find_runs(paths).items()}
+
+
+def run_records(workdir: str) -> list[dict]:
+  """A run's records: its metrics.jsonl, then those of its evaluator process if it had one
+  (service.evaluate_on='evaluator': the run's eval records are there, tagged with Θ's version)."""
+  records = metrics.read_metrics(os.path.join(workdir, metrics.METRICS_FILE))
+  evaluator = storage.path(workdir) / metrics.EVALUATOR_DIR / metrics.METRICS_FILE
+  return records + (metrics.read_metrics(evaluator) if evaluator.exists() else [])
 
 
 def staleness_counts(records: list[dict]) -> dict[int, collections.Counter]:

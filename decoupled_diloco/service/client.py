@@ -33,7 +33,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from decoupled_diloco.service import datachannel, security, server, wire
+from decoupled_diloco.service import datachannel, reader, security, server, wire
 from decoupled_diloco.service import link as link_lib
 
 # CANCELLED: what calls in flight get from a syncer that is shutting down (it restarts).
@@ -42,7 +42,6 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 STATUS_SCHEMA = {"version": int, "versions": list, "acked_seq": int, "steps_left": int, "done": bool,
                  "max_speed": float, "payload_bytes": int, "incarnation": int, "syncer_incarnation": int}
 PUSH_REPLY_SCHEMA = {**{k: v for k, v in STATUS_SCHEMA.items() if k != "payload_bytes"}, "status": str}
-HEARTBEAT_REPLY_SCHEMA = {k: v for k, v in STATUS_SCHEMA.items() if k != "payload_bytes"}
 TICKET_SCHEMA = {"ticket": str, "port": int}
 # What gRPC answers a call beyond the server's maximum_concurrent_rpcs (service.max_concurrent_rpcs): retried.
 CONCURRENCY_CAP_DETAILS = "Concurrent RPC limit exceeded"
@@ -51,7 +50,6 @@ CONCURRENCY_CAP_DETAILS = "Concurrent RPC limit exceeded"
 # client retries with its own backoff (`backoff_delays`), so the channel's is kept as short.
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                      ("grpc.max_reconnect_backoff_ms", 2_000)]
-PULL_TICKET_SCHEMA = {**STATUS_SCHEMA, **TICKET_SCHEMA}
 DATA_FAILURES_BEFORE_STREAMING = 2
 DATA_CHANNEL_PAUSE_SECONDS = 30.0
 
@@ -89,7 +87,8 @@ def _retryable(error: grpc.RpcError) -> bool:
 
 
 class SyncerClient:
-  """Calls the syncer service at `target` ('host:port') as learner `learner`."""
+  """Calls the syncer service at `target` ('host:port') as learner `learner` (or as the evaluator,
+  security.EVALUATOR: pulls and heartbeats only, whose status headers add reader.EXTRA_FIELDS)."""
 
   def __init__(self, target: str, token: str, learner: int, *, chunk_bytes: int, timeout_seconds: float,
                retry_seconds: float, credentials: grpc.ChannelCredentials | None = None,
@@ -107,6 +106,7 @@ class SyncerClient:
     self.host = target.rsplit(":", 1)[0].strip("[]")  # The data channel is on the syncer's host.
     self._metadata = ((security.TOKEN_METADATA_KEY, token),)
     self.incarnation = 0  # This process's incarnation of the learner, from its Join: every push carries it.
+    self._status_schema = {**STATUS_SCHEMA, **(reader.EXTRA_FIELDS if reader.is_reader(learner) else {})}
     method = f"/{server.SERVICE}/"
     self._join = self._channel.unary_stream(method + "Join")
     self._pull = self._channel.unary_stream(method + "Pull")
@@ -160,7 +160,7 @@ class SyncerClient:
 
   def _read_stream(self, replies) -> tuple[dict, object]:
     """(status, decoded Θ or None) from a Join/Pull reply stream."""
-    status = self._observe(wire.parse_header(next(replies), STATUS_SCHEMA))
+    status = self._observe(wire.parse_header(next(replies), self._status_schema))
     if not status["payload_bytes"]:
       return status, None
     data = wire.assemble(replies, status["payload_bytes"], self.max_payload_bytes, self.chunk_bytes)
@@ -206,8 +206,8 @@ class SyncerClient:
 
     def ticketed():
       reply = wire.parse_header(self._pull_ticket(request, timeout=self.timeout, metadata=self._metadata),
-                                PULL_TICKET_SCHEMA)
-      status = self._observe({k: reply[k] for k in STATUS_SCHEMA})
+                                {**self._status_schema, **TICKET_SCHEMA})
+      status = self._observe({k: reply[k] for k in self._status_schema})
       if not reply["payload_bytes"]:
         return status, None
       wire.check_payload_size(reply["payload_bytes"], self.max_payload_bytes)
@@ -225,7 +225,8 @@ class SyncerClient:
     """Renews this learner's lease; returns the run's status (one attempt only if not `retry`)."""
     request = wire.pack_header({"learner": self.learner})
     call = lambda: self._observe(wire.parse_header(  # noqa: E731
-        self._heartbeat(request, timeout=self.timeout, metadata=self._metadata), HEARTBEAT_REPLY_SCHEMA))
+        self._heartbeat(request, timeout=self.timeout, metadata=self._metadata),
+        {k: v for k, v in self._status_schema.items() if k != "payload_bytes"}))
     return self._retrying(call) if retry else call()
 
   def push(self, seq: int, delta, *, base_version: int, tokens: int, local_steps: int, compute_seconds: float,

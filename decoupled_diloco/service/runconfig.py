@@ -6,6 +6,7 @@ import socket
 import jax
 import numpy as np
 
+from decoupled_diloco import mesh
 from decoupled_diloco import model as model_lib
 from decoupled_diloco import storage
 from decoupled_diloco.errors import ConfigError
@@ -37,8 +38,22 @@ def validate(config) -> settings.Settings:
     if size > SYNCER_EVAL_MAX_PARAMS:
       raise ConfigError(f"service.evaluate_on='syncer' would run the {size / 1e9:.2f}B-param model on the syncer "
                         f"host's CPU (over {SYNCER_EVAL_MAX_PARAMS / 1e6:.0f}M params, every learner waits on it): "
-                        "set --config.service.evaluate_on=none")
+                        "set --config.service.evaluate_on=evaluator (a process on its own devices) or none")
+  if service.evaluate_on == "evaluator":
+    evaluator_layout(config)
   return service
+
+
+def evaluator_layout(config) -> mesh.Layout:
+  """The evaluator's mesh layout: fsdp over service.evaluator_devices, or (0) learner group 0's, whose training
+  batches fit on its devices as the eval batches must; ConfigError when the eval batch does not split over it."""
+  count = config.service.evaluator_devices
+  layout = mesh.Layout(fsdp=count) if count else mesh.layouts_from_config(config.learners)[0]
+  if config.eval_batch_size % layout.batch_shards:
+    raise ConfigError(f"eval_batch_size={config.eval_batch_size} does not split over the evaluator's {layout} "
+                      f"({layout.batch_shards} batch shards): set --config.eval_batch_size to a multiple, or "
+                      "--config.service.evaluator_devices")
+  return layout
 
 
 def bulk_workers(num_learners: int) -> int:

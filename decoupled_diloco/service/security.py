@@ -4,7 +4,9 @@ The run secret stays with the syncer (and the operator). Each learner gets its o
 credential, HMAC-SHA256(run secret, "learner:<id>") in hex (`learner_credential`): the
 syncer derives every learner's and checks that the credential of a call belongs to the
 learner the call names, so a learner can act only as itself. Holders of the run secret may
-act as any learner (the operator's tools, tests).
+act as any learner (the operator's tools, tests). The evaluator process
+(service.evaluate_on='evaluator') gets HMAC-SHA256(run secret, "evaluator"): it may read Θ
+and the run's status as `EVALUATOR`, and never push, join or hold a lease.
 
 A token never appears on a command line (where `ps` shows it to every user of the
 machine): it comes from the environment variable DD_SYNCER_TOKEN or from the file
@@ -43,6 +45,7 @@ def load_token(token_file: str) -> str:
 
 
 ANY_LEARNER = -1  # What `caller` returns for the run secret: it may act as every learner.
+EVALUATOR = -2  # What `caller` returns for the evaluator's credential, and the id its calls name: read-only.
 
 
 def learner_credential(secret: str, learner: int) -> str:
@@ -51,18 +54,29 @@ def learner_credential(secret: str, learner: int) -> str:
   Why derived: the syncer needs no table of keys, and one learner's credential tells
   nothing about another's or about the secret.
   """
-  return hmac.new(secret.encode(), f"learner:{learner}".encode(), hashlib.sha256).hexdigest()
+  return _derive(secret, f"learner:{learner}")
+
+
+def evaluator_credential(secret: str) -> str:
+  """The evaluator process's credential: reads Θ, cannot push (so a leaked one cannot steer the run)."""
+  return _derive(secret, "evaluator")
+
+
+def _derive(secret: str, role: str) -> str:
+  return hmac.new(secret.encode(), role.encode(), hashlib.sha256).hexdigest()
 
 
 class Credentials:
-  """The syncer's check of who calls: the run secret, or one learner's credential."""
+  """The syncer's check of who calls: the run secret, one learner's credential, or the evaluator's."""
 
   def __init__(self, secret: str, num_learners: int):
     self._keys = [(secret.encode(), ANY_LEARNER)]
     self._keys += [(learner_credential(secret, m).encode(), m) for m in range(num_learners)]
+    self._keys.append((evaluator_credential(secret).encode(), EVALUATOR))
 
   def caller(self, metadata) -> int | None:
-    """ANY_LEARNER for the run secret, a learner id for its credential, None for anything else.
+    """ANY_LEARNER for the run secret, a learner id for its credential, EVALUATOR for the evaluator's, None
+    for anything else.
 
     Every key is compared (constant time each), so the timing tells nothing of which matched.
     """

@@ -11,13 +11,16 @@ Methods of service `decoupled_diloco.Syncer` (bytes in, bytes out; see wire.py):
                                                               Θ_fragment on the data channel (ticket '' if none,
                                                               as when the status says done)
   Heartbeat unary -> unary    {learner}                    -> status header
+Pull, PullTicket and Heartbeat naming learner security.EVALUATOR (-2) are the evaluator's reads (reader.py):
+no lease, no quorum, and a status header with reader.EXTRA_FIELDS besides.
 A status header is {version, versions, acked_seq, steps_left, done, max_speed, incarnation, syncer_incarnation,
 payload_bytes}; a push
 reply's `status` is 'applied', 'dropped' (over-stale), 'duplicate' (already acked) or
 'late' (after the run ended). Every refusal is a gRPC status with a message saying why,
 and is counted in `SyncerServer.rejections`:
   UNAUTHENTICATED   missing or wrong token ('unauthenticated')
-  PERMISSION_DENIED a learner's credential used for another learner ('impersonation')
+  PERMISSION_DENIED a learner's credential used for another learner ('impersonation'), or the
+                    evaluator's for anything but Pull, PullTicket or Heartbeat ('read_only')
   INVALID_ARGUMENT  malformed header or payload, NaN/Inf, wrong shapes or dtypes, bad versions,
                     header values beyond their bounds ('out_of_bounds', see limits.py)
   RESOURCE_EXHAUSTED  payload or chunk over the limits
@@ -48,7 +51,7 @@ from absl import logging
 import grpc
 
 from decoupled_diloco.service import core as core_lib
-from decoupled_diloco.service import datachannel, limits, security, wire
+from decoupled_diloco.service import datachannel, limits, reader, security, wire
 from decoupled_diloco.service import link as link_lib
 from decoupled_diloco.push import PushRejected
 
@@ -156,6 +159,7 @@ class SyncerServer:
       raise ValueError("the data channel needs TLS exactly when gRPC has it: pass data_tls with credentials")
     self.core, self.chunk_bytes, self.max_payload_bytes = core, chunk_bytes, max_payload_bytes
     self.credentials = security.Credentials(token, core.num_learners)
+    self.reader = reader.Reader(core)  # The evaluator's read-only view (service.evaluate_on='evaluator').
     self.rejections = collections.Counter()
     self._bulk_lock = threading.Lock()
     self._logged: dict[str, tuple[float, int]] = {}  # reason -> (start of its minute, refusals in it)
@@ -261,8 +265,12 @@ class SyncerServer:
     deadline.set(datachannel.transfer_seconds(0))  # Until the method sizes it from its bytes.
 
   @staticmethod
-  def _authorize(caller: int, learner: int) -> None:
-    """A learner's credential acts for that learner only (the run secret for all)."""
+  def _authorize(caller: int, learner: int, read: bool = False) -> None:
+    """A learner's credential acts for that learner only (the run secret for all); the evaluator's
+    only reads (`read`: a Pull, PullTicket or Heartbeat), as itself."""
+    if caller == security.EVALUATOR and not (read and reader.is_reader(learner)):
+      raise _Refused(grpc.StatusCode.PERMISSION_DENIED, "read_only",
+                     "the evaluator's credential may only read Θ (Pull, PullTicket, Heartbeat as the evaluator)")
     if caller not in (security.ANY_LEARNER, learner):
       raise _Refused(grpc.StatusCode.PERMISSION_DENIED, "impersonation",
                      f"the credential of learner {caller} cannot act as learner {learner}")
@@ -282,9 +290,14 @@ class SyncerServer:
   def _pull(self, request: bytes, context, caller: int, deadline: _Deadline):
     del context
     header = wire.parse_header(request, PULL_SCHEMA)
-    self._authorize(caller, header["learner"])
-    return self._sized(deadline, *self.core.pull(header["learner"], header["fragment"], header["have_version"],
-                                                 time.time()))
+    self._authorize(caller, header["learner"], read=True)
+    return self._sized(deadline, *self._read(header))
+
+  def _read(self, header: dict) -> tuple[dict, list | None]:
+    """A pull's (status, encoded Θ_fragment or None): a learner's, or the evaluator's (reader.py)."""
+    if reader.is_reader(header["learner"]):
+      return self.reader.pull(header["fragment"], header["have_version"])
+    return self.core.pull(header["learner"], header["fragment"], header["have_version"], time.time())
 
   def _sized(self, deadline: _Deadline, status: dict, parts: list | None):
     """The reply stream, with the call's deadline sized from the bytes it sends."""
@@ -294,7 +307,9 @@ class SyncerServer:
   def _heartbeat(self, request: bytes, context, caller: int, deadline: _Deadline) -> bytes:
     del context, deadline
     header = wire.parse_header(request, HEARTBEAT_SCHEMA)
-    self._authorize(caller, header["learner"])
+    self._authorize(caller, header["learner"], read=True)
+    if reader.is_reader(header["learner"]):
+      return wire.pack_header(self.reader.status())
     return wire.pack_header(self.core.heartbeat(header["learner"], time.time()))
 
   def _push(self, messages, context, caller: int, deadline: _Deadline) -> bytes:
@@ -334,12 +349,13 @@ class SyncerServer:
     parts (the core's one copy per version) on the data channel."""
     del context, deadline
     header = wire.parse_header(request, PULL_SCHEMA)
-    self._authorize(caller, header["learner"])
+    self._authorize(caller, header["learner"], read=True)
     self._require_data_channel("pull Θ with Pull")
-    status, parts = self.core.pull(header["learner"], header["fragment"], header["have_version"], time.time())
+    status, parts = self._read(header)
     # A learner told 'done' stops and needs no Θ; and the syncer may exit once every learner heard it, before a
-    # ticket for it could be used (a gRPC Pull carries both at once).
-    parts = None if status["done"] else parts
+    # ticket for it could be used (a gRPC Pull carries both at once). The evaluator needs the final Θ: the syncer
+    # waits for it (reader.Reader.has_final).
+    parts = None if status["done"] and not reader.is_reader(header["learner"]) else parts
     ticket = self.data.ticket({"learner": header["learner"]}, pull=parts) if parts else ""
     return wire.pack_header({**status, "payload_bytes": wire.encoded_size(parts) if parts else 0, "ticket": ticket,
                              "port": self.data.port})

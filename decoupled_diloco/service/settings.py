@@ -9,7 +9,7 @@ import dataclasses
 
 from decoupled_diloco import settings as settings_lib
 
-EVALUATE_ON = ("syncer", "none")
+EVALUATE_ON = ("syncer", "evaluator", "none")
 _TIMEOUTS = ("lease_seconds", "linger_seconds", "rpc_timeout_seconds", "retry_seconds", "keepalive_seconds",
              "keepalive_timeout_seconds")
 
@@ -37,8 +37,9 @@ class Settings:
   link_mbps: tuple                  # Per learner, pacing its data-channel traffic (checked in link.validate).
   link_latency_ms: tuple
   local_dir: str                    # The log and locks when the workdir is gs:// (checked by storage.local_dir).
-  evaluate_on: str                  # 'syncer' (this host runs the model's loss) or 'none' (no eval records).
+  evaluate_on: str                  # 'syncer' (its host runs the loss), 'evaluator' (--role=evaluator), 'none'.
   learner_checkpoint_every: int  # 0 = never.
+  evaluator_devices: int         # 0 = learner group 0's devices and layout; N = N devices, fsdp over all of them.
 
   def __post_init__(self):
     settings_lib.check((
@@ -52,6 +53,8 @@ class Settings:
         *((getattr(self, name) > 0, f"service.{name}={getattr(self, name)} must be > 0: set --config.service.{name}")
           for name in _TIMEOUTS),
         (self.evaluate_on in EVALUATE_ON, f"service.evaluate_on={self.evaluate_on!r} must be one of {EVALUATE_ON}"),
+        (self.evaluator_devices >= 0,
+         f"service.evaluator_devices={self.evaluator_devices} must be >= 0 (0 = learner group 0's devices)"),
         (self.learner_checkpoint_every >= 0,
          f"service.learner_checkpoint_every={self.learner_checkpoint_every} must be >= 0 (0 = never)"),
     ))

@@ -33,9 +33,9 @@ TICK_SECONDS = 0.2
 
 
 def build_evaluator(config, model, corpus, recorder: records.Recorder) -> evaluator_lib.Evaluator | None:
-  """The background evaluator of Θ snapshots, on this host (jitted model loss), in merge order; None with
-  service.evaluate_on='none': then the syncer never builds or runs the model's loss (at 1B it must not)."""
-  if config.service.evaluate_on == "none":
+  """The background evaluator of Θ snapshots, on this host (jitted model loss), in merge order; None unless
+  service.evaluate_on='syncer': then the syncer never builds or runs the model's loss (at 1B it must not)."""
+  if config.service.evaluate_on != "syncer":
     return None
   evals, loss = evaluator_lib.EvalSet.from_corpus(config, corpus), jax.jit(model.loss)
   return evaluator_lib.Evaluator(lambda params: evals.mean_loss(loss, params), evals, recorder.write, max_waiting=1)
@@ -134,7 +134,8 @@ def _serve(config, workdir: str, local: str, token: str, credentials, model, par
           core.tick(now)
           if core.done:
             done_at = done_at or now
-            if core.all_told_done() or now - done_at > config.service.linger_seconds:
+            evaluated = config.service.evaluate_on != "evaluator" or server.reader.has_final()
+            if (core.all_told_done() and evaluated) or now - done_at > config.service.linger_seconds:
               break
       except core_lib.Stopped as error:  # Fail-stop: the log cannot take new state; serve nothing more.
         server.stop(grace=0)

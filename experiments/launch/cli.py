@@ -15,7 +15,7 @@ from ml_collections import config_flags
 from decoupled_diloco.errors import ConfigError
 from experiments.launch import deploy, provision, runner, watch, xpk
 from experiments.launch import options as options_lib
-from experiments.launch.hosts import EXAMPLE, Step, parse_slices
+from experiments.launch.hosts import EXAMPLE, Slice, Step, parse_slices
 from experiments.launch.options import Options, check
 
 VERBS = ("up", "start", "status", "watch", "logs", "down")
@@ -59,6 +59,9 @@ def define_flags() -> dict:
                                          "clusters <xpk_cluster>-<type> ('' = TPU VMs)."),
       "image": flags.DEFINE_string("image", "", "Container image of the XPK mode ('' = "
                                    "gcr.io/<project>/decoupled-diloco:<run_name>)."),
+      "evaluator_slice": flags.DEFINE_string("evaluator_slice", "", "TYPE-SIZE@ZONE of the evaluator's single-host "
+                                             "slice <run_name>-eval (service.evaluate_on='evaluator'; '' = slice "
+                                             "0's type and zone sized to service.evaluator_devices)."),
       "watch_seconds": flags.DEFINE_float("watch_seconds", 60.0, "`watch`: seconds between two looks at the slices."),
       "watch_rounds": flags.DEFINE_integer("watch_rounds", 0, "`watch`: looks before it exits (0 = until stopped)."),
       "lines": flags.DEFINE_integer("lines", 50, "`logs`: lines of each process's log."),
@@ -110,7 +113,8 @@ def options_from_flags(f: dict, argv: list[str], verb: str) -> Options:
       archive=os.path.join(tempfile.gettempdir(), f"{run}_src.tar.gz"), insecure=f["insecure"].value,
       local_dir=os.path.join(os.path.dirname(default_token_file(run)), run),
       syncer_on_slice=f["syncer_on_slice"].value, queued=f["queued"].value, xpk_cluster=f["xpk_cluster"].value,
-      image=f["image"].value, wal_dir="wal_dir" in config.service, **_data(config.data))
+      image=f["image"].value, wal_dir="wal_dir" in config.service, **_data(config.data),
+      evaluator_slice=_evaluator_slice(f["evaluator_slice"].value, config.service, parse_slices(f["slices"].value)))
   check(options, tuple(config.learners.devices), tuple(config.learners.hardware or ()))
   if options.xpk_cluster:
     xpk.check(options)
@@ -121,6 +125,30 @@ def options_from_flags(f: dict, argv: list[str], verb: str) -> Options:
     machine = f["syncer_machine_type"].value or provision.syncer_machine_type(plan_lib.syncer_bytes(config))
     options = dataclasses.replace(options, machine_type=machine)
   return options
+
+
+def _evaluator_slice(spec: str, service_cfg, slices: list) -> Slice | None:
+  """The evaluator's slice: --evaluator_slice, or slice 0's type and zone with service.evaluator_devices chips;
+  None unless service.evaluate_on='evaluator'. ConfigError when the two disagree or neither sizes it."""
+  if service_cfg.evaluate_on != "evaluator":
+    if spec:
+      raise ConfigError(f"--evaluator_slice={spec} but service.evaluate_on={service_cfg.evaluate_on!r}: set "
+                        "--config.service.evaluate_on=evaluator, or drop --evaluator_slice")
+    return None
+  chips = service_cfg.evaluator_devices
+  if spec:
+    tpus = parse_slices(spec)
+    if len(tpus) != 1:
+      raise ConfigError(f"--evaluator_slice={spec}: give one TYPE-SIZE@ZONE, the evaluator's single-host slice")
+    tpu = tpus[0]
+    if chips and tpu.chips != chips:
+      raise ConfigError(f"--evaluator_slice={spec} has {tpu.chips} chips but service.evaluator_devices={chips}: "
+                        "make them agree")
+    return tpu
+  if not chips:
+    raise ConfigError("service.evaluate_on='evaluator' needs a slice for the evaluator: pass --evaluator_slice="
+                      "TYPE-SIZE@ZONE (one host), or set --config.service.evaluator_devices to its chips")
+  return Slice(slices[0].generation, chips * slices[0].spec.cores_per_chip, slices[0].zone)
 
 
 def _data(data_cfg) -> dict:

@@ -1,6 +1,7 @@
 """`start`: the commands that put the code, the secrets, the TLS material and the data in place and start the processes.
 
-The syncer gets the run secret; the hosts of slice i only learner i's credential
+The syncer gets the run secret; the hosts of slice i only learner i's credential, the evaluator's slice
+(service.evaluate_on='evaluator') only the evaluator's read-only one
 (security.learner_credential: derived here from a local 0600 file and copied, or derived on the
 host from a Secret Manager fetch that is never stored there). TLS is on unless --insecure: the
 run's CA (made once on this machine, its key never leaves it) signs a certificate naming the
@@ -16,7 +17,7 @@ import sys
 from experiments.launch import options as options_lib
 from experiments.launch import xpk
 from experiments.launch.hosts import SYNCER_IP, Host, Step
-from experiments.launch.options import Options, learner_args, train_args
+from experiments.launch.options import Options, evaluator_args, learner_args, train_args
 
 
 def start(o: Options) -> list[Step]:
@@ -26,6 +27,10 @@ def start(o: Options) -> list[Step]:
   steps = [_pack(o)] + (xpk.build(o) if o.xpk_cluster else [])
   for i, host in enumerate(slices):
     steps.extend(_host_steps(o, host, i))
+  evaluator = o.evaluator_host()
+  if evaluator is not None:
+    steps.extend(_host_steps(o, evaluator, None) + _credential_steps(o, evaluator, None))
+    slices = slices + [evaluator]  # It trusts the syncer's certificate like the learners.
   if not syncer.tpu:
     steps.extend(_host_steps(o, syncer, None))
   steps.extend(_secret_steps(o, syncer))
@@ -44,7 +49,11 @@ def start(o: Options) -> list[Step]:
   where = f"{syncer.name} (worker {syncer.worker})" if syncer.tpu else syncer.name
   steps.append(Step(f"start the syncer on {where}", tuple(syncer.ssh(o.project, _syncer_command(o, syncer.tpu)))))
   start_learner = xpk.start_learner if o.xpk_cluster else _learner_step
-  return steps + [start_learner(o, i, address) for i in range(len(o.slices))]
+  steps += [start_learner(o, i, address) for i in range(len(o.slices))]
+  if evaluator is not None:
+    steps.append(Step(f"start the evaluator on {evaluator.name}",
+                      tuple(evaluator.ssh(o.project, _train(o, "evaluator", "", *evaluator_args(o, address))))))
+  return steps
 
 
 def restart_learner(o: Options, index: int) -> list[Step]:
@@ -91,20 +100,20 @@ def _address(o: Options, steps: list[Step]) -> tuple[list[Step], str]:
                        SYNCER_IP)], SYNCER_IP
 
 
-def _credential_steps(o: Options, host: Host, index: int) -> list[Step]:
-  """Learner `index`'s credential into $D/token on `host`: derived here and copied, or derived on the host
-  from a Secret Manager fetch piped through (the secret is never stored there)."""
+def _credential_steps(o: Options, host: Host, index: int | None) -> list[Step]:
+  """Learner `index`'s credential (None: the evaluator's) into $D/token on `host`: derived here and copied, or
+  derived on the host from a Secret Manager fetch piped through (the secret is never stored there)."""
+  who, command, which, name = ((f"learner {index}", "learner", [f"--learner={index}"], f"learner_{index}")
+                               if index is not None else ("the evaluator", "evaluator", [], "evaluator"))
   if o.token_secret:
     derive = (f"D={o.remote}; umask 077 && cd \"$D/src\" && gcloud secrets versions access latest "
               f"--secret={shlex.quote(o.token_secret)} --project={shlex.quote(o.project)} | \"$D/venv/bin/python\" "
-              f"-m experiments.credentials learner --secret_file=- --learner={index} --out=\"$D/token\"")
-    return [Step(f"derive learner {index}'s credential on {host.name} from Secret Manager",
-                 tuple(host.ssh(o.project, derive)))]
-  local = os.path.join(o.local_dir, f"learner_{index}.token")
-  return [Step(f"derive learner {index}'s credential", (sys.executable, "-m", "experiments.credentials", "learner",
-                                                       f"--secret_file={o.token_file}", f"--learner={index}",
-                                                       f"--out={local}")),
-          _copy(o, host, f"learner {index}'s credential", local, "token")]
+              f"-m experiments.credentials {' '.join([command, '--secret_file=-', *which])} --out=\"$D/token\"")
+    return [Step(f"derive {who}'s credential on {host.name} from Secret Manager", tuple(host.ssh(o.project, derive)))]
+  local = os.path.join(o.local_dir, f"{name}.token")
+  return [Step(f"derive {who}'s credential", (sys.executable, "-m", "experiments.credentials", command,
+                                             f"--secret_file={o.token_file}", *which, f"--out={local}")),
+          _copy(o, host, f"{who}'s credential", local, "token")]
 
 
 def _secret_steps(o: Options, syncer: Host) -> list[Step]:

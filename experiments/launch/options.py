@@ -41,6 +41,7 @@ class Options:
   wal_dir: bool = False  # The config has service.wal_dir: the syncer keeps its write-ahead log on local disk.
   xpk_cluster: str = ""  # GKE cluster of an XPK launch of the learner slices ('' = TPU VMs over gcloud).
   image: str = ""  # Container image of an XPK launch ('' = gcr.io/<project>/decoupled-diloco:<run_name>).
+  evaluator_slice: Slice | None = None  # The evaluator's slice (service.evaluate_on='evaluator'), <run_name>-eval.
 
   @property
   def tls(self) -> str:
@@ -70,6 +71,15 @@ class Options:
   def slice_hosts(self) -> list[Host]:
     """Every worker of each slice, named <run_name>-<i>: learner group i runs there."""
     return [Host(f"{self.run_name}-{i}", s.zone) for i, s in enumerate(self.slices)]
+
+  def evaluator_host(self) -> Host | None:
+    """The evaluator's single-host slice, <run_name>-eval (None: the config evaluates elsewhere or not at all)."""
+    return Host(f"{self.run_name}-eval", self.evaluator_slice.zone) if self.evaluator_slice else None
+
+  def tpus(self) -> list[tuple[Host, Slice]]:
+    """Every TPU slice `up` creates and `down` deletes: the learners' (index = learner), then the evaluator's."""
+    hosts = self.slice_hosts() + ([self.evaluator_host()] if self.evaluator_slice else [])
+    return list(zip(hosts, (*self.slices, *([self.evaluator_slice] if self.evaluator_slice else []))))
 
   def syncer(self) -> Host:
     """The syncer's host: its own CPU VM, or worker 0 of slice 0 with --syncer_on_slice."""
@@ -101,6 +111,9 @@ def check(options: Options, learner_groups: tuple[int, ...], hardware: tuple[str
     raise ConfigError(f"--port={options.port} must be in [1, 65534] (the data channel takes port + 1)")
   if options.syncer_vm and not re.fullmatch(rf"{NAME.pattern}@{ZONE.pattern}", options.syncer_vm):
     raise ConfigError(f"--syncer_vm={options.syncer_vm!r}: expected NAME@ZONE, e.g. dd-syncer@us-central1-a")
+  if options.evaluator_slice and options.xpk_cluster:
+    raise ConfigError("the evaluator runs on a TPU VM slice, not in XPK: launch without --xpk_cluster, or set "
+                      "--config.service.evaluate_on=none")
   if options.syncer_vm and options.syncer_on_slice:
     raise ConfigError("--syncer_vm and --syncer_on_slice contradict each other: pick one place for the syncer")
   if not options.run_workdir.startswith("gs://") or len(options.run_workdir.split("/")) < 4:
@@ -133,7 +146,17 @@ def train_args(o: Options) -> list[str]:
 def learner_args(o: Options, index: int, address: str, home: str = "$D") -> list[str]:
   """Learner `index`'s flags on every host of its slice (shell words; `home` holds its CA): --group_coordinator=auto
   makes the slice's hosts one JAX program."""
-  tls = {"given": [f"--config.service.tls_ca=\"{home}/tls.crt\""],
-         "generated": [f"--config.service.tls_ca=\"{home}/tls_ca.pem\""], "none": []}[o.tls]
   return ["--role=learner", f"--learner_id={index}", f"--syncer={shlex.quote(address)}:{o.port}",
-          "--group_coordinator=auto", *tls]
+          "--group_coordinator=auto", *_trust(o, home)]
+
+
+def evaluator_args(o: Options, address: str) -> list[str]:
+  """The evaluator's flags (shell words): the syncer, the CA it trusts, and its slice's chips as its devices."""
+  return ["--role=evaluator", f"--syncer={shlex.quote(address)}:{o.port}", *_trust(o, "$D"),
+          f"--config.service.evaluator_devices={o.evaluator_slice.chips}"]
+
+
+def _trust(o: Options, home: str) -> list[str]:
+  """What a process that dials the syncer trusts for its certificate (none with --insecure)."""
+  return {"given": [f"--config.service.tls_ca=\"{home}/tls.crt\""],
+          "generated": [f"--config.service.tls_ca=\"{home}/tls_ca.pem\""], "none": []}[o.tls]

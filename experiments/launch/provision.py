@@ -35,7 +35,7 @@ def up(o: Options) -> list[Step]:
                  "--uniform-bucket-level-access"), unless=(*bucket, "describe", o.bucket, f"--project={o.project}"))]
   if o.xpk_cluster:
     steps.extend(xpk.up(o))
-  for index in range(0 if o.xpk_cluster else len(o.slices)):
+  for index in range(0 if o.xpk_cluster else len(o.tpus())):
     steps.extend(create_slice(o, index))
   syncer = o.syncer()
   if not syncer.tpu:
@@ -47,8 +47,8 @@ def up(o: Options) -> list[Step]:
 
 
 def create_slice(o: Options, index: int) -> list[Step]:
-  """Slice `index`: a TPU VM (on demand or --spot), or a queued resource that is waited for until ACTIVE."""
-  host, tpu = o.slice_hosts()[index], o.slices[index]
+  """Slice `index` (Options.tpus): a TPU VM (on demand or --spot), or a queued resource waited for until ACTIVE."""
+  host, tpu = o.tpus()[index]
   kind = f"{tpu.accelerator}{', Spot' if o.spot else ''}"
   version = f"--version={o.version or tpu.spec.runtime_version}"
   spot = ("--spot",) if o.spot else ()
@@ -66,7 +66,7 @@ def create_slice(o: Options, index: int) -> list[Step]:
 
 def state_step(o: Options, index: int) -> Step:
   """The command printing slice `index`'s state (its queued resource's with --queued)."""
-  host = o.slice_hosts()[index]
+  host = o.tpus()[index][0]
   if o.queued:
     return Step(f"state of the queued slice {host.name}", (*_queued(host, o.project)("describe"),
                                                            "--format=value(state.state)"))
@@ -83,7 +83,7 @@ def list_step(o: Options, index: int) -> Step:
 
 def delete_slice(o: Options, index: int) -> Step:
   """Deletes slice `index` (its queued resource with it)."""
-  host = o.slice_hosts()[index]
+  host = o.tpus()[index][0]
   if o.queued:
     return Step(f"delete the queued slice {host.name}", (*_queued(host, o.project)("delete"), "--force", "--quiet"))
   return Step(f"delete slice {host.name}", (*host.gcloud("delete", f"--project={o.project}"), "--quiet"))
@@ -92,7 +92,7 @@ def delete_slice(o: Options, index: int) -> Step:
 def down(o: Options) -> list[Step]:
   """Deletes every slice (XPK workload and cluster) and the syncer's VM; the bucket (checkpoints, metrics, data)
   stays."""
-  steps = xpk.down(o) if o.xpk_cluster else [delete_slice(o, index) for index in range(len(o.slices))]
+  steps = xpk.down(o) if o.xpk_cluster else [delete_slice(o, index) for index in range(len(o.tpus()))]
   syncer = o.syncer()
   if not syncer.tpu:
     steps.append(Step(f"delete the syncer VM {syncer.name}", (*syncer.gcloud("delete", f"--project={o.project}"),

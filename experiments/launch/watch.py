@@ -129,4 +129,8 @@ def logs(o: Options, lines: int) -> list[Step]:
     worker0 = dataclasses.replace(host, worker="0")
     steps.append(Step(f"learner {i}'s log on {host.name} (worker 0)",
                       tuple(worker0.ssh(o.project, f"tail -n {lines} dd/{o.run_name}/learner_{i}.log"))))
+  evaluator = o.evaluator_host()
+  if evaluator is not None:
+    steps.append(Step(f"the evaluator's log on {evaluator.name}",
+                      tuple(evaluator.ssh(o.project, f"tail -n {lines} dd/{o.run_name}/evaluator.log"))))
   return steps
