@@ -1,5 +1,7 @@
 """data.mask_document_boundaries: packed documents attend only within themselves, in every attention kernel."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -12,7 +14,7 @@ from decoupled_diloco.data import tokenizer
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.model import transformer
 from decoupled_diloco.runtime import lockstep
-from tests.helpers import tiny_config
+from tests.helpers import tiny_config, write_documents
 
 EOD = 0
 
@@ -87,18 +89,10 @@ def test_the_option_follows_the_tokenizer_and_refuses_token_streams(tmp_path):
 
 def test_a_masked_packed_run_trains(tmp_path):
   """Byte-level documents (end-of-document byte 0) from ArrayRecord shards, masked, through the lockstep runtime."""
-  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
-  for split, count in (('train', 200), ('eval', 20)):
-    writer = array_record_module.ArrayRecordWriter(str(tmp_path / f'{split}-00000-of-00001.array_record'),
-                                                   'group_size:1')
-    for i in range(count):
-      writer.write((f'doc {i}: ' + 'abcab' * (i % 7 + 1) + '.').encode())
-    writer.close()
-  config = tiny_config(outer_steps=2, **{'data.source': 'array_record', 'data.path': str(tmp_path),
+  config = tiny_config(outer_steps=2, **{'data.source': 'array_record', 'data.path': write_documents(tmp_path),
                                          'data.mask_document_boundaries': True})
   lockstep.run(experiment.build(config), str(tmp_path / 'run'))
   assert config.model.document_eod_id == tokenizer.BYTE_EOD_ID
-  import json  # pylint: disable=g-import-not-at-top
   records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
   losses = [r['loss'] for r in records if r['kind'] == 'train']
   assert losses and all(np.isfinite(losses)) and losses[-1] < losses[0]
