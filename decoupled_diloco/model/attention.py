@@ -100,7 +100,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: ja
   return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
 
 
-def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None,
+def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None, *,
                   interpret: bool) -> jax.Array:
   """Splash attention on one shard: q [B, T, N, D], k/v [B, T, K, D], N = K * groups; segments [B, T]."""
   b, t, n, d = q.shape
@@ -136,12 +136,11 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Arr
   # Batch shards, and head shards where the KV heads split evenly (then so do the query heads,
   # and each shard keeps whole groups).
   spec = mesh_lib.activation_spec(k.shape, ('batch', None, 'heads', None), dict(mesh.shape))
-  if segments is None:
-    return jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=mesh, in_specs=(spec, spec, spec),
-                         out_specs=spec, check_vma=False)(q, k, v)
-  segment_spec = mesh_lib.activation_spec(segments.shape, ('batch', None), dict(mesh.shape))
-  return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, segment_spec), out_specs=spec,
-                       check_vma=False)(q, k, v, segments)
+  args, specs = (q, k, v), (spec, spec, spec)
+  if segments is not None:  # Segment ids split with their sequences.
+    segment_spec = mesh_lib.activation_spec(segments.shape, ('batch', None), dict(mesh.shape))
+    args, specs = (*args, segments), (*specs, segment_spec)
+  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)(*args)
 
 
 _KERNELS = {'xla': xla_attention, 'dot_product': dot_product_attention, 'splash': splash_attention}
