@@ -10,7 +10,7 @@ import pytest
 
 from decoupled_diloco import experiment
 from decoupled_diloco import model as model_lib
-from decoupled_diloco.data import tokenizer
+from decoupled_diloco.data import sources, tokenizer
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.model import transformer
 from decoupled_diloco.runtime import lockstep
@@ -92,6 +92,8 @@ def test_a_masked_packed_run_trains(tmp_path):
   config = tiny_config(outer_steps=2, **{'data.source': 'array_record', 'data.path': write_documents(tmp_path),
                                          'data.mask_document_boundaries': True})
   lockstep.run(experiment.build(config), str(tmp_path / 'run'))
+  (tmp_path / 'train-00000-of-00001.array_record').unlink()  # The syncer's view opens the eval split only.
+  assert len(sources.load_corpus(config.data, 16, train=False).eval_documents) == 20
   assert config.model.document_eod_id == tokenizer.BYTE_EOD_ID
   records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
   losses = [r['loss'] for r in records if r['kind'] == 'train']
