@@ -38,7 +38,8 @@ def _wait_until(condition, what):
 def test_a_restarted_learner_continues_its_packed_stream_exactly(tmp_path):
   (tmp_path / "data").mkdir()
   data = helpers.write_documents(tmp_path / "data")
-  overrides = ["--config.outer_steps=60", "--config.data.source=array_record", f"--config.data.path={data}",
+  # A budget far beyond the test: it stops the run once the restarted learner has trained two periods.
+  overrides = ["--config.outer_steps=1000", "--config.data.source=array_record", f"--config.data.path={data}",
                "--config.data.mask_document_boundaries=True", "--config.service.learner_checkpoint_every=1"]
   cluster = LocalCluster("tests/service_config.py", str(tmp_path / "run"), overrides, 2,
                          env=dict(os.environ, DD_SYNCER_TOKEN="d" * 32))
@@ -50,10 +51,9 @@ def test_a_restarted_learner_continues_its_packed_stream_exactly(tmp_path):
     cluster.restart("learner_1")
     _wait_until(lambda: len(_records(cluster.workdir, "learner_1", "batches")) > before + 1,
                 "learner 1 to train two periods after its restart")
-    codes = cluster.wait(RUN_TIMEOUT)
+    assert cluster.running() == ["learner_0", "learner_1", "syncer"]  # Nothing failed meanwhile.
   finally:
     cluster.stop()
-  assert codes["syncer"] == 0 and codes["learner_1"] == 0, codes
   starts = [r["start_step"] for r in _records(cluster.workdir, "learner_1", "first_round")]
   assert len(starts) == 2 and starts[0] == 0 and starts[1] > 0, starts  # Resumed from its checkpoint.
   trained = {}  # step -> crc32 of the batch each incarnation trained on at that step.
