@@ -60,7 +60,7 @@ class Settings:
         (not self.mask_document_boundaries or (self.source, self.tokenizer) not in (
             ("synthetic", "byte"), ("text_file", "byte")),
          f"data.mask_document_boundaries needs documents, but source={self.source!r} with the byte tokenizer is one "
-         "token stream: prepare it with experiments.prepare_data (source='array_record') or use a subword tokenizer"),
+         "token stream: use source='array_record' (experiments.prepare_data) or 'tfds', or a subword text_file"),
     ))
 
   @classmethod
