@@ -34,6 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.attention = "xla"  # 'xla', 'dot_product' (cuDNN on GPU), 'splash' (Pallas TPU) or 'auto'.
   config.model.remat = "none"  # Per-block remat: 'none', 'full', 'dots_saveable', 'minimal' or 'offload' (host).
   config.model.scan_layers = False  # One compiled block scanned over the layers: compile time flat in depth.
+  config.model.document_eod_id = -1  # Set from data.mask_document_boundaries (the tokenizer's id); leave at -1.
   config.model.loss_chunk = 0  # Tokens per cross-entropy chunk: no [B, T, vocab] f32 logits (0 = no chunks).
 
   config.data = ml_collections.ConfigDict()
@@ -42,6 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.tokenizer = "byte"  # 'byte' (embedded, 256 ids) or 'sentencepiece' (data.tokenizer_path).
   config.data.tokenizer_path = ""  # SentencePiece .model (python -m experiments.train_tokenizer makes one).
   config.data.chunk_bytes = 4096  # Long texts of few-document sources are dealt out in pieces of about this size.
+  config.data.mask_document_boundaries = False  # Packed documents: attention segmented at end-of-document tokens.
   config.data.prefetch = 2  # Packed batches each learner's grain pipeline prepares ahead in a worker thread (0 = none).
   config.data.tfds_name = ""  # TFDS dataset for source='tfds', e.g. 'tiny_shakespeare', 'lm1b'.
   config.data.tfds_data_dir = ""  # TFDS data_dir ('' = TFDS's default, ~/tensorflow_datasets).

@@ -23,3 +23,14 @@ def tiny_config(**overrides):
   config.eval_batch_size = 8
   config.checkpoint_every = 2
   return experiment.with_overrides(config, overrides)
+
+
+def write_documents(directory, counts=(("train", 200), ("eval", 20))) -> str:
+  """Short byte-level documents as ArrayRecord shards (what experiments.prepare_data writes); returns the dir."""
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+  for split, count in counts:
+    writer = array_record_module.ArrayRecordWriter(f"{directory}/{split}-00000-of-00001.array_record", "group_size:1")
+    for i in range(count):
+      writer.write((f"doc {i}: " + "abcab" * (i % 7 + 1) + ".").encode())
+    writer.close()
+  return str(directory)

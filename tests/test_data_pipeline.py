@@ -221,6 +221,8 @@ def test_prepare_data_converts_a_tfrecord_tfds_dataset(tmp_path):
     pytest.skip(f"shared tiny Shakespeare file not found at {tfds_fixture.SHARED_TEXT}")
   data_dir = tfds_fixture.build_offline_data_dir(tmp_path / "tfds")
   tfds.builder("tiny_shakespeare", data_dir=str(data_dir), file_format="tfrecord").download_and_prepare()
+  prepared = [f.name for f in data_dir.rglob("tiny_shakespeare-*")]
+  assert prepared and all(".tfrecord" in name for name in prepared), prepared  # As TFDS's C4 is: no ArrayRecord.
   out = tmp_path / "prepared"
   result = _run("experiments.prepare_data", "--tfds_name=tiny_shakespeare", f"--tfds_data_dir={data_dir}",
                 f"--output={out}", "--num_shards=1", "--max_bytes=0")
@@ -230,3 +232,7 @@ def test_prepare_data_converts_a_tfrecord_tfds_dataset(tmp_path):
   pieces = [corpus.train_documents[i] for i in range(len(corpus.train_documents))]  # One document, in pieces.
   assert pieces[0][0].startswith(b"First Citizen") and [p[1] for p in pieces].count(True) == 1 and len(pieces) > 200
   assert batches.eval_batches(corpus, 16, 4, 1)[0].shape == (4, 17)
+  config = tiny_config(outer_steps=2, **{"data.source": "array_record", "data.path": str(out)})
+  lockstep.run(experiment.build(config), str(tmp_path / "run"))  # A few steps trained from the converted shards.
+  losses = [r["loss"] for r in _records(tmp_path / "run") if r["kind"] == "train"]
+  assert len(losses) == 8 and all(np.isfinite(losses)) and losses[-1] < losses[0], losses

@@ -130,15 +130,16 @@ def test_scan_layers_streams_fragments_and_merges_with_rda_like_the_layer_loop(t
   np.testing.assert_allclose(runs[True], runs[False], atol=1e-4, rtol=0)
 
 
-def test_splash_under_a_data_by_tensor_mesh_matches_xla_attention():
+@pytest.mark.parametrize("eod", [-1, 5])  # 5: attention segmented at the documents' ends (token 5).
+def test_splash_under_a_data_by_tensor_mesh_matches_xla_attention(eod):
   """shard_map runs one (interpreted) kernel per batch and head shard; q/k/v heads sit on 'tensor'."""
   config = tiny_config(**{"model.seq_len": 128, "model.num_heads": 4, "model.num_kv_heads": 2,
-                          "model.position": "rope"}).model
+                          "model.position": "rope", "model.document_eod_id": eod}).model
   model, params, _ = model_lib.build_model(config, seed=0)
   splash_model, _, _ = model_lib.build_model(dict(config, attention="splash"), seed=0)
   group = jax.make_mesh((2, 2), ("data", "tensor"), devices=jax.devices()[:4],
                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  batch = jax.device_put(np.random.default_rng(0).integers(0, 256, (4, 129), dtype=np.int32),
+  batch = jax.device_put(np.random.default_rng(0).integers(0, 16, (4, 129), dtype=np.int32),
                          jax.sharding.NamedSharding(group, jax.sharding.PartitionSpec("data")))
 
   def loss_and_grads(m):

@@ -44,6 +44,7 @@ class Settings:
   split: str
   eval_fraction: float
   synthetic: Synthetic = Synthetic()
+  mask_document_boundaries: bool = False
 
   def __post_init__(self):
     settings_lib.check((
@@ -56,6 +57,10 @@ class Settings:
          "data.source='tfds' needs a dataset: set --config.data.tfds_name, e.g. tiny_shakespeare"),
         (self.source != "synthetic" or self.tokenizer == "byte",
          "the synthetic language is byte-level: use --config.data.tokenizer=byte with source='synthetic'"),
+        (not self.mask_document_boundaries or (self.source, self.tokenizer) not in (
+            ("synthetic", "byte"), ("text_file", "byte")),
+         f"data.mask_document_boundaries needs documents, but source={self.source!r} with the byte tokenizer is one "
+         "token stream: use source='array_record' (experiments.prepare_data) or 'tfds', or a subword text_file"),
     ))
 
   @classmethod

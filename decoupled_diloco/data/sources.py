@@ -60,7 +60,7 @@ def load_corpus(data_cfg, seq_len: int, train: bool = True) -> Corpus:
   elif data_cfg.source == "text_file":
     corpus = _text_file(data_cfg, tokenizer)
   elif data_cfg.source == "array_record":
-    corpus = _array_record(data_cfg, tokenizer)
+    corpus = _array_record(data_cfg, tokenizer, train)
   else:
     corpus = _tfds(data_cfg, tokenizer, train)
   if corpus.packed:
@@ -119,15 +119,20 @@ def _text_file(data_cfg, tokenizer) -> Corpus:
                 eval_documents=documents.FileDocuments(str(path), cut, size, data_cfg.chunk_bytes))
 
 
-def _array_record(data_cfg, tokenizer) -> Corpus:
-  """Shards written by experiments.prepare_data: DIR/train* and DIR/eval* (one document per record)."""
+def _array_record(data_cfg, tokenizer, train: bool) -> Corpus:
+  """Shards written by experiments.prepare_data: DIR/train* and DIR/eval* (one document per record).
+
+  Without `train` (the syncer) the train shards are not opened: cutting few documents into pieces
+  reads each one once.
+  """
   root = pathlib.Path(data_cfg.path).expanduser()
   if not root.is_dir():
     raise ConfigError(f"data.path {str(data_cfg.path)!r} is not a directory: prepare one with "
                       "python -m experiments.prepare_data --input=... --output=DIR and set data.path=DIR")
-  train = _split_few(documents.array_record_documents(str(root / "train-*.array_record*")), data_cfg.chunk_bytes)
+  train_docs = (_split_few(documents.array_record_documents(str(root / "train-*.array_record*")), data_cfg.chunk_bytes)
+                if train else None)
   eval_ = _split_few(documents.array_record_documents(str(root / "eval-*.array_record*")), data_cfg.chunk_bytes)
-  return Corpus(None, None, f"array_record({root})", tokenizer=tokenizer, train_documents=train,
+  return Corpus(None, None, f"array_record({root})", tokenizer=tokenizer, train_documents=train_docs,
                 eval_documents=eval_)
 
 

@@ -100,14 +100,22 @@ def from_config(data_cfg):
 
 
 def resolve_model_vocab(config) -> None:
-  """Makes `model.vocab_size` follow the tokenizer: the byte default 256 becomes a subword model's size.
+  """Makes the model follow the tokenizer: `model.vocab_size` (the byte default 256 becomes a subword
+  model's size) and, under data.mask_document_boundaries, `model.document_eod_id` (its end-of-document id).
 
   Any other explicit value must hold every id of the tokenizer; a larger one pads the embedding
   (as models padded to a multiple of 128 rows do, or a config planned for a tokenizer the user
   brings), a smaller one is refused. Idempotent, so every process (trainer, syncer, learners) can
   call it on its copy of the config.
   """
-  vocab = from_config(config.data).vocab_size
+  tokenizer = from_config(config.data)
+  vocab = tokenizer.vocab_size
+  eod = tokenizer.eod_id if config.data.get("mask_document_boundaries", False) else -1
+  if config.model.get("document_eod_id", -1) not in (-1, eod):
+    raise ConfigError(f"model.document_eod_id={config.model.document_eod_id} is set from "
+                      "data.mask_document_boundaries: leave it at -1")
+  if eod >= 0:
+    config.model.document_eod_id = eod
   if config.model.vocab_size == VOCAB_SIZE and vocab != VOCAB_SIZE:
     config.model.vocab_size = vocab
   if config.model.vocab_size < vocab:

@@ -11,6 +11,8 @@ Implementations (model.attention), all computing the same function:
                  Compiled on TPU; on other backends it runs in Pallas interpret mode, which the
                  tests use to check it against 'xla' on CPU, and which is far too slow to train.
   'auto'         splash on TPU, dot_product on GPU, xla on CPU.
+Every kernel also takes optional segment ids [B, T] (packed documents, model.document_eod_id):
+a query then sees only the keys of its own segment, so no token attends across documents.
 Grouped-query attention: num_kv_heads key/value heads, each shared by num_heads / num_kv_heads
 query heads (num_kv_heads = num_heads is plain multi-head attention).
 """
@@ -65,24 +67,42 @@ def _causal_bias(t: int) -> jax.Array:
   return jnp.where(rows >= cols, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
 
 
-def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def _segment_bias(segments: jax.Array) -> jax.Array:
+  """[B, 1, 1, T, T] float32: the causal bias, and the most negative float between different segments.
+
+  One [B, T, T] term (not [B, H, T, T]), added as the causal bias is; the diagonal is always
+  visible, so no softmax row is empty.
+  """
+  t = segments.shape[1]
+  rows = jax.lax.broadcasted_iota(jnp.int32, (t, t), 0)
+  cols = jax.lax.broadcasted_iota(jnp.int32, (t, t), 1)
+  visible = (rows >= cols)[None] & (segments[:, :, None] == segments[:, None, :])
+  return jnp.where(visible, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)[:, None, None]
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None) -> jax.Array:
   """Causal attention by einsums: q [B, T, N, D], k/v [B, T, K, D] -> [B, T, N, D]."""
   b, t, n, d = q.shape
   kv_heads = k.shape[2]
   q = q.reshape(b, t, kv_heads, n // kv_heads, d)
   scores = jnp.einsum('btkgd,bskd->bkgts', q, k, preferred_element_type=jnp.float32)
-  scores = scores / math.sqrt(d) + _causal_bias(t)
+  scores = scores / math.sqrt(d) + (_causal_bias(t) if segments is None else _segment_bias(segments))
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   return jnp.einsum('bkgts,bskd->btkgd', probs, v).reshape(b, t, n, d)
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-  """jax.nn.dot_product_attention (cuDNN flash attention on GPU); handles GQA natively."""
-  return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+  """jax.nn.dot_product_attention (cuDNN flash attention on GPU); handles GQA natively.
+
+  Segments enter as a [B, 1, T, T] boolean mask next to is_causal.
+  """
+  mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
 
 
-def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) -> jax.Array:
-  """Splash attention on one shard: q [B, T, N, D], k/v [B, T, K, D], N = K * groups."""
+def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None, *,
+                  interpret: bool) -> jax.Array:
+  """Splash attention on one shard: q [B, T, N, D], k/v [B, T, K, D], N = K * groups; segments [B, T]."""
   b, t, n, d = q.shape
   kv_heads = k.shape[2]
   groups = n // kv_heads
@@ -93,11 +113,15 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) -> 
   kernel = splash.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
   q = (q / math.sqrt(d)).reshape(b, t, kv_heads, groups, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
   k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
-  out = jax.vmap(jax.vmap(kernel))(q, k, v)  # [B, K, G, T, D]
+  if segments is None:
+    out = jax.vmap(jax.vmap(kernel))(q, k, v)  # [B, K, G, T, D]
+  else:  # The kernel's own segment ids: one row per sequence, shared by its heads.
+    per_row = lambda q, k, v, s: jax.vmap(lambda *qkv: kernel(*qkv, segment_ids=splash.SegmentIds(s, s)))(q, k, v)
+    out = jax.vmap(per_row)(q, k, v, segments)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, d)
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None) -> jax.Array:
   """Pallas TPU splash attention; under a mesh, one kernel per batch and head shard (shard_map).
 
   Off TPU the kernel runs in Pallas interpret mode (same arithmetic, emulated), for tests.
@@ -108,12 +132,15 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   local = functools.partial(_splash_local, interpret=jax.default_backend() != 'tpu')
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return local(q, k, v)
+    return local(q, k, v, segments)
   # Batch shards, and head shards where the KV heads split evenly (then so do the query heads,
   # and each shard keeps whole groups).
   spec = mesh_lib.activation_spec(k.shape, ('batch', None, 'heads', None), dict(mesh.shape))
-  return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                       check_vma=False)(q, k, v)
+  args, specs = (q, k, v), (spec, spec, spec)
+  if segments is not None:  # Segment ids split with their sequences.
+    segment_spec = mesh_lib.activation_spec(segments.shape, ('batch', None), dict(mesh.shape))
+    args, specs = (*args, segments), (*specs, segment_spec)
+  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)(*args)
 
 
 _KERNELS = {'xla': xla_attention, 'dot_product': dot_product_attention, 'splash': splash_attention}
@@ -133,11 +160,12 @@ class CausalSelfAttention(nnx.Module):
     self.rope_theta = cfg.rope_theta if cfg.position == 'rope' else 0.0
     self.implementation = cfg.attention
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+    """Mixes [B, T, d] positions causally (and within their segment, given segment ids [B, T])."""
     q = constrain(self.query('btd,dhk->bthk', x), _HEADS_AXES)
     k = constrain(self.key('btd,dhk->bthk', x), _HEADS_AXES)
     v = constrain(self.value('btd,dhk->bthk', x), _HEADS_AXES)
     if self.rope_theta:
       q, k = rope(q, self.rope_theta), rope(k, self.rope_theta)
-    mixed = _KERNELS[resolve_implementation(self.implementation)](q, k, v)
+    mixed = _KERNELS[resolve_implementation(self.implementation)](q, k, v, segments)
     return self.out('bqhk,hkd->bqd', constrain(mixed, _HEADS_AXES))

@@ -49,6 +49,7 @@ class Settings:
   remat: str = 'none'
   scan_layers: bool = False
   loss_chunk: int = 0
+  document_eod_id: int = -1
 
   def __post_init__(self):
     for name in _SHAPE:
@@ -75,6 +76,9 @@ class Settings:
       _refuse(f'model.rope_theta is {self.rope_theta!r}: set it > 0 (10000 is standard)')
     if self.loss_chunk < 0 or (self.loss_chunk and self.seq_len % self.loss_chunk):
       _refuse(f'model.loss_chunk is {self.loss_chunk}: use 0 (no chunking) or a divisor of seq_len {self.seq_len}')
+    if not -1 <= self.document_eod_id < self.vocab_size:
+      _refuse(f'model.document_eod_id is {self.document_eod_id}: it is set from data.mask_document_boundaries, '
+              'leave it at -1')
     if self.attention == 'splash' and self.seq_len % 128:
       _refuse(f'model.attention=splash needs seq_len a multiple of 128 (its block), got {self.seq_len}: '
               "use --config.model.attention=xla or 'dot_product'")

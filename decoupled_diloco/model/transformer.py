@@ -45,15 +45,26 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, dtype)
     self.mlp = layers.MLP(cfg.d_model, cfg.d_ff, cfg.mlp, out_stddev, dtype, rngs)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
     x = constrain(x, _STREAM_AXES)
-    x = x + constrain(self.attn(self.attn_norm(x)), _STREAM_AXES)
+    x = x + constrain(self.attn(self.attn_norm(x), segments), _STREAM_AXES)
     return constrain(x + constrain(self.mlp(self.mlp_norm(x)), _STREAM_AXES), _STREAM_AXES)
 
 
-def _apply_block(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array) -> jax.Array:
+def _apply_block(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, segments: jax.Array | None) -> jax.Array:
   """One block as a pure function of its state, so it can be checkpointed and scanned."""
-  return nnx.merge(graphdef, state)(x)
+  return nnx.merge(graphdef, state)(x, segments)
+
+
+def document_segments(tokens: jax.Array, eod_id: int) -> jax.Array:
+  """int32 [B, T] segment ids of packed documents: each end-of-document token starts a new segment.
+
+  Why the end-of-document token opens the next segment rather than closing its own: it is the
+  separator the next document's first token is predicted from (the role of a BOS token), so
+  within a segment every target is predicted from its own document only, no target needs
+  masking, and the end of a document is still predicted from that document.
+  """
+  return jnp.cumsum(tokens == eod_id, axis=1, dtype=jnp.int32)
 
 
 class Transformer(nnx.Module):
@@ -66,6 +77,7 @@ class Transformer(nnx.Module):
     self.dtype = dtype
     self.remat = cfg.remat
     self.scan_layers = cfg.scan_layers
+    self.document_eod_id = cfg.document_eod_id
     self.token_embed = layers.param(rngs, INIT_STDDEV, (cfg.vocab_size, cfg.d_model), ('vocab', 'embed'))
     if cfg.position == 'learned':
       self.pos_embed = layers.param(rngs, INIT_STDDEV, (cfg.seq_len, cfg.d_model), (None, 'embed'))
@@ -84,6 +96,7 @@ class Transformer(nnx.Module):
     if hasattr(self, 'pos_embed'):
       x = x + self.pos_embed[...][:t]
     x = constrain(x.astype(self.dtype), _STREAM_AXES)
+    segments = document_segments(tokens, self.document_eod_id) if self.document_eod_id >= 0 else None
     graphdef, _ = nnx.split(self.block_0)
     states = [nnx.split(getattr(self, f'block_{i}'))[1] for i in range(self.num_layers)]
     block = _apply_block
@@ -91,10 +104,10 @@ class Transformer(nnx.Module):
       block = jax.checkpoint(_apply_block, policy=REMAT_POLICIES[self.remat], static_argnums=(0,))
     if self.scan_layers:
       stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
-      x, _ = jax.lax.scan(lambda carry, state: (block(graphdef, state, carry), None), x, stacked)
+      x, _ = jax.lax.scan(lambda carry, state: (block(graphdef, state, carry, segments), None), x, stacked)
     else:
       for state in states:
-        x = block(graphdef, state, x)
+        x = block(graphdef, state, x, segments)
     return self.final_norm(x)
 
   def head_kernel(self) -> jax.Array:

@@ -33,6 +33,7 @@ import dataclasses
 import os
 import threading
 import time
+import zlib
 
 from absl import logging
 import grpc
@@ -248,6 +249,7 @@ class LearnerProcess:
     Its pushes' time per step feed this group's measured speed, except in the first period (compilation).
     """
     learner = self.learner
+    first_step, digests = learner.steps, []
     for step_in_period in range(1, steps + 1):
       self._land_due()
       if self.status["done"]:
@@ -256,6 +258,7 @@ class LearnerProcess:
         learner.timed_step(self.slowdown)
       else:
         learner.step()
+      digests.append(zlib.crc32(learner.batches.batch(learner.steps - 1)))  # The batch just trained on.
       self.budget[0] += 1
       self.budget[1] += learner.batches.tokens_per_batch
       for fragment in fragments.due(step_in_period, learner.num_fragments, steps):
@@ -266,6 +269,9 @@ class LearnerProcess:
     for record in records.train_records(learner, learner.base_versions[0], self.config.log_every,
                                         {"wall_time": time.perf_counter() - self.account.begin}):
       self._write(record)
+    # Which data each step trained on (crc32 of this process's rows): a restarted learner's stream can be checked.
+    self._write({"kind": "batches", "outer_step": learner.base_versions[0], "learner": self.index,
+                 "first_step": first_step, "crc32": digests})
     self._tick()
     if not self.compiled:  # Start-up and compilation end here: what a (re)started learner costs before training.
       self._write({"kind": "first_round", "outer_step": learner.base_versions[0], "unix_time": time.time(),
