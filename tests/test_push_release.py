@@ -113,7 +113,12 @@ def test_finite_check_finds_every_nan_and_inf(bad, position):
   assert not all_finite({"y": jnp.asarray(values, jnp.bfloat16)})
 
 
-def test_finite_check_accepts_values_whose_squares_overflow():
+@pytest.mark.parametrize("on_device", [False, True])
+def test_finite_check_accepts_values_whose_squares_overflow(on_device):
   """The fast pass sums squares: 3e38² overflows though every value is finite; the exact pass decides."""
-  assert all_finite({"x": np.full(8, 3e38, np.float32), "y": np.full(8, -3e38, np.float32),
-                     "empty": np.zeros(0, np.float32)})
+  put = jnp.asarray if on_device else np.asarray
+  huge = {"x": put(np.full(8, 3e38, np.float32)), "y": put(np.full(8, -3e38, np.float32)),
+          "empty": put(np.zeros(0, np.float32))}
+  assert all_finite(huge)
+  huge["x"] = put(np.array([3e38] * 7 + [np.nan], np.float32))
+  assert not all_finite(huge)

@@ -18,6 +18,7 @@ Keys: host_bytes_per_param {M: B/param} (fp32 pushes), int4_host_bytes_per_param
 steady_bytes_per_param (after the merge and pull, fp32), idle_rss_mb. Target <= 16.
 """
 
+import gc
 import json
 import os
 import subprocess
@@ -107,6 +108,7 @@ def _child(fmt: str, count: int, path: str, n: int) -> dict:
     assert core.syncer.version == 1, "the M-th push must merge"
     core.pull(0, 0, 0, time.time())
     jax.block_until_ready(core.syncer.params)
+    gc.collect()  # The steady figure after a collection (without one, 4 B/param more lingered: not found why).
     peak_kb, steady_kb = _status_kb("VmHWM"), _status_kb("VmRSS")
     core.close()
   return {"format": fmt, "pushes": count, "payload_bytes": size, "peak_kb": peak_kb, "steady_kb": steady_kb}
