@@ -59,7 +59,7 @@ def on_device(push: Push, codec: compression.Codec, to_host: Callable) -> Push:
   if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(payload)):
     owners = jax.tree.map(_HostOwner, payload)
     host_views = tuple(weakref.ref(owner) for owner in jax.tree.leaves(owners))
-    payload = to_host(jax.tree.map(np.asarray, owners))
+    payload = to_host(jax.tree.map(_HostOwner.view, owners))
   else:
     payload = to_host(payload)
   if isinstance(delta, compression.Compressed):
@@ -75,6 +75,10 @@ class _HostOwner:
   def __init__(self, array: np.ndarray):
     self.array = array  # Keeps the memory alive.
     self.__array_interface__ = array.__array_interface__
+
+  def view(self) -> np.ndarray:
+    """The array again, through this owner (dtype restored: the interface spells bfloat16 as raw bytes)."""
+    return np.asarray(self).view(self.array.dtype)
 
 
 def release(push: Push, timeout_seconds: float = 10.0) -> None:

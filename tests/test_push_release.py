@@ -69,13 +69,18 @@ def test_a_folded_push_frees_its_receive_buffer_at_once():
 
 
 @pytest.mark.usefixtures("no_gc")
-def test_a_compressed_push_frees_its_receive_buffer_at_once():
-  codec = compression.Codec(format="int4", block_size=32)
-  syncer = Syncer(optax.sgd(1.0), {n: jnp.zeros(s, jnp.float32) for n, s in _SHAPES.items()}, range(2),
-                  Settings(), codec=codec)
-  encoded = compression.encode(codec, jax.tree.leaves(_delta()))
+@pytest.mark.parametrize("fmt", ["int4", "bf16"])
+def test_a_compressed_push_frees_its_receive_buffer_at_once_and_merges_as_in_process(fmt):
+  codec = compression.Codec(format=fmt, block_size=32)
+  syncers = [Syncer(optax.sgd(1.0), {n: jnp.zeros(s, jnp.float32) for n, s in _SHAPES.items()}, range(1),
+                    Settings(), codec=codec) for _ in range(2)]
+  rng = np.random.default_rng(0)
+  encoded = compression.encode(codec, [rng.standard_normal(s).astype(np.float32) for s in _SHAPES.values()])
+  syncers[0].receive(Push(0, encoded, 0, 100, 2), now=0.0)  # In process: device arrays, no views.
   encoded = encoded._replace(leaves=tuple(jax.tree.map(np.asarray, encoded.leaves)))
-  assert _freed_once_dropped(encoded, lambda p: syncer.receive(Push(0, p, 0, 100, 2), now=0.0))
+  assert _freed_once_dropped(encoded, lambda p: syncers[1].receive(Push(0, p, 0, 100, 2), now=0.0))
+  for got, want in zip(jax.tree.leaves(syncers[1].params), jax.tree.leaves(syncers[0].params)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.usefixtures("no_gc")
