@@ -215,6 +215,7 @@ class Syncer:
       push_lib.validate(push, self.learners, self.fragments, self.codec)
     except PushRejected:
       self.counts["rejected"] += 1
+      push_lib.release(push)
       raise
     return push
 
@@ -223,7 +224,8 @@ class Syncer:
 
     Rejected pushes raise PushRejected before anything changes; over-stale ones are
     dropped and counted (and not kept). An accepted one is folded into its fragment's
-    running sums here: the caller's reference to its delta is the last one.
+    running sums here; either way, the host memory its checked delta views is let go of
+    (`push.release`): the caller's reference to its payload is the last one.
     `checked`: the push is what `check` returned (not checked twice).
     """
     if not checked:
@@ -231,6 +233,7 @@ class Syncer:
     fragment = self.fragments[push.fragment]
     if 0 <= self.settings.max_staleness < fragment.version - push.base_version:
       self.counts["dropped"] += 1
+      push_lib.release(push)
       return False, None
     self.counts["accepted"] += 1
     self._xi_update("step", push.compute_seconds / push.local_steps)
@@ -308,6 +311,7 @@ class Syncer:
                                   merge.fold_scale(weight, damping, ref))
     total = weight / ref + (0.0 if accumulator is None else accumulator.total)
     fragment.accumulator = merge.Accumulator(jax.block_until_ready(sums), radii, total, ref)  # Done with the push.
+    push_lib.release(push)
 
   def merge(self, now: float, fragment: int = 0) -> MergeReport | None:
     """Merges fragment `fragment`'s open pushes and takes one outer step on it.

@@ -24,7 +24,6 @@ rejects a short, long or oversized stream before decoding it. Pull/Join replies 
 the same way. Any violation raises WireError (a ValueError) with a message naming it.
 """
 
-import gc
 import math
 import struct
 from collections.abc import Iterable, Iterator
@@ -186,13 +185,7 @@ def assemble(messages: Iterator[bytes], payload_bytes: int, max_payload_bytes: i
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
-  """An uninitialised uint8 buffer whose first byte sits at a multiple of ALIGNMENT.
-
-  Receive buffers already let go of are freed first: JAX releases host memory it aliased
-  (a push's payload, folded into the syncer's sums) only at a garbage-collection pass, so
-  without one the previous push's buffer would live on beside this one.
-  """
-  gc.collect(0)  # Young generation only: cheap; JAX's gc callback frees what it let go of.
+  """An uninitialised uint8 buffer whose first byte sits at a multiple of ALIGNMENT."""
   raw = np.empty(nbytes + ALIGNMENT, np.uint8)
   start = -raw.ctypes.data % ALIGNMENT
   return raw[start:start + nbytes]
