@@ -163,6 +163,7 @@ def get_config() -> ml_collections.ConfigDict:
   # "syncer": its host CPU runs model.loss on the eval batches (small models only: refused above 100M params);
   # "none": the syncer never builds or runs the model's loss and writes no eval records.
   config.service.evaluate_on = "syncer"  # Where the service evaluates Θ: "syncer" or "none".
+  config.service.shards = 1  # S syncers, each owning fragments balanced by bytes (1 <= S <= streaming.num_fragments).
 
   config.eval_every = 1  # Evaluate the global params every this many outer steps (and at the end).
   config.eval_batches = 4  # Held-out batches per evaluation.

@@ -39,6 +39,7 @@ class Settings:
   local_dir: str                    # The log and locks when the workdir is gs:// (checked by storage.local_dir).
   evaluate_on: str                  # 'syncer' (this host runs the model's loss) or 'none' (no eval records).
   learner_checkpoint_every: int  # 0 = never.
+  shards: int                    # Syncer shards (docs/syncer-shards.md); <= fragments, checked by experiment.validate.
 
   def __post_init__(self):
     settings_lib.check((
@@ -54,6 +55,11 @@ class Settings:
         (self.evaluate_on in EVALUATE_ON, f"service.evaluate_on={self.evaluate_on!r} must be one of {EVALUATE_ON}"),
         (self.learner_checkpoint_every >= 0,
          f"service.learner_checkpoint_every={self.learner_checkpoint_every} must be >= 0 (0 = never)"),
+        (settings_lib.is_int(self.shards) and self.shards >= 1,
+         f"service.shards={self.shards!r} must be an int >= 1: set --config.service.shards"),
+        (self.shards == 1 or self.evaluate_on == "none",
+         f"service.shards={self.shards} leaves no syncer holding Θ whole to evaluate: set "
+         "--config.service.evaluate_on=none"),
     ))
 
   @classmethod

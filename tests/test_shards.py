@@ -1,0 +1,73 @@
+"""Syncer shards: fragments dealt to shards by bytes, and S shards on the virtual clock equal to one syncer."""
+
+import json
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from decoupled_diloco import experiment, shards
+from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.runtime import sim
+from tests.helpers import tiny_config
+
+
+def test_fragments_go_to_shards_balanced_by_bytes_with_fragment_0_on_shard_0():
+  assert shards.assign([10, 40, 30, 20], 2) == (0, 0, 1, 1)  # 40+10 | 30+20: loads 50 and 50.
+  assert shards.assign([5, 100, 1, 1, 1], 2) == (0, 1, 0, 0, 0)  # The big one alone; the rest with fragment 0.
+  assert shards.assign([7, 7, 7], 3) == (0, 1, 2)
+  assert shards.assign([7, 7, 7], 1) == (0, 0, 0)
+  loads = [0, 0, 0]
+  sizes = [3, 9, 4, 8, 5, 7, 6, 6]
+  for size, shard in zip(sizes, shards.assign(sizes, 3)):
+    loads[shard] += size
+  assert sorted(loads) == [14, 17, 17] and sum(loads) == sum(sizes)  # (48 over 3: within one tensor of even)
+
+
+@pytest.mark.parametrize("num_shards", [0, 5, 1.5, "2"])
+def test_a_shard_count_outside_1_to_the_fragments_is_refused(num_shards):
+  with pytest.raises(ConfigError, match=r"service.shards=.* must be an int in \[1, 4\]"):
+    shards.assign([1, 2, 3, 4], num_shards)
+
+
+def test_a_config_with_more_shards_than_fragments_is_refused_before_anything_runs():
+  with pytest.raises(ConfigError, match="service.shards=2 must be an int in"):
+    experiment.validate(tiny_config(**{"runtime": "sim", "service.shards": 2}))
+  with pytest.raises(ConfigError, match="no syncer to shard"):
+    experiment.validate(tiny_config(**{"mode": "ddp", "learners.devices": (2,), "learners.batch_size": (4,),
+                                       "service.shards": 2}))
+
+
+def _records(workdir):
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  for record in records:
+    record.pop("wall_time", None)
+  return records
+
+
+def _streaming(num_shards: int):
+  return tiny_config(**{
+      "mode": "decoupled", "runtime": "sim", "learners.speed": (1.0, 2.0), "learners.jitter": 0.2,
+      "policy.kind": "dylu", "syncer.quorum": 1, "syncer.staleness": "polynomial", "outer_steps": 3,
+      "inner_steps": 6, "streaming.num_fragments": 4, "streaming.strategy": "balanced",
+      "streaming.overlap_steps": 1, "service.shards": num_shards})
+
+
+def test_shards_on_the_virtual_clock_write_the_same_records_as_one_syncer_bit_for_bit(tmp_path):
+  runs = {}
+  for num_shards in (1, 3):
+    exp = experiment.build(_streaming(num_shards))
+    sim.run(exp, str(tmp_path / str(num_shards)))
+    runs[num_shards] = (_records(tmp_path / str(num_shards)), jax.tree.map(np.asarray, exp.syncer.params), exp)
+  one = runs[1]
+  assert sum(r["kind"] == "outer" for r in one[0]) > 8 and {r["fragment"] for r in one[0] if r["kind"] == "outer"} \
+      == {0, 1, 2, 3}
+  for num_shards in (3,):
+    records, params, exp = runs[num_shards]
+    assert len(exp.syncer.shards) == num_shards
+    assert records == one[0]
+    chex.assert_trees_all_equal(params, one[1])
+    # Each shard holds only the leaves of its own fragments.
+    held = [len(jax.tree.leaves(shard.params)) for shard in exp.syncer.shards]
+    assert sum(held) == len(jax.tree.leaves(params)) and min(held) >= 1
