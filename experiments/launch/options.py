@@ -41,6 +41,7 @@ class Options:
   wal_dir: bool = False  # The config has service.wal_dir: the syncer keeps its write-ahead log on local disk.
   xpk_cluster: str = ""  # GKE cluster of an XPK launch of the learner slices ('' = TPU VMs over gcloud).
   image: str = ""  # Container image of an XPK launch ('' = gcr.io/<project>/decoupled-diloco:<run_name>).
+  syncer_shards: int = 1  # config.service.shards: syncer processes on the syncer's host, gRPC on port + s.
 
   @property
   def tls(self) -> str:
@@ -97,8 +98,10 @@ def check(options: Options, learner_groups: tuple[int, ...], hardware: tuple[str
     if i < len(hardware) and hardware[i] != tpu.chip:
       raise ConfigError(f"slice {i} ({tpu.accelerator}) has {tpu.chip} chips but learners.hardware[{i}]="
                         f"{hardware[i]!r}: list the slices in the order of learners.hardware")
-  if not 1 <= options.port <= 65534:
-    raise ConfigError(f"--port={options.port} must be in [1, 65534] (the data channel takes port + 1)")
+  top = 65535 - 2 * options.syncer_shards + 1
+  if not 1 <= options.port <= top:
+    raise ConfigError(f"--port={options.port} must be in [1, {top}] (the {options.syncer_shards} syncer shard(s) take "
+                      f"ports port .. port + {2 * options.syncer_shards - 1}: gRPC, then data channels)")
   if options.syncer_vm and not re.fullmatch(rf"{NAME.pattern}@{ZONE.pattern}", options.syncer_vm):
     raise ConfigError(f"--syncer_vm={options.syncer_vm!r}: expected NAME@ZONE, e.g. dd-syncer@us-central1-a")
   if options.syncer_vm and options.syncer_on_slice:
@@ -135,5 +138,6 @@ def learner_args(o: Options, index: int, address: str, home: str = "$D") -> list
   makes the slice's hosts one JAX program."""
   tls = {"given": [f"--config.service.tls_ca=\"{home}/tls.crt\""],
          "generated": [f"--config.service.tls_ca=\"{home}/tls_ca.pem\""], "none": []}[o.tls]
-  return ["--role=learner", f"--learner_id={index}", f"--syncer={shlex.quote(address)}:{o.port}",
+  syncers = ",".join(f"{shlex.quote(address)}:{o.port + s}" for s in range(o.syncer_shards))
+  return ["--role=learner", f"--learner_id={index}", f"--syncer={syncers}",
           "--group_coordinator=auto", *tls]
