@@ -71,3 +71,13 @@ def test_shards_on_the_virtual_clock_write_the_same_records_as_one_syncer_bit_fo
     # Each shard holds only the leaves of its own fragments.
     held = [len(jax.tree.leaves(shard.params)) for shard in exp.syncer.shards]
     assert sum(held) == len(jax.tree.leaves(params)) and min(held) >= 1
+
+
+def test_the_shards_benchmark_runs_both_shard_counts_at_a_toy_size():
+  from experiments.benchmarks import syncer_shards  # pylint: disable=g-import-not-at-top
+  figures = syncer_shards.measure(200_000, 4, 1)
+  assert {"memory_per_shard_ratio", "throughput_ratio"} <= figures.keys()
+  for num_shards, rows in figures["per_shard"].items():
+    assert len(rows) == num_shards and sum(r["fragments"] for r in rows) == 4
+    assert all(r["outer_steps_per_second"] > 0 and r["bytes_per_second"] > 0 for r in rows)
+  assert figures["throughput_ratio"] > 0
