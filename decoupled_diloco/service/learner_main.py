@@ -300,7 +300,8 @@ class LearnerProcess:
 
   def _send(self, fragment: int) -> None:
     """Δ_p against its anchor, compressed as configured, to the background exchange; the budget's
-    count of the steps since the last push of any fragment rides along (admission.budget_share)."""
+    count of the steps since the last push of any fragment rides along (admission.budget_share), on pushes
+    to syncer shard 0 only when the syncer is sharded (service/shardrun.py)."""
     push = self.learner.push(fragment)  # Waits for the steps JAX dispatched asynchronously, so the
     self._tick()  # push's compute_seconds (the syncer's measure of this learner's speed) holds their time.
     push.compute_seconds, self.compute_since_push[fragment] = self.compute_since_push[fragment], 0.0

@@ -2,7 +2,7 @@ r"""Syncer shards: merge throughput and host memory per shard with S = 1 and S =
 
   python -m experiments.benchmarks.syncer_shards [--params=250000000] [--fragments=4] [--rounds=3]
 
-A model of N float32 parameters in 8 tensors, P fragments ('balanced'), 4 learners, quorum
+A model of N float32 parameters in 16 equal tensors, P fragments ('balanced'), 4 learners, quorum
 4, outer Nesterov SGD. For S in (1, 2), S fresh child processes each build their shard's
 syncer as the service does (`shards.build`: a `Syncer` over the leaves of the fragments
 the shard owns), compile it (`warm_up`), wait at a common start line, then take `rounds`
@@ -31,19 +31,18 @@ import numpy as np
 
 from experiments.benchmarks import common
 
-_PARAMS = flags.DEFINE_integer("params", 250_000_000, "N: parameters of Θ (8 tensors).")
-_FRAGMENTS = flags.DEFINE_integer("fragments", 4, "P: fragments of the model (streaming.num_fragments).")
+_PARAMS = flags.DEFINE_integer("params", 250_000_000, "N: parameters of Θ (16 tensors).")
+_FRAGMENTS = flags.DEFINE_integer("fragments", 16, "P: fragments of the model (streaming.num_fragments, <= 16).")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds: every learner pushes every fragment once per round.")
 _CHILD = flags.DEFINE_string("child", "", "Internal: run shard S:s over the payloads in --payloads.")
 _PAYLOADS = flags.DEFINE_string("payloads", "", "Internal: the directory of the fragments' payload files.")
-_LEAVES, _LEARNERS, _CHUNK, _IDLE_PARAMS = 8, 4, 4 << 20, 10_000
+_LEAVES, _LEARNERS, _CHUNK, _IDLE_PARAMS = 16, 4, 4 << 20, 10_000
 
 
 def _params(n: int):
-  """Θ: 8 tensors of sizes 1..8 parts of N (unequal, so the balancing has work to do), as views of one
-  number: a shard's process allocates only the leaves its syncer copies in."""
-  unit = n // sum(range(1, _LEAVES + 1))
-  return {f"block_{i}": {"w": np.broadcast_to(np.float32(0.01), (unit * (i + 1),))} for i in range(_LEAVES)}
+  """Θ: 16 equal tensors of N / 16, as views of one number: a shard's process allocates only the leaves
+  its syncer copies in."""
+  return {f"block_{i}": {"w": np.broadcast_to(np.float32(0.01), (n // _LEAVES,))} for i in range(_LEAVES)}
 
 
 def _assignment(params, num_fragments: int) -> tuple[int, ...]:
