@@ -53,7 +53,8 @@ def build_core(config, params, workdir: str, recorder: records.Recorder,
     if evaluator is not None and eval_due.due(core.tokens_done):
       evaluator.submit(params, clock(core, version, now))
 
-  core = core_lib.SyncerCore(experiment.build_syncer(config, params, shard), plan.num_learners, plan.budget_steps, workdir,
+  core = core_lib.SyncerCore(experiment.build_syncer(config, params, shard), plan.num_learners, plan.budget_steps,
+                             workdir,
                              checkpoint_every_merges=config.service.checkpoint_every_merges,
                              lease_seconds=config.service.lease_seconds, metadata={"config": config.to_dict()},
                              emit=recorder.write, on_merge=on_merge,
