@@ -81,3 +81,21 @@ def test_the_shards_benchmark_runs_both_shard_counts_at_a_toy_size():
     assert len(rows) == num_shards and sum(r["fragments"] for r in rows) == 4
     assert all(r["outer_steps_per_second"] > 0 and r["bytes_per_second"] > 0 for r in rows)
   assert figures["throughput_ratio"] > 0
+
+
+@pytest.mark.slow  # A simulation SIGKILLed and resumed: the fast subset leaves it out.
+def test_a_sharded_simulation_killed_mid_run_resumes_to_the_uninterrupted_records(tmp_path):
+  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from tests import test_sim_resume  # pylint: disable=g-import-not-at-top
+  overrides = {**test_sim_resume.OVERRIDES, "service.shards": 2}  # Grace windows, τ, error feedback: per shard.
+  sim.run(experiment.build(tiny_config(**overrides)), str(tmp_path / "once"))
+  child = test_sim_resume.CHILD.replace("tiny_config(**OVERRIDES)", "tiny_config(**OVERRIDES, **{'service.shards': 2})")
+  assert child != test_sim_resume.CHILD
+  killed = subprocess.run([sys.executable, "-c", child, str(tmp_path / "twice")], cwd=test_sim_resume.REPO,
+                          capture_output=True, text=True, timeout=600)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+  assert 0 < len(_records(tmp_path / "twice")) < len(_records(tmp_path / "once"))
+  sim.run(experiment.build(tiny_config(**{**overrides, "resume": True})), str(tmp_path / "twice"))
+  assert _records(tmp_path / "twice") == _records(tmp_path / "once")

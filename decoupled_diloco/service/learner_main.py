@@ -358,6 +358,8 @@ class LearnerProcess:
     for fragment in sorted(self.inflight, key=lambda p: self.inflight[p][2]):
       self._land(fragment, final=True)
     for fragment in [p for p in order if self.learner.steps_since_push[p]]:
+      if self.status["done"]:  # A landing heard the end: the syncer may be gone, and a push would retry.
+        return
       self._send(fragment)
       self._land(fragment, final=True)
 
