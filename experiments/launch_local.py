@@ -304,17 +304,17 @@ class Chaos:
         del self.down[name]
         cluster.restart(name)
         self.events.append((now, "restart", name))
-    learners_running = any(n != "syncer" for n in cluster.running()) or any(n != "syncer" for n in self.down)
+    learners_running = any(not n.startswith("syncer") for n in [*cluster.running(), *self.down])
     kills = sum(event == "kill" for _, event, _ in self.events)
     if self.max_kills and kills >= self.max_kills:
       return  # The kill budget is spent.
     if now < self.next_kill or cluster.processes["syncer"].poll() is not None or not learners_running:
       return  # Too early, or the run is over (the learners exited after hearing so).
     self.next_kill = now + self.every
-    candidates = [n for n in sorted(cluster.running()) if n != "syncer" or self.include_syncer]
+    candidates = [n for n in sorted(cluster.running()) if not n.startswith("syncer") or self.include_syncer]
     candidates = [n for n in candidates if n not in self.down and now - cluster.started_at[n] >= self.min_uptime]
     if self.plan:
-      candidates = [n for n in candidates if (n == "syncer") == (self.plan[kills] == "syncer")]
+      candidates = [n for n in candidates if n.startswith("syncer") == (self.plan[kills] == "syncer")]
     if candidates:
       victim = self.rng.choice(candidates)
       cluster.kill(victim)
