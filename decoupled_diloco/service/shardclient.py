@@ -31,7 +31,7 @@ class ShardedClient:
         versions[p] = self._statuses[s]["versions"][self.map.local(p)]
     budget = self._statuses[0] or status
     return {**status, "versions": versions, "version": sum(versions),
-            "acked_seq": max(s["acked_seq"] for s in known if "acked_seq" in s),
+            "acked_seq": max(s["acked_seq"] for s in known),
             "steps_left": budget["steps_left"], "done": budget["done"], "max_speed": budget["max_speed"]}
 
   def join(self) -> tuple[dict, object]:
