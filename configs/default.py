@@ -168,6 +168,7 @@ def get_config() -> ml_collections.ConfigDict:
   # model on the syncer's host.
   config.service.evaluate_on = "syncer"  # Where the service evaluates Θ: "syncer", "evaluator" or "none".
   config.service.evaluator_devices = 0  # The evaluator's devices: 0 = learner group 0's (and its layout), N = fsdp=N.
+  config.service.shards = 1  # S syncers, each owning fragments balanced by bytes (1 <= S <= streaming.num_fragments).
 
   config.eval_every = 1  # Evaluate the global params every this many outer steps (and at the end).
   config.eval_batches = 4  # Held-out batches per evaluation.

@@ -12,6 +12,7 @@ from absl import logging
 import jax
 
 from decoupled_diloco import compression, fragments, hardware, inner, mesh, model as model_lib, outer, policy
+from decoupled_diloco import shards
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import settings as data_settings
@@ -92,6 +93,8 @@ def validate(config) -> settings_lib.Groups:
            f"eval_batch_size {config.eval_batch_size} is not divisible by group 0's {layouts[0].batch_shards} batch "
            "shards (data × fsdp): make it a multiple")
   outer_settings = syncer = streaming = codec = None
+  _require(config.mode != "ddp" or config.service.shards == 1,
+           f"mode='ddp' has no syncer to shard but service.shards={config.service.shards}: leave it at 1")
   if config.mode != "ddp":
     outer_settings, syncer = outer.Settings.from_config(config.outer), _syncer_group(config)
     streaming, codec = _streaming_groups(config)
@@ -150,6 +153,7 @@ def _streaming_groups(config) -> tuple[fragments.Streaming, compression.Codec]:
   streaming = fragments.Streaming.from_config(config.streaming)
   codec = compression.Codec.from_config(config.compression)
   fragments.partition(model_lib.abstract_params(config.model)[1], streaming.num_fragments, streaming.strategy)
+  shards.check_count(config.service.shards, streaming.num_fragments)
   _require(0 <= streaming.overlap_steps < config.inner_steps,
            f"streaming.overlap_steps (tau) = {streaming.overlap_steps} must be in [0, inner_steps={config.inner_steps}): "
            "a merged fragment must land before the same fragment syncs again")
@@ -208,13 +212,18 @@ def build_learner(config, plan: schedule.RunPlan, index: int, devices, corpus, m
                  compression.Codec.from_config(config.compression), config.streaming.alpha)
 
 
-def build_syncer(config, params) -> Syncer | None:
-  """The syncer that owns Θ (None under ddp): the in-process runtimes' and the syncer process's."""
+def build_syncer(config, params, shard: int | None = None) -> Syncer | None:
+  """The syncer that owns Θ (None under ddp): the in-process runtimes' (all `service.shards` shards behind
+  one interface) and the syncer process's (`shard`: that shard's own fragments only)."""
   if config.mode == "ddp":
     return None
-  return Syncer(outer.outer_optimizer(config.outer), params, range(len(config.learners.devices)),
-                syncer_settings(config), assignment=fragment_assignment(config, params),
-                codec=compression.Codec.from_config(config.compression))
+  settings, codec = syncer_settings(config), compression.Codec.from_config(config.compression)
+
+  def make(part, assignment) -> Syncer:
+    return Syncer(outer.outer_optimizer(config.outer), part, range(len(config.learners.devices)), settings,
+                  assignment=assignment, codec=codec)
+
+  return shards.build(make, params, fragment_assignment(config, params), config.service.shards, shard)
 
 
 def build(config, devices=None) -> Experiment:

@@ -105,10 +105,15 @@ def select(tree, assignment: Sequence[int], fragment: int):
 
 
 def combine(fragment_trees: Sequence, assignment: Sequence[int]):
-  """Inverse of `select`: one tree from every fragment's subtree (in fragment order)."""
-  treedef = jax.tree.structure(fragment_trees[0], is_leaf=lambda x: x is None)
-  own = [iter(jax.tree.leaves(t)) for t in fragment_trees]
-  return jax.tree.unflatten(treedef, [next(own[f]) for f in assignment])
+  """Inverse of `select`: one tree from every fragment's subtree (in fragment order).
+
+  A leaf that no fragment holds (one of another syncer shard's fragments: shards.py) stays None.
+  """
+  is_hole = lambda x: x is None
+  flat = [jax.tree.flatten(tree, is_leaf=is_hole)[0] for tree in fragment_trees]
+  owners = iter(assignment)
+  leaves = [None if all(x is None for x in column) else column[next(owners)] for column in zip(*flat)]
+  return jax.tree.unflatten(jax.tree.structure(fragment_trees[0], is_leaf=is_hole), leaves)
 
 
 def sync_offsets(num_fragments: int, period: int) -> tuple[int, ...]:

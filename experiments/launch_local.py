@@ -41,7 +41,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from decoupled_diloco.service import security
+from decoupled_diloco.service import security, shardrun
 from experiments import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py", "Experiment config file.", lock_config=True)
@@ -56,6 +56,8 @@ _MAX_KILLS = flags.DEFINE_integer("max_kills", 0, "Chaos stops after this many k
 _TIMEOUT = flags.DEFINE_float("timeout_seconds", 3600.0, "Kill everything and fail after this long.")
 _PROCESSES_PER_GROUP = flags.DEFINE_integer("processes_per_group", 1, "JAX processes per learner group (each "
                                             "gets an equal share of the group's devices).")
+_SYNCER_SHARDS = flags.DEFINE_integer("syncer_shards", None, "Syncer shards (processes syncer, syncer_1, ...): sets "
+                                      "--config.service.shards (docs/syncer-shards.md).")
 
 TOKEN_ENV = "DD_SYNCER_TOKEN"
 
@@ -65,8 +67,9 @@ class LocalCluster:
 
   def __init__(self, config_path: str, workdir: str, overrides: list[str], num_learners: int,
                env: dict | None = None, host: str = "127.0.0.1", port: int = 0,
-               group_processes: tuple[int, ...] = (), evaluator: bool = False):
+               group_processes: tuple[int, ...] = (), evaluator: bool = False, shards: int = 1):
     self.config_path, self.workdir, self.overrides = config_path, os.path.abspath(workdir), list(overrides)
+    self.shards = shards  # Syncer shards: processes 'syncer' (shard 0, which keeps the budget), 'syncer_<s>'.
     self.num_learners, self.host, self.port = num_learners, host, port
     self.group_processes = tuple(group_processes) or (1,) * num_learners  # JAX processes per learner group.
     self.evaluator = evaluator  # Whether an evaluator process reads Θ (service.evaluate_on='evaluator').
@@ -96,27 +99,30 @@ class LocalCluster:
     self.processes[name] = process
     return process
 
-  def start_syncer(self, wait: bool = True, timeout: float = 300.0) -> str:
-    """Starts (or restarts, resuming) the syncer on a fixed port; returns its address.
+  def start_syncer(self, wait: bool = True, timeout: float = 300.0, shard: int = 0) -> str:
+    """Starts (or restarts, resuming) the syncer (shard `shard`) on a fixed port; returns the run's address(es).
 
-    The port is picked here (free now) rather than by the syncer, so learners can start at
-    the same time (they retry until it serves) and a restart keeps the address. `wait`:
-    return only once the syncer serves.
+    The ports are picked here (free now) rather than by the syncers, so learners can start at
+    the same time (they retry until it serves) and a restart keeps the address; shard s binds
+    the base port + s (service/shardrun.py). `wait`: return only once the syncer serves.
     """
-    address_file = os.path.join(self.workdir, "syncer_address")
-    args = ["--role=syncer"]
+    name = "syncer" if shard == 0 else f"syncer_{shard}"
+    workdir = self.workdir if self.shards == 1 else shardrun.shard_workdir(self.workdir, shard)
+    address_file = os.path.join(workdir, "syncer_address")
+    args = ["--role=syncer", *([f"--shard={shard}"] if self.shards > 1 else [])]
     if self.address is None:
-      self.address = f"{self.host}:{self.port or free_port(self.host)}"
-    else:  # A restart: resume from the checkpoint and the log.
+      base = self.port or free_port(self.host, self.shards)
+      self.address = ",".join(f"{self.host}:{base + s}" for s in range(self.shards))
+    if self.starts.get(name):  # A restart: resume from the checkpoint and the log.
       args.append("--config.resume=True")
-    args.append(f"--config.service.port={self.address.rsplit(':', 1)[1]}")
+    args.append(f"--config.service.port={self.address.split(',')[0].rsplit(':', 1)[1]}")
     if os.path.exists(address_file):
       os.remove(address_file)
-    process = self._spawn("syncer", self._command(*args))
+    process = self._spawn(name, self._command(*args))
     deadline = time.monotonic() + timeout
     while wait and not os.path.exists(address_file):
       if process.poll() is not None:
-        log = os.path.join(self.workdir, "logs", "syncer.log")
+        log = os.path.join(self.workdir, "logs", f"{name}.log")
         with open(log, errors="replace") as text:
           tail = "".join(text.readlines()[-15:])
         raise RuntimeError(f"the syncer exited with {process.returncode} before serving; the end of {log}:\n{tail}")
@@ -145,8 +151,9 @@ class LocalCluster:
     self._spawn("evaluator", self._command("--role=evaluator", f"--syncer={self.address}"), env)
 
   def start(self) -> None:
-    """The syncer, every learner and the evaluator (if any), all at once."""
-    self.start_syncer(wait=False)
+    """The syncer (every shard), every learner and the evaluator (if any), all at once."""
+    for shard in range(self.shards):
+      self.start_syncer(wait=False, shard=shard)
     for index in range(self.num_learners):
       self.start_learner(index)
     if self.evaluator:
@@ -162,8 +169,8 @@ class LocalCluster:
 
   def restart(self, name: str) -> None:
     """Starts a killed process again (a syncer resumes from its checkpoint and log)."""
-    if name == "syncer":
-      self.start_syncer()
+    if name.startswith("syncer"):
+      self.start_syncer(shard=int(name.split("_")[1]) if "_" in name else 0)
     elif name == "evaluator":
       self.start_evaluator()
     else:
@@ -244,8 +251,9 @@ def _validate(config) -> None:
     cli.fail(f"--processes_per_group={_PROCESSES_PER_GROUP.value} must be >= 1")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-  """A port free now, chosen below the OS's ephemeral range so it stays free until bound.
+def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+  """A port free now (the first of `count` consecutive free ones: syncer shards bind port + s), chosen below the
+  OS's ephemeral range so it stays free until bound.
 
   A port the OS hands out for `bind(0)` comes from the ephemeral range, which every outgoing
   connection and every `port=0` server on the machine also draws from: in the seconds between
@@ -257,13 +265,19 @@ def free_port(host: str = "127.0.0.1") -> int:
       ephemeral_low = int(ports.read().split()[0])
   except (OSError, ValueError, IndexError):
     ephemeral_low = 32768
-  for candidate in random.SystemRandom().sample(range(10000, max(ephemeral_low, 10001)), 64):
-    with socket.socket() as probe:
-      try:
-        probe.bind((host, candidate))
-      except OSError:
-        continue
-      return candidate
+  for candidate in random.SystemRandom().sample(range(10000, max(ephemeral_low - count + 1, 10001)), 64):
+    probes = [socket.socket() for _ in range(count)]
+    try:
+      for offset, probe in enumerate(probes):
+        probe.bind((host, candidate + offset))
+    except OSError:
+      continue
+    finally:
+      for probe in probes:
+        probe.close()
+    return candidate
+  if count > 1:
+    raise RuntimeError(f"found no {count} consecutive free ports below {ephemeral_low}: set --config.service.port")
   with socket.socket() as probe:  # Everything sampled was busy: let the OS choose.
     probe.bind((host, 0))
     return probe.getsockname()[1]
@@ -300,17 +314,17 @@ class Chaos:
         del self.down[name]
         cluster.restart(name)
         self.events.append((now, "restart", name))
-    learners_running = any(n != "syncer" for n in cluster.running()) or any(n != "syncer" for n in self.down)
+    learners_running = any(not n.startswith("syncer") for n in [*cluster.running(), *self.down])
     kills = sum(event == "kill" for _, event, _ in self.events)
     if self.max_kills and kills >= self.max_kills:
       return  # The kill budget is spent.
     if now < self.next_kill or cluster.processes["syncer"].poll() is not None or not learners_running:
       return  # Too early, or the run is over (the learners exited after hearing so).
     self.next_kill = now + self.every
-    candidates = [n for n in sorted(cluster.running()) if n != "syncer" or self.include_syncer]
+    candidates = [n for n in sorted(cluster.running()) if not n.startswith("syncer") or self.include_syncer]
     candidates = [n for n in candidates if n not in self.down and now - cluster.started_at[n] >= self.min_uptime]
     if self.plan:
-      candidates = [n for n in candidates if (n == "syncer") == (self.plan[kills] == "syncer")]
+      candidates = [n for n in candidates if n.startswith("syncer") == (self.plan[kills] == "syncer")]
     if candidates:
       victim = self.rng.choice(candidates)
       cluster.kill(victim)
@@ -323,14 +337,17 @@ def main(argv: list[str]) -> None:
   """Launches the run, applies the chaos schedule, and exits with the run's status."""
   del argv
   config = cli.load_config(_CONFIG)
-  _validate(config)
   overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
+  if _SYNCER_SHARDS.value is not None:
+    config.service.shards = _SYNCER_SHARDS.value
+    overrides.append(f"--config.service.shards={_SYNCER_SHARDS.value}")
+  _validate(config)
   config_path = config_flags.get_config_filename(flags.FLAGS["config"])
   cluster = LocalCluster(config_path, _WORKDIR.value, overrides, len(config.learners.devices),
                          host=config.service.host if config.service.host not in ("0.0.0.0", "::") else "127.0.0.1",
                          port=config.service.port,
                          group_processes=(_PROCESSES_PER_GROUP.value,) * len(config.learners.devices),
-                         evaluator=config.service.evaluate_on == "evaluator")
+                         evaluator=config.service.evaluate_on == "evaluator", shards=config.service.shards)
   chaos = None
   if _CHAOS_SEED.value is not None and _KILL_EVERY.value > 0:
     chaos = Chaos(_CHAOS_SEED.value, _KILL_EVERY.value, _RESTART_DELAY.value, _CHAOS_SYNCER.value, _MIN_UPTIME.value,

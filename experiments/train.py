@@ -44,7 +44,9 @@ _ROLE = flags.DEFINE_enum("role", "local", ["local", "syncer", "learner", "evalu
                           "one process of a networked run (runtime 'service'; evaluator: with "
                           "service.evaluate_on='evaluator').")
 _LEARNER_ID = flags.DEFINE_integer("learner_id", None, "Learner group this process trains (--role=learner).")
-_SYNCER = flags.DEFINE_string("syncer", None, "host:port of the syncer service (--role=learner, --role=evaluator).")
+_SYNCER = flags.DEFINE_string("syncer", None, "host:port of the syncer service (--role=learner, --role=evaluator); "
+                              "with service.shards = S, S of them comma-separated, shard 0's first.")
+_SHARD = flags.DEFINE_integer("shard", None, "Syncer shard this process serves (--role=syncer with service.shards > 1).")
 _GROUP_COORDINATOR = flags.DEFINE_string(
     "group_coordinator", startup.from_env("coordinator", ""), "--role=learner in a multi-process group: HOST:PORT "
     "of the group's process 0 (JAX's coordinator), or 'auto' on Cloud TPU / GKE; '' = this process is the whole "
@@ -133,7 +135,7 @@ def _run_service_role(config) -> None:
   try:
     experiment.validate(config)
     if _ROLE.value == "syncer":
-      summary = syncer_main.run(config, _WORKDIR.value)
+      summary = syncer_main.run(config, _WORKDIR.value, _SHARD.value)
       message = (f"syncer: {summary['outer_updates']} outer updates, {summary['steps_done']} inner steps, "
                  f"final eval loss {summary['eval_loss']}" if summary["done"] else "syncer stopped (SIGTERM); "
                  "restart it with --config.resume=True to continue")

@@ -188,3 +188,19 @@ def test_a_given_syncer_address_needs_no_lookup():
   assert not any(s.captures for s in steps)
   learners = [_remote(list(s.argv)) for s in steps if "--role=learner" in " ".join(s.argv)]
   assert len(learners) == 2 and all("--syncer=10.0.0.7:8470 " in l for l in learners)
+
+
+def test_a_sharded_syncer_starts_one_process_per_shard_and_learners_dial_every_shard():
+  overrides = (*OVERRIDES, "--config.service.shards=2")
+  steps = launch_tpu.plan(_options(syncer_address="10.0.0.7", port=8470, reuse=True, syncer_shards=2,
+                                   overrides=overrides))
+  syncers = [_remote(list(s.argv)) for s in steps if "--role=syncer" in " ".join(s.argv)]
+  assert len(syncers) == 2
+  for shard, command in enumerate(syncers):  # Shard s binds 8470 + s and its data channel 8472 + s.
+    assert f"--shard={shard} " in command and "--config.service.shards=2 " in command
+    assert "--config.service.port=8470 " in command and "--config.service.data_port=8472 " in command
+    assert f'"$D/syncer_{shard}.log"' in command
+  learners = [_remote(list(s.argv)) for s in steps if "--role=learner" in " ".join(s.argv)]
+  assert len(learners) == 2 and all("--syncer=10.0.0.7:8470,10.0.0.7:8471 " in l for l in learners)
+  with pytest.raises(ConfigError, match=r"--port=65533 must be in \[1, 65532\]"):
+    launch_tpu.check(_options(port=65533, syncer_shards=2), (16, 32))

@@ -357,6 +357,12 @@ class SyncerCore:
     self._checkpoint_due = True
     logging.info("token budget spent at version %d: the run is done", self.syncer.version)
 
+  def end(self, now: float) -> None:
+    """The run is over by another syncer's count (shard 0's: service/shardrun.py): ends it here as its own would."""
+    with self.lock:
+      if not self.done:
+        self._finish(now)
+
   # Time-driven work.
   def tick(self, now: float) -> None:
     """Closes due grace windows, excludes learners whose lease ran out, takes a due checkpoint."""

@@ -40,7 +40,7 @@ import grpc
 import jax
 
 from decoupled_diloco import checkpoint as checkpoint_lib
-from decoupled_diloco import experiment, fragments, metrics as metrics_lib
+from decoupled_diloco import experiment, fragments, metrics as metrics_lib, shards
 from decoupled_diloco import model as model_lib
 from decoupled_diloco import policy as policy_lib
 from decoupled_diloco import storage, workdir_lock
@@ -53,7 +53,7 @@ from decoupled_diloco.run import records, schedule
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import group as group_lib
 from decoupled_diloco.service import link as link_lib
-from decoupled_diloco.service import security
+from decoupled_diloco.service import security, shardclient
 
 
 def build_learner(config, plan: schedule.RunPlan, index: int, group: group_lib.GroupLink) -> Learner:
@@ -93,14 +93,11 @@ class LearnerProcess:
                         f"{len(config.learners.devices)} learner groups")
     self.config, self.index, self.service = config, index, config.service
     self.group = group_lib.GroupLink()
-    self.client = client_lib.SyncerClient(
-        target, security.load_token(self.service.token_file), index, chunk_bytes=self.service.chunk_bytes,
-        timeout_seconds=self.service.rpc_timeout_seconds, retry_seconds=self.service.retry_seconds,
-        credentials=security.channel_credentials(self.service.tls_ca), data_channel=self.service.data_port >= 0,
-        data_tls=security.client_tls_context(self.service.tls_ca),
-        link=link_lib.links(self.service, len(config.learners.devices))[index]) if self.group.leader else None
     self.plan = schedule.RunPlan.from_config(config)
     self.learner = build_learner(config, self.plan, index, self.group)
+    # Fragments whose pushes carry the budget's count: shard 0's (all of them with one syncer).
+    self.shard_map = shards.ShardMap.of(self.learner.state.params, self.learner.assignment, self.service.shards)
+    self.client = self._connect(target, index) if self.group.leader else None
     self.speed = policy_lib.SpeedTracker([0.0])  # This group's measured steps per second (0 = none yet).
     self.compiled = False  # Whether a round ran yet in this process (the first one compiles the step).
     self.slowdown = self.plan.slowdown[index]
@@ -121,6 +118,22 @@ class LearnerProcess:
     self.exchanges = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="exchange")
     self.account = ProcessAccount()
     self._stop = threading.Event()
+
+  def _connect(self, target: str, index: int):
+    """A client of the syncer at `target`, or of every shard (`target`: their addresses, comma-separated)."""
+    targets = target.split(",")
+    if len(targets) != self.service.shards:
+      raise ConfigError(f"--syncer names {len(targets)} address(es) but service.shards={self.service.shards}: give "
+                        "every shard's HOST:PORT, comma-separated, shard 0's first")
+    link = link_lib.links(self.service, len(self.config.learners.devices))[index]  # Shared: one learner's link.
+    clients = [client_lib.SyncerClient(
+        address, security.load_token(self.service.token_file), index, chunk_bytes=self.service.chunk_bytes,
+        timeout_seconds=self.service.rpc_timeout_seconds, retry_seconds=self.service.retry_seconds,
+        credentials=security.channel_credentials(self.service.tls_ca), data_channel=self.service.data_port >= 0,
+        data_tls=security.client_tls_context(self.service.tls_ca), link=link) for address in targets]
+    if len(clients) == 1:
+      return clients[0]
+    return shardclient.ShardedClient(clients, self.shard_map, self.learner.assignment)
 
   def _heartbeats(self) -> None:
     """Keeps the lease while a long round computes (single attempts: the exchange retries)."""
@@ -293,13 +306,16 @@ class LearnerProcess:
 
   def _send(self, fragment: int) -> None:
     """Δ_p against its anchor, compressed as configured, to the background exchange; the budget's
-    count of the steps since the last push of any fragment rides along (admission.budget_share)."""
+    count of the steps since the last push of any fragment rides along (admission.budget_share), on pushes
+    to syncer shard 0 only when the syncer is sharded (service/shardrun.py)."""
     push = self.learner.push(fragment)  # Waits for the steps JAX dispatched asynchronously, so the
     self._tick()  # push's compute_seconds (the syncer's measure of this learner's speed) holds their time.
     push.compute_seconds, self.compute_since_push[fragment] = self.compute_since_push[fragment], 0.0
     if self.compiled and push.local_steps and push.compute_seconds:  # As the syncer measures the others (DyLU
       self.speed.observe(0, push.compute_seconds / push.local_steps)  # compares like with like), compilation aside.
-    budget, self.budget = tuple(self.budget), [0, 0]
+    budget = (0, 0)
+    if self.shard_map.shard_of[fragment] == 0:  # Shard 0 keeps the budget (service/shardrun.py).
+      budget, self.budget = tuple(self.budget), [0, 0]
     future = self.exchanges.submit(self._exchange, self.seq, push, budget)
     self.inflight[fragment] = (future, push, self.learner.steps + self.overlap, budget)
     self.seq, self.pushes = self.seq + 1, self.pushes + 1
@@ -348,6 +364,8 @@ class LearnerProcess:
     for fragment in sorted(self.inflight, key=lambda p: self.inflight[p][2]):
       self._land(fragment, final=True)
     for fragment in [p for p in order if self.learner.steps_since_push[p]]:
+      if self.status["done"]:  # A landing heard the end: the syncer may be gone, and a push would retry.
+        return
       self._send(fragment)
       self._land(fragment, final=True)
 

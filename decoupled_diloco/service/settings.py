@@ -40,6 +40,7 @@ class Settings:
   evaluate_on: str                  # 'syncer' (its host runs the loss), 'evaluator' (--role=evaluator), 'none'.
   learner_checkpoint_every: int  # 0 = never.
   evaluator_devices: int         # 0 = learner group 0's devices and layout; N = N devices, fsdp over all of them.
+  shards: int                    # Syncer shards (docs/syncer-shards.md); <= fragments, checked by experiment.validate.
 
   def __post_init__(self):
     settings_lib.check((
@@ -57,6 +58,11 @@ class Settings:
          f"service.evaluator_devices={self.evaluator_devices} must be >= 0 (0 = learner group 0's devices)"),
         (self.learner_checkpoint_every >= 0,
          f"service.learner_checkpoint_every={self.learner_checkpoint_every} must be >= 0 (0 = never)"),
+        (settings_lib.is_int(self.shards) and self.shards >= 1,
+         f"service.shards={self.shards!r} must be an int >= 1: set --config.service.shards"),
+        (self.shards == 1 or self.evaluate_on == "none",
+         f"service.shards={self.shards} leaves no syncer holding Θ whole to evaluate: set "
+         "--config.service.evaluate_on=none"),
     ))
 
   @classmethod

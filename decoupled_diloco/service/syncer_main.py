@@ -25,7 +25,7 @@ from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.run import evaluator as evaluator_lib
 from decoupled_diloco.run import records, schedule
 from decoupled_diloco.service import core as core_lib
-from decoupled_diloco.service import limits, runconfig, security, wal
+from decoupled_diloco.service import limits, runconfig, security, shardrun, wal
 from decoupled_diloco.service import link as link_lib
 from decoupled_diloco.service import server as server_lib
 
@@ -42,9 +42,10 @@ def build_evaluator(config, model, corpus, recorder: records.Recorder) -> evalua
 
 
 def build_core(config, params, workdir: str, recorder: records.Recorder,
-               evaluator: evaluator_lib.Evaluator | None, local_dir: str | None = None) -> core_lib.SyncerCore:
-  """The syncer (built as the in-process runtimes build it) wrapped for the service; evals every
-  plan.tokens_per_eval tokens, as the in-process runtimes do."""
+               evaluator: evaluator_lib.Evaluator | None, local_dir: str | None = None,
+               shard: int | None = None) -> core_lib.SyncerCore:
+  """The syncer (built as the in-process runtimes build it; `shard`: that shard's only) wrapped for the
+  service; evals every plan.tokens_per_eval tokens, as the in-process runtimes do."""
   plan = schedule.RunPlan.from_config(config)
   eval_due = schedule.Every(plan.tokens_per_eval)
 
@@ -52,7 +53,8 @@ def build_core(config, params, workdir: str, recorder: records.Recorder,
     if evaluator is not None and eval_due.due(core.tokens_done):
       evaluator.submit(params, clock(core, version, now))
 
-  core = core_lib.SyncerCore(experiment.build_syncer(config, params), plan.num_learners, plan.budget_steps, workdir,
+  core = core_lib.SyncerCore(experiment.build_syncer(config, params, shard), plan.num_learners, plan.budget_steps,
+                             workdir,
                              checkpoint_every_merges=config.service.checkpoint_every_merges,
                              lease_seconds=config.service.lease_seconds, metadata={"config": config.to_dict()},
                              emit=recorder.write, on_merge=on_merge,
@@ -70,11 +72,13 @@ def clock(core: core_lib.SyncerCore, version: int, now: float) -> dict:
           "time": now - core.start_time, "wall_time": now - core.start_time}
 
 
-def run(config, workdir: str) -> dict:
+def run(config, workdir: str, shard: int | None = None) -> dict:
   """Serves until the budget is spent and every learner heard so (or linger_seconds passed); returns the summary.
 
   `config` is one experiment.validate accepted with runtime='service' (experiments.train checks it once).
+  `shard`: which syncer shard this process is, with service.shards > 1 (service/shardrun.py).
   """
+  config, workdir = shardrun.for_shard(config, workdir, shard)
   local = storage.local_dir(workdir, config.service.local_dir, "the syncer's write-ahead log and lock")
   token = security.load_token(config.service.token_file)
   credentials = security.server_credentials(config.service.tls_cert, config.service.tls_key)
@@ -92,18 +96,20 @@ def run(config, workdir: str) -> dict:
     if checkpoints.is_dir() and any(checkpoints.iterdir()) and not config.resume:
       raise ConfigError(f"workdir {workdir} already holds a syncer run: pass --config.resume=True to continue it "
                         "(launch_local does on restarts), or pick a new --workdir")
-    return _serve(config, workdir, local, token, credentials, model, params, corpus)
+    return _serve(config, workdir, local, token, credentials, model, params, corpus, shard)
   finally:
     lock.release()
 
 
-def _serve(config, workdir: str, local: str, token: str, credentials, model, params, corpus) -> dict:
+def _serve(config, workdir: str, local: str, token: str, credentials, model, params, corpus,
+           shard: int | None) -> dict:
   """The syncer's life in a workdir it holds: restore, serve, finish."""
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   recorder = records.Recorder()
   evaluator = build_evaluator(config, model, corpus, recorder)
-  core = build_core(config, params, workdir, recorder, evaluator, local_dir=local)
+  core = build_core(config, params, workdir, recorder, evaluator, local_dir=local, shard=shard)
+  run_state = shardrun.RunState(workdir, shard, config.service.shards)
   try:
     try:
       step = core.start(time.time())
@@ -132,10 +138,11 @@ def _serve(config, workdir: str, local: str, token: str, credentials, model, par
         while not stop.wait(TICK_SECONDS):
           now = time.time()
           core.tick(now)
+          run_state.sync(core, now)
           if core.done:
             done_at = done_at or now
             evaluated = config.service.evaluate_on != "evaluator" or server.reader.has_final()
-            if (core.all_told_done() and evaluated) or now - done_at > config.service.linger_seconds:
+            if (run_state.may_stop(core) and evaluated) or now - done_at > config.service.linger_seconds:
               break
       except core_lib.Stopped as error:  # Fail-stop: the log cannot take new state; serve nothing more.
         server.stop(grace=0)
@@ -148,7 +155,8 @@ def _serve(config, workdir: str, local: str, token: str, credentials, model, par
 
 
 # Config sections that fix the layout of the syncer's checkpointed state.
-_LAYOUT = ("model", "streaming.num_fragments", "streaming.strategy", "outer.optimizer", "learners.devices")
+_LAYOUT = ("model", "streaming.num_fragments", "streaming.strategy", "outer.optimizer", "learners.devices",
+           "service.shards")
 
 
 def check_same_layout(config, checkpoints: str) -> None:

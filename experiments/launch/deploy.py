@@ -47,7 +47,8 @@ def start(o: Options) -> list[Step]:
     steps.append(Step(f"prepare {o.tfds_name} once into {o.tfds_dir} on {syncer.name} (skipped if it is there)",
                       tuple(syncer.ssh(o.project, prepare))))
   where = f"{syncer.name} (worker {syncer.worker})" if syncer.tpu else syncer.name
-  steps.append(Step(f"start the syncer on {where}", tuple(syncer.ssh(o.project, _syncer_command(o, syncer.tpu)))))
+  steps.extend(Step(f"start the syncer{f' shard {s}' if o.syncer_shards > 1 else ''} on {where}",
+                    tuple(syncer.ssh(o.project, _syncer_command(o, syncer.tpu, s)))) for s in range(o.syncer_shards))
   start_learner = xpk.start_learner if o.xpk_cluster else _learner_step
   steps += [start_learner(o, i, address) for i in range(len(o.slices))]
   if evaluator is not None:
@@ -158,15 +159,17 @@ def _train(o: Options, log: str, env: str, *args: str, token: str = "token") -> 
   return f"D={o.remote}; cd \"$D/src\" && {env}nohup {' '.join(command)} > \"$D/{log}.log\" 2>&1 < /dev/null &"
 
 
-def _syncer_command(o: Options, on_tpu: bool) -> str:
+def _syncer_command(o: Options, on_tpu: bool, shard: int = 0) -> str:
   """The syncer binds every interface (learners come from other hosts); on a slice it keeps off the TPU; its
-  write-ahead log stays on local disk (it needs fsync) while checkpoints and metrics go to the workdir."""
+  write-ahead log stays on local disk (it needs fsync) while checkpoints and metrics go to the workdir.
+  Shard s of S binds port + s and its data channel port + S + s (service/shardrun.py adds the s)."""
   tls = ["--config.service.tls_cert=\"$D/tls.crt\"", "--config.service.tls_key=\"$D/tls.key\""
          ] if o.tls != "none" else []
   wal = ["--config.service.wal_dir=\"$D/wal\""] if o.wal_dir else []
-  return _train(o, "syncer", "JAX_PLATFORMS=cpu " if on_tpu else "", "--role=syncer", "--config.service.host=0.0.0.0",
-                f"--config.service.port={o.port}", f"--config.service.data_port={o.port + 1}", *tls, *wal,
-                token="secret")
+  sharded = [f"--shard={shard}"] if o.syncer_shards > 1 else []
+  return _train(o, f"syncer_{shard}" if sharded else "syncer", "JAX_PLATFORMS=cpu " if on_tpu else "",
+                "--role=syncer", *sharded, "--config.service.host=0.0.0.0", f"--config.service.port={o.port}",
+                f"--config.service.data_port={o.port + o.syncer_shards}", *tls, *wal, token="secret")
 
 
 def _learner_step(o: Options, index: int, address: str) -> Step:

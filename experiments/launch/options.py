@@ -42,6 +42,7 @@ class Options:
   xpk_cluster: str = ""  # GKE cluster of an XPK launch of the learner slices ('' = TPU VMs over gcloud).
   image: str = ""  # Container image of an XPK launch ('' = gcr.io/<project>/decoupled-diloco:<run_name>).
   evaluator_slice: Slice | None = None  # The evaluator's slice (service.evaluate_on='evaluator'), <run_name>-eval.
+  syncer_shards: int = 1  # config.service.shards: syncer processes on the syncer's host, gRPC on port + s.
 
   @property
   def tls(self) -> str:
@@ -107,8 +108,10 @@ def check(options: Options, learner_groups: tuple[int, ...], hardware: tuple[str
     if i < len(hardware) and hardware[i] != tpu.chip:
       raise ConfigError(f"slice {i} ({tpu.accelerator}) has {tpu.chip} chips but learners.hardware[{i}]="
                         f"{hardware[i]!r}: list the slices in the order of learners.hardware")
-  if not 1 <= options.port <= 65534:
-    raise ConfigError(f"--port={options.port} must be in [1, 65534] (the data channel takes port + 1)")
+  top = 65535 - 2 * options.syncer_shards + 1
+  if not 1 <= options.port <= top:
+    raise ConfigError(f"--port={options.port} must be in [1, {top}] (the {options.syncer_shards} syncer shard(s) take "
+                      f"ports port .. port + {2 * options.syncer_shards - 1}: gRPC, then data channels)")
   if options.syncer_vm and not re.fullmatch(rf"{NAME.pattern}@{ZONE.pattern}", options.syncer_vm):
     raise ConfigError(f"--syncer_vm={options.syncer_vm!r}: expected NAME@ZONE, e.g. dd-syncer@us-central1-a")
   if options.evaluator_slice and options.xpk_cluster:
@@ -145,9 +148,10 @@ def train_args(o: Options) -> list[str]:
 
 def learner_args(o: Options, index: int, address: str, home: str = "$D") -> list[str]:
   """Learner `index`'s flags on every host of its slice (shell words; `home` holds its CA): --group_coordinator=auto
-  makes the slice's hosts one JAX program."""
-  return ["--role=learner", f"--learner_id={index}", f"--syncer={shlex.quote(address)}:{o.port}",
-          "--group_coordinator=auto", *_trust(o, home)]
+  makes the slice's hosts one JAX program; with S syncer shards, --syncer lists them, shard 0's first."""
+  syncers = ",".join(f"{shlex.quote(address)}:{o.port + s}" for s in range(o.syncer_shards))
+  return ["--role=learner", f"--learner_id={index}", f"--syncer={syncers}", "--group_coordinator=auto",
+          *_trust(o, home)]
 
 
 def evaluator_args(o: Options, address: str) -> list[str]:
