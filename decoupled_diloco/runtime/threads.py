@@ -9,9 +9,8 @@ The step budget has a lock of its own, never held across a merge, so a long merg
 stops anyone's next step. No learner holds either lock while it computes inner steps, its
 pseudo-gradient, a pull or an evaluation. `now` is `time.monotonic()` seconds since the start.
 
-Modes: 'decoupled' (a learner pushes and goes on from the newest Θ at once, or from the merge
-of the grace window its push waits in; merges follow config.syncer, and a timer thread closes
-grace windows on time) and 'diloco' (a learner
+Modes: 'decoupled' (a learner pushes and goes on from the newest Θ at once; merges follow
+config.syncer, and a timer thread closes grace windows on time) and 'diloco' (a learner
 waits for the merge that includes its push; pushes are handed over in learner order, so
 the merge adds them up in the lockstep runtime's order and gives its numbers). DyLU sizes
 rounds from measured step times under policy.speed_source='measured' (inner steps are
@@ -139,10 +138,7 @@ class ThreadedRun:
       if self.blocking:  # Hand over in learner order: the merge then sums as lockstep does.
         self._wait(m, lambda: all(k in self.pushed or k in self.done for k in range(m)))
       before = self.syncer.versions[0]
-      # Wait for the merge that includes the push: always in diloco, and in decoupled mode while the
-      # push waits in a grace window (τ = 0 here: the learner needs Θ at once, and the window is
-      # there so that Θ includes its push).
-      if self._hand_over(m, push) and (self.blocking or self.syncer.fragments[0].deadline is not None):
+      if self._hand_over(m, push) and self.blocking:  # Wait for the merge that includes the push.
         self.waiting.add(m)
         self.lock.notify_all()
         self._wait(m, lambda: self.syncer.versions[0] > before or self._no_merge_coming())
