@@ -7,8 +7,11 @@ step time jittered by 10 % (log-normal, seeded), H fixed, equal tokens in every 
 - k1: quorum 1, learners never wait, each merge takes whoever arrived (Delayed Nesterov, one
   momentum step per 8 merges);
 - k1_grace: k1 plus the adaptive grace window (γ = 0.8, τ = 4 steps): the syncer holds a
-  merge open for late learners as long as they could not have needed Θ yet. Same outer
-  recipe as k1 (a momentum step every 2 merges instead was tried: 3.03, no better).
+  merge open for late learners, and the learners in a window receive its merge (they have
+  τ = 0 steps of overlap here, so they wait for it). A window gathers the four fast or the
+  four slow learners, so a round has 2 merges: Delayed Nesterov moves momentum once per
+  N = 2 merges (N = 8, one step per 8 arrivals as in k1, shrank every round's step 4-fold:
+  2.8848; with τ = 1 step the windows split the groups and N = 2 overshoots: 3.5507).
 Published (arXiv 2604.21428, §5; text score, higher is better): K = 8 54.4 at 84 % goodput,
 K = 1 51.4 at 100 %, K = 1 + grace 55.3 at 100 %.
 Target: k1_grace's eval loss <= 1.005 × k_all's at goodput >= 0.98; k1 visibly worse than both.
@@ -38,8 +41,8 @@ def rows() -> dict:
       "k_all": shakespeare.config(learners, OUTER_STEPS, **mixed, mode="diloco",
                                   **{"outer.optimizer": "sgd", "outer.buffer_size": 1}),
       "k1": shakespeare.config(learners, OUTER_STEPS, **mixed),
-      "k1_grace": shakespeare.config(learners, OUTER_STEPS, **mixed, **{"syncer.grace_gamma": 0.8,
-                                                                          "syncer.grace_overlap_steps": 4.0}),
+      "k1_grace": shakespeare.config(learners, OUTER_STEPS, **mixed, **{
+          "syncer.grace_gamma": 0.8, "syncer.grace_overlap_steps": 4.0, "outer.buffer_size": 2}),
   }
 
 
