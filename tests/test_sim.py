@@ -183,3 +183,21 @@ def test_synchronous_diloco_honours_the_configured_merge_rule_and_token_weightin
   np.testing.assert_allclose(squared, [0.2, 0.8], rtol=1e-6)  # tokens²/steps 1 : 4.
   _, rda = run("rda", merge_rule="rda")
   assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(mean), jax.tree.leaves(rda)))
+
+
+@pytest.mark.parametrize("overlap", [0, 2])
+def test_a_push_waiting_in_a_grace_window_gets_the_merge_that_includes_it(tmp_path, overlap):
+  """The grace window holds a merge open so that the learners in it receive a Θ with their own push
+  (docs/syncer.md); the virtual clock replied with the Θ from before the merge (issue 14), so every
+  learner's next push started from a Θ without its previous one."""
+  config = _hetero(**{"learners.speed": (1.0, 1.1), "policy.kind": "fixed", "syncer.grace_gamma": 0.8,
+                      "syncer.grace_overlap_steps": 2.0, "streaming.overlap_steps": overlap})
+  sim.run(experiment.build(config), str(tmp_path))
+  merges = _records(tmp_path, "outer")
+  assert any(len(r["learners"]) == 2 for r in merges)  # The window did hold merges open for the other.
+  for m in (0, 1):
+    merged_in = [r["outer_step"] for r in merges if m in r["learners"]]
+    bases = [r["outer_step"] - r["staleness"] for r in _records(tmp_path, "push") if r["learner"] == m]
+    assert len(bases) >= 3
+    for version, next_base in zip(merged_in, bases[1:]):
+      assert next_base >= version

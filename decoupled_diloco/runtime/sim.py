@@ -10,7 +10,9 @@ in (time, priority, sequence) order, so a seeded run gives identical metrics twi
 At equal times, finished steps and arrivals at the syncer go first and replies after
 them, so learners that report together all receive the merge they completed.
 
-Modes: 'decoupled' (learners never wait: the syncer replies with the newest Θ at once),
+Modes: 'decoupled' (the syncer replies with the newest Θ at once, or, to a push waiting in a
+grace window, with that window's merge: the learner goes on for its streaming.overlap_steps,
+then waits for it),
 'diloco' (blocking: a learner waits for the merge that includes its push, so the slowest
 learner sets the pace) and 'ddp' (one group, no syncer). The run ends when the learners
 have taken outer_steps × inner_steps × M inner steps in total (same tokens in every mode).
@@ -217,7 +219,7 @@ class Simulation:
     clock.compute_since_push[p] = 0.0
     clock.in_flight[p] = learner.steps + self.overlap
     arrival = clock.up.send(self.now, round(push.wire_bytes * self.exp.byte_scale))
-    self._schedule(arrival, ARRIVE, self._on_arrive, push, push.compute_seconds, len(clock.in_flight))
+    self._schedule(arrival, ARRIVE, self._on_arrive, push, push.compute_seconds, len(clock.in_flight), clock.epoch)
 
   def _on_receive(self, m: int, p: int, params, version: int, epoch: int) -> None:
     clock = self.clocks[m]
@@ -228,20 +230,27 @@ class Simulation:
       self._next_step(m)
 
   # Syncer side.
-  def _on_arrive(self, push, compute_seconds: float, in_flight: int) -> None:
+  def _on_arrive(self, push, compute_seconds: float, in_flight: int, epoch: int) -> None:
+    """The syncer takes a push; its reply leaves now, or with the merge the push waits for.
+
+    A push that opened or joined a grace window waits for that window's merge in every mode:
+    the window exists so that the pushing learners receive a merge that includes their work
+    within their τ steps of slack (docs/syncer.md); replying with the Θ from before the merge
+    would hand them a Θ without their own push.
+    """
     m, fragment = push.learner, push.fragment
     taken = account_lib.hand_over(self.syncer, self.clocks[m], push, self.now, compute_seconds * self.shares[fragment],
                                   round(push.wire_bytes * self.exp.byte_scale))
     if taken is None:
-      self._schedule(self.now, REPLY, self._on_reply, m, fragment)
+      self._schedule(self.now, REPLY, self._on_reply, m, fragment, epoch)
       return
     accepted, report, staleness = taken
     self.writer.write(records.push(self._clock(self.syncer.version), push, staleness, accepted, in_flight=in_flight))
-    if self.blocking and accepted:  # Waits for the merge that includes its push (maybe this one).
-      self.waiting[fragment].append(m)
-    else:
-      self._schedule(self.now, REPLY, self._on_reply, m, fragment)
     deadline = self.syncer.fragments[fragment].deadline
+    if accepted and (self.blocking or (report is None and deadline is not None)):
+      self.waiting[fragment].append((m, epoch))  # Waits for the merge that includes its push (maybe this one).
+    else:
+      self._schedule(self.now, REPLY, self._on_reply, m, fragment, epoch)
     if deadline is not None and report is None:
       self._schedule(deadline, DEADLINE, self._on_deadline)
     if report is not None:
@@ -256,21 +265,23 @@ class Simulation:
     self.syncer.observe_sync_seconds(self.clocks[report.learners[0]].down.seconds(self.down_bytes[report.fragment]))
     self._write_outer(report)
     self._maybe_evaluate(report.version)
-    for m in self.waiting.pop(report.fragment, []):
-      self._schedule(self.now, REPLY, self._on_reply, m, report.fragment)
+    for m, epoch in self.waiting.pop(report.fragment, []):
+      self._schedule(self.now, REPLY, self._on_reply, m, report.fragment, epoch)
 
   def _write_outer(self, report: MergeReport) -> None:
     self.writer.write(records.outer(self._clock(report.version), report))
 
-  def _on_reply(self, m: int, p: int) -> None:
-    """Θ_p leaves the syncer now (a snapshot) and reaches the learner after its downlink's queue."""
+  def _on_reply(self, m: int, p: int, epoch: int) -> None:
+    """Θ_p leaves the syncer now (a snapshot) and reaches the learner after its downlink's queue,
+    unless the learner failed since it pushed (`epoch`): it rejoins with Θ instead."""
+    if epoch != self.clocks[m].epoch:
+      return
     arrival = self.clocks[m].down.send(self.now, self.down_bytes[p])
     theta = self.syncer.fragment_params(p)
     if self.downlink.format != "fp32":  # What the learner gets is what the wire carried.
       theta = jax.tree.unflatten(jax.tree.structure(theta),
                                  compression.decode(self.downlink, compression.encode(self.downlink, jax.tree.leaves(theta))))
-    self._schedule(arrival, RECEIVE, self._on_receive, m, p, theta, self.syncer.fragments[p].version,
-                   self.clocks[m].epoch)
+    self._schedule(arrival, RECEIVE, self._on_receive, m, p, theta, self.syncer.fragments[p].version, epoch)
 
   def _maybe_evaluate(self, version: int, force: bool = False) -> None:
     if not self.eval_due.due(self.tokens) and not force:
