@@ -27,8 +27,10 @@ with exactly the keys of issue 13:
                     shapes, syncer, checkpoint), `replay` (the log) and `serve` (server up, first
                     call answered), each {p50, max}.
 A log line before it gives what the targets are measured against: the undisturbed seed-0 run's
-median round (seconds between a learner's pushes), the pushes the restarted syncers replayed and
-the machine's load average.
+median round (seconds between a learner's pushes), the pushes the restarted syncers replayed, the
+mean staleness of the pushed steps with and without chaos, and the machine's load average. Why the
+staleness: a learner down (its restart takes longer than a demo run's rest) leaves the other alone,
+whose pushes are never stale, and fresher outer steps make a lower loss at the same token budget.
 """
 
 import collections
@@ -191,6 +193,13 @@ def syncer_recovery_seconds(cluster: TimedCluster) -> dict:
           **{phase: _spread(values) for phase, values in phases.items()}}
 
 
+def mean_staleness(workdir: str) -> float:
+  """The staleness of a run's accepted pushes, weighted by their steps (1 ≈ two learners taking turns)."""
+  pushes = [r for r in _records(os.path.join(workdir, "metrics.jsonl"), "push") if r["accepted"]]
+  return round(sum(r["staleness"] * r["local_steps"] for r in pushes) / max(1, sum(r["local_steps"] for r in pushes)),
+               2)
+
+
 def round_seconds(workdir: str) -> float:
   """Median seconds between two pushes of one learner: the length of a round of H steps."""
   pushes = _records(os.path.join(workdir, "metrics.jsonl"), "push")
@@ -217,8 +226,11 @@ def main(argv: list[str]) -> None:
   lost, twice = exactly_once(chaotic.workdir, 2)
   replayed = sum(r.get("replayed", 0) for r in _records(os.path.join(chaotic.workdir, "metrics.jsonl"), "push"))
   logging.info("size %s, %d undisturbed seeds: a round takes %.2fs (undisturbed seed 0, median); the restarted "
-               "syncers replayed %d pushes; load average %s", _SIZE.value, _SEEDS.value,
-               round_seconds(os.path.join(root, "undisturbed_0")), replayed, os.getloadavg())
+               "syncers replayed %d pushes; mean staleness of the pushed steps %.2f with chaos, %s undisturbed; "
+               "load average %s", _SIZE.value, _SEEDS.value, round_seconds(os.path.join(root, "undisturbed_0")),
+               replayed, mean_staleness(chaotic.workdir),
+               [mean_staleness(os.path.join(root, f"undisturbed_{seed}")) for seed in range(_SEEDS.value)],
+               os.getloadavg())
   common.emit({
       "kills": {"learner": kills["learner"], "syncer": kills["syncer"]},
       "acked_lost": lost, "applied_twice": twice,
