@@ -153,10 +153,10 @@ def _serve(config, workdir: str, local: str, token: str, credentials, model, par
           links=tuple(link_lib.links(config.service, core.num_learners)))
       server.rejections = core.refused  # Checkpointed with the core: refusals survive restarts.
       port = server.start()
+      recorder.write(start_record(core, step, entered, replayed_at))  # Before the address: launchers wait for it.
       runconfig.write_address(workdir, f"{config.service.host}:{port}")
       if warm_up is not None:
         warm_up.start()
-      recorder.write(start_record(core, step, entered, replayed_at))
       logging.info("syncer serving %d learners on %s:%d (%s), version %d", core.num_learners, config.service.host,
                    port, "TLS" if credentials else "plaintext", core.syncer.version)
       done_at = None
@@ -184,12 +184,13 @@ def start_record(core: core_lib.SyncerCore, step: int | None, entered: float, re
   """The 'syncer_start' record: where this start began serving, and when (time.time()) each phase ended.
 
   `entered`: imports done (syncer_main.run called); `restored`: the checkpoint restored
-  (None on a fresh start); `replayed`: the log replayed; `serving`: the server up, its address
-  written. A restart's recovery time is these phases plus the process start before them.
+  (None on a fresh start); `replayed`: the log replayed; `serving`: the server up. A restart's
+  recovery time is these phases plus the process start before them. Nested fields only: start-up
+  facts are no TensorBoard series (and a syncer that only started writes no events).
   """
   # At the restored step (not the version after replay): a later restart from that checkpoint keeps the record.
-  return {"kind": "syncer_start", "outer_step": step or 0, "version": core.syncer.version,
-          "incarnation": core.syncer_incarnation, "restored_step": step,
+  return {"kind": "syncer_start", "outer_step": step or 0,
+          "start": {"incarnation": core.syncer_incarnation, "restored_step": step, "version": core.syncer.version},
           "unix_times": {"entered": entered, "restored": core.restored_at, "replayed": replayed_at,
                          "serving": time.time()}}
 

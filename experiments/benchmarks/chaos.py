@@ -180,7 +180,7 @@ def rejoin_seconds(cluster: TimedCluster) -> dict:
 def syncer_recovery_seconds(cluster: TimedCluster) -> dict:
   """From each syncer restart to its first served call, split at the phases its 'syncer_start' record gives."""
   starts = [r["unix_times"] for r in _records(os.path.join(cluster.workdir, "metrics.jsonl"), "syncer_start")
-            if r["restored_step"] is not None]
+            if r["start"]["restored_step"] is not None]
   restarts = [(began, served) for name, began, served in cluster.restarts if name == "syncer"]
   phases = collections.defaultdict(list)
   for began, served in restarts:
