@@ -6,8 +6,9 @@ metrics.jsonl: 'push', 'outer', 'eval' and a final 'summary'. It checkpoints eve
 `service.checkpoint_every_merges` merges, on SIGTERM and at the end; restarted with
 --config.resume=True in the same workdir it restores the checkpoint, replays its log and
 carries on, and the learners (who retry) never notice more than a pause. A restart serves as
-soon as the log is replayed: Θ is built only as shapes (the checkpoint replaces it) and the
-merge is compiled in the background; a 'syncer_start' record gives the start-up's phases.
+soon as the log is replayed: Θ is built only as shapes (the checkpoint replaces it), the
+replay's compiled programs come from the previous start's XLA cache (`<local dir>/xla_cache`)
+and the merge is warmed up in the background; a 'syncer_start' record gives the start-up's phases.
 """
 
 import os
@@ -123,6 +124,7 @@ def latest_checkpoint(checkpoints: str) -> int | None:
 
 def _serve(config, workdir: str, local: str, token: str, credentials, model, params, corpus, entered: float) -> dict:
   """The syncer's life in a workdir it holds: restore, serve, finish."""
+  cache_compiled_programs(os.path.join(local, "xla_cache"))
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   recorder = records.Recorder()
@@ -178,6 +180,14 @@ def _serve(config, workdir: str, local: str, token: str, credentials, model, par
       return _finish(core, evaluator, recorder, server, write_summary=core.done and not _has_summary(writer.path))
   finally:
     core.close()
+
+
+def cache_compiled_programs(directory: str) -> None:
+  """Keeps what XLA compiles from here on in `directory`, however quick: a restart's log replay and
+  warm-up then load the merge instead of compiling it (10 s for 3 replayed pushes on a loaded host)."""
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def start_record(core: core_lib.SyncerCore, step: int | None, entered: float, replayed_at: float) -> dict:
