@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -269,15 +268,17 @@ class Syncer:
     """Compiles the push check, the first and later folds and the merge of every fragment, changing nothing.
 
     Why: a networked syncer would otherwise compile them while answering the first
-    pushes, and every learner's first exchange would wait for XLA.
+    pushes, and every learner's first exchange would wait for XLA. It reads only shapes and
+    works on zeros of its own, so it may run in a thread beside merges (a restarted syncer
+    serves first and warms up meanwhile).
     """
+    zeros_like = lambda tree: self.to_host(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), tree))
     for state in self.fragments:
-      zeros = self.to_host(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state.params))
+      zeros = zeros_like(state.params)
       push_lib.all_finite(zeros)
       sums, radii = accumulate.fold(state.rda, None, None, jax.tree.leaves(zeros), np.float32(1))
       sums, radii = accumulate.fold(state.rda, sums, radii, jax.tree.leaves(zeros), np.float32(1))
-      opt_state = jax.tree.map(jnp.copy, state.opt_state)  # The merge donates it.
-      jax.block_until_ready(accumulate.merge_and_step(self.optimizer, state.rda, state.params, opt_state,
+      jax.block_until_ready(accumulate.merge_and_step(self.optimizer, state.rda, zeros, zeros_like(state.opt_state),
                                                       merge.Accumulator(sums, radii, 2.0, 1.0), np.float32(0.5)))
 
   @property

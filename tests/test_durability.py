@@ -14,6 +14,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 import pytest
 
 from decoupled_diloco import checkpoint as checkpoint_lib
@@ -153,6 +154,28 @@ def test_the_eval_schedule_skips_any_number_of_intervals_at_once(tmp_path):
     evaluator.close()
     core.close()
   assert [r["tokens"] for r in metrics_lib.read_metrics(writer.path) if r["kind"] == "eval"] == [2**62]
+
+
+def test_a_restart_builds_theta_as_zeros_of_its_shapes_and_a_fresh_start_from_the_seed(tmp_path):
+  # Why it matters: initialising the params is most of a restarted syncer's start-up, and the
+  # checkpoint replaces them anyway; a fresh run (or a resume with nothing saved yet) needs the seed's.
+  config = service_config.get_config()
+  seeded = model_lib.build_model(config.model, config.seed)[1]
+  checkpoints = str(tmp_path / "checkpoints")
+  assert syncer_main.latest_checkpoint(checkpoints) is None
+  config.resume = True
+  _, fresh = syncer_main.initial_params(config, checkpoints)  # Nothing saved: the seed's params.
+  jax.tree.map(np.testing.assert_array_equal, fresh, seeded)
+  _core(seeded, tmp_path).close()  # A fresh start saves checkpoint 0.
+  assert syncer_main.latest_checkpoint(checkpoints) == 0
+  _, shapes = syncer_main.initial_params(config, checkpoints)
+  assert jax.tree.structure(shapes) == jax.tree.structure(seeded)
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, np.zeros_like(y)), shapes, seeded)
+  restored = _core(shapes, tmp_path)  # The restart: the checkpoint replaces the zeros.
+  jax.tree.map(np.testing.assert_array_equal, restored.syncer.params, seeded)
+  restored.close()
+  config.resume = False
+  jax.tree.map(np.testing.assert_array_equal, syncer_main.initial_params(config, checkpoints)[1], seeded)
 
 
 def _snapshot(directory):

@@ -166,6 +166,11 @@ def test_a_killed_syncer_resumes_from_its_checkpoint_and_log_with_streamed_fragm
   for m in range(2):  # Each learner heard the new syncer incarnation in a reply, and carried on.
     learner_summary, = _learner_records(run.workdir, m, "learner_summary")
     assert learner_summary["syncer_restarts"] == 1, learner_summary
+  fresh, restarted = (r["start"] for r in _syncer_records(run.workdir, "syncer_start"))  # Each start's phases.
+  assert (fresh["restored_step"], fresh["incarnation"], restarted["incarnation"]) == (None, 1, 2), (fresh, restarted)
+  times = _syncer_records(run.workdir, "syncer_start")[1]["unix_times"]
+  assert restarted["restored_step"] <= killed_at and restarted["version"] >= restarted["restored_step"], restarted
+  assert times["entered"] <= times["restored"] <= times["replayed"] <= times["serving"], times
 
 
 def _raw_push(stub, header, payload_parts, metadata, chunk=64 << 10):

@@ -159,3 +159,16 @@ def test_impossible_settings_are_refused_up_front(settings, message):
 def test_settings_from_config_reject_out_of_range_values(field, value):
   with pytest.raises(ConfigError, match=f"syncer.{field}"):
     Settings.from_config(ml_collections.ConfigDict({field: value}))
+
+
+def test_warm_up_reads_only_shapes_so_it_can_run_beside_merges():
+  # A restarted syncer warms up in a thread while it serves: a merge may donate (delete) the live
+  # outer state meanwhile, and the warm-up must neither need those buffers nor change anything.
+  syncer = Syncer(optax.sgd(0.5, momentum=0.9), _tree(10.0), (0, 1, 2), Settings())
+  before = jax.tree.map(np.asarray, (syncer.params, syncer.fragments[0].opt_state))
+  syncer.warm_up()
+  chex.assert_trees_all_equal((syncer.params, syncer.fragments[0].opt_state), before)
+  for leaf in jax.tree.leaves(syncer.fragments[0].opt_state):
+    leaf.delete()  # As a concurrent merge's donation leaves them.
+  syncer.warm_up()
+  chex.assert_trees_all_equal(syncer.params, before[0])

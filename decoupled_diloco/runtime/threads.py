@@ -45,6 +45,7 @@ from decoupled_diloco.experiment import Experiment
 from decoupled_diloco.run import account as account_lib
 from decoupled_diloco.run import evaluator as evaluator_lib
 from decoupled_diloco.run import records, schedule, state
+from decoupled_diloco import push as push_lib
 from decoupled_diloco.push import Push
 from decoupled_diloco.syncer import MergeReport
 
@@ -240,7 +241,8 @@ class ThreadedRun:
     learner.loop.step.lower(learner.state, learner.loop.put_batch(learner.batches.batch(learner.steps))).compile()
     if m == 0:
       learner.loop.loss.lower(learner.state.params, learner.loop.put_batch(self.exp.evals.batches[0])).compile()
-    self.syncer.validate(Push(m, self.syncer.fragment_params(0), 0, 1, 1))
+    push_lib.validate(Push(m, self.syncer.fragment_params(0), 0, 1, 1), self.syncer.learners, self.syncer.fragments,
+                      self.syncer.codec)
 
   def _guarded(self, target):
     def body():

@@ -74,6 +74,7 @@ class SyncerCore:
     self._checkpoint_due = False  # A checkpoint for the next tick (periodic, or the run's end).
     self.store = durable.Store(directory, truncate_corrupt_log, local_dir)
     self.syncer_incarnation = 0  # This process's start on the workdir (start() takes the next one).
+    self.restored_at: float | None = None  # When start() had restored a checkpoint, before the replay (time.time()).
 
   # Start, restore, checkpoint.
   def start(self, now: float) -> int | None:
@@ -98,6 +99,7 @@ class SyncerCore:
       self.counts.update(meta.get("counts", {}))  # Replay adds the pushes applied after the checkpoint.
       self.refused.update(meta.get("refused", {}))
       self.syncer.restore_estimates(meta["estimates"])  # Before the replay, which goes on updating them.
+      self.restored_at = time.time()
       self._replay(meta["segment"], step)
       self.store.open_after_replay(meta["segment"])
       if self.steps_done >= self.budget_steps and not self.done:  # Crashed between the last push and the end.

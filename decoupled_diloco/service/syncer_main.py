@@ -5,7 +5,10 @@ as tokens accumulate (in a thread, so merges never wait for an eval), and writes
 metrics.jsonl: 'push', 'outer', 'eval' and a final 'summary'. It checkpoints every
 `service.checkpoint_every_merges` merges, on SIGTERM and at the end; restarted with
 --config.resume=True in the same workdir it restores the checkpoint, replays its log and
-carries on, and the learners (who retry) never notice more than a pause.
+carries on, and the learners (who retry) never notice more than a pause. A restart serves as
+soon as the log is replayed: Θ is built only as shapes (the checkpoint replaces it), the
+replay's compiled programs come from the previous start's XLA cache (`<local dir>/xla_cache`)
+and the merge is warmed up in the background; a 'syncer_start' record gives the start-up's phases.
 """
 
 import os
@@ -15,6 +18,7 @@ import time
 
 from absl import logging
 import jax
+import numpy as np
 
 from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import experiment, metrics as metrics_lib, model as model_lib
@@ -82,11 +86,12 @@ def run(config, workdir: str, shard: int | None = None) -> dict:
   local = storage.local_dir(workdir, config.service.local_dir, "the syncer's write-ahead log and lock")
   token = security.load_token(config.service.token_file)
   credentials = security.server_credentials(config.service.tls_cert, config.service.tls_key)
+  entered = time.time()  # Start-up's first phase ends: the process started, imported and read its config.
   # Everything that can refuse the run comes before the first write: a refused start leaves no
   # half-made workdir behind that a retry would take for a run to resume.
   runconfig.check_ports_free(config.service.host, config.service.port, config.service.data_port)
   tokenizer_lib.resolve_model_vocab(config)
-  model, params, _ = model_lib.build_model(config.model, config.seed)
+  model, params = initial_params(config, os.path.join(workdir, "checkpoints"))
   corpus = (sources.load_corpus(config.data, config.model.seq_len, train=False)  # Eval text only.
             if config.service.evaluate_on == "syncer" else None)
   check_same_layout(config, os.path.join(workdir, "checkpoints"))
@@ -96,14 +101,37 @@ def run(config, workdir: str, shard: int | None = None) -> dict:
     if checkpoints.is_dir() and any(checkpoints.iterdir()) and not config.resume:
       raise ConfigError(f"workdir {workdir} already holds a syncer run: pass --config.resume=True to continue it "
                         "(launch_local does on restarts), or pick a new --workdir")
-    return _serve(config, workdir, local, token, credentials, model, params, corpus, shard)
+    return _serve(config, workdir, local, token, credentials, model, params, corpus, shard, entered)
   finally:
     lock.release()
 
 
-def _serve(config, workdir: str, local: str, token: str, credentials, model, params, corpus,
-           shard: int | None) -> dict:
+def initial_params(config, checkpoints: str):
+  """(model, Θ to build the syncer from): the seed's initial params, or on a restart zeros of their shapes.
+
+  Why: a restart's Θ comes from its checkpoint (or start-up refuses), so initialising the
+  model's params (an eager computation per leaf: 13 s at the demo's size on a loaded host)
+  would only delay serving; jax.eval_shape gives the shapes for nothing.
+  """
+  if not config.resume or latest_checkpoint(checkpoints) is None:
+    model, params, _ = model_lib.build_model(config.model, config.seed)
+    return model, params
+  model, shapes, _ = model_lib.abstract_params(config.model)
+  return model, jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), shapes)
+
+
+def latest_checkpoint(checkpoints: str) -> int | None:
+  """The newest checkpoint's step in `checkpoints`, None if there is none (the core starts the run afresh)."""
+  if not storage.path(checkpoints).is_dir():
+    return None
+  with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
+    return checkpointer.latest_step()
+
+
+def _serve(config, workdir: str, local: str, token: str, credentials, model, params, corpus, shard: int | None,
+           entered: float) -> dict:
   """The syncer's life in a workdir it holds: restore, serve, finish."""
+  cache_compiled_programs(os.path.join(local, "xla_cache"))
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   recorder = records.Recorder()
@@ -113,12 +141,17 @@ def _serve(config, workdir: str, local: str, token: str, credentials, model, par
   try:
     try:
       step = core.start(time.time())
+      replayed_at = time.time()
     except (wal.CorruptLog, checkpoint_lib.CorruptCheckpoint) as error:
       raise ConfigError(str(error)) from error
     # Records after the checkpoint the restart resumed from were replayed from the log: drop them first.
     with metrics_lib.MetricsWriter(workdir, resume_from_step=-1 if step is None else step) as writer:
       recorder.attach(writer)
-      core.syncer.warm_up()
+      # A fresh run warms up first, so that no learner's first exchange waits for XLA; a restart
+      # answers calls first (learners are waiting) and compiles meanwhile.
+      warm_up = None if step is None else threading.Thread(target=core.syncer.warm_up, name="warm-up", daemon=True)
+      if warm_up is None:
+        core.syncer.warm_up()
       server = server_lib.SyncerServer(
           core, token, host=config.service.host, port=config.service.port, chunk_bytes=config.service.chunk_bytes,
           max_payload_bytes=runconfig.max_payload_bytes(params), credentials=credentials,
@@ -130,7 +163,10 @@ def _serve(config, workdir: str, local: str, token: str, credentials, model, par
           links=tuple(link_lib.links(config.service, core.num_learners)))
       server.rejections = core.refused  # Checkpointed with the core: refusals survive restarts.
       port = server.start()
+      recorder.write(start_record(core, step, entered, replayed_at))  # Before the address: launchers wait for it.
       runconfig.write_address(workdir, f"{config.service.host}:{port}")
+      if warm_up is not None:
+        warm_up.start()
       logging.info("syncer serving %d learners on %s:%d (%s), version %d", core.num_learners, config.service.host,
                    port, "TLS" if credentials else "plaintext", core.syncer.version)
       done_at = None
@@ -148,10 +184,35 @@ def _serve(config, workdir: str, local: str, token: str, credentials, model, par
         server.stop(grace=0)
         raise SystemExit(f"error: {error}") from error
       server.stop(grace=1.0)
+      if warm_up is not None:
+        warm_up.join()
       core.checkpoint(time.time())  # SIGTERM: keeps the log short; at the end: already saved.
       return _finish(core, evaluator, recorder, server, write_summary=core.done and not _has_summary(writer.path))
   finally:
     core.close()
+
+
+def cache_compiled_programs(directory: str) -> None:
+  """Keeps what XLA compiles from here on in `directory`, however quick: a restart's log replay and
+  warm-up then load the merge instead of compiling it (10 s for 3 replayed pushes on a loaded host)."""
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def start_record(core: core_lib.SyncerCore, step: int | None, entered: float, replayed_at: float) -> dict:
+  """The 'syncer_start' record: where this start began serving, and when (time.time()) each phase ended.
+
+  `entered`: imports done (syncer_main.run called); `restored`: the checkpoint restored
+  (None on a fresh start); `replayed`: the log replayed; `serving`: the server up. A restart's
+  recovery time is these phases plus the process start before them. Nested fields only: start-up
+  facts are no TensorBoard series (and a syncer that only started writes no events).
+  """
+  # At the restored step (not the version after replay): a later restart from that checkpoint keeps the record.
+  return {"kind": "syncer_start", "outer_step": step or 0,
+          "start": {"incarnation": core.syncer_incarnation, "restored_step": step, "version": core.syncer.version},
+          "unix_times": {"entered": entered, "restored": core.restored_at, "replayed": replayed_at,
+                         "serving": time.time()}}
 
 
 # Config sections that fix the layout of the syncer's checkpointed state.

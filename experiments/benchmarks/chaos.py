@@ -22,9 +22,15 @@ with exactly the keys of issue 13:
                     at the learner's first finished round into `startup` (process start, imports, Join,
                     compilation) and `rest` (target: at most one round of H steps), each {p50, max}.
   syncer_recovery_seconds  from a syncer's restart to the first call it served (a heartbeat this
-                    benchmark sends): {p50, max}; target 10 s.
+                    benchmark sends): {p50, max}; target 10 s. Split by the restarted syncer's
+                    'syncer_start' record into `imports` (process start, imports), `restore` (model
+                    shapes, syncer, checkpoint), `replay` (the log) and `serve` (server up, first
+                    call answered), each {p50, max}.
 A log line before it gives what the targets are measured against: the undisturbed seed-0 run's
-median round (seconds between a learner's pushes) and the pushes the restarted syncers replayed.
+median round (seconds between a learner's pushes), the pushes the restarted syncers replayed, the
+mean staleness of the pushed steps with and without chaos, and the machine's load average. Why the
+staleness: a learner down (its restart takes longer than a demo run's rest) leaves the other alone,
+whose pushes are never stale, and fresher outer steps make a lower loss at the same token budget.
 """
 
 import collections
@@ -166,6 +172,29 @@ def rejoin_seconds(cluster: TimedCluster) -> dict:
   return {**_spread(total), "startup": _spread(startup), "rest": _spread([t - s for t, s in zip(total, startup)])}
 
 
+def syncer_recovery_seconds(cluster: TimedCluster) -> dict:
+  """From each syncer restart to its first served call, split at the phases its 'syncer_start' record gives."""
+  starts = [r["unix_times"] for r in _records(os.path.join(cluster.workdir, "metrics.jsonl"), "syncer_start")
+            if r["start"]["restored_step"] is not None]
+  restarts = [(began, served) for name, began, served in cluster.restarts if name == "syncer"]
+  phases = collections.defaultdict(list)
+  for began, served in restarts:
+    times = min((t for t in starts if t["entered"] > began), key=lambda t: t["entered"], default=None)
+    if times is not None:
+      marks = [began, times["entered"], times["restored"], times["replayed"], served]
+      for phase, start, end in zip(("imports", "restore", "replay", "serve"), marks, marks[1:]):
+        phases[phase].append(end - start)
+  return {**_spread([served - began for began, served in restarts]),
+          **{phase: _spread(values) for phase, values in phases.items()}}
+
+
+def mean_staleness(workdir: str) -> float:
+  """The staleness of a run's accepted pushes, weighted by their steps (1 ≈ two learners taking turns)."""
+  pushes = [r for r in _records(os.path.join(workdir, "metrics.jsonl"), "push") if r["accepted"]]
+  return round(sum(r["staleness"] * r["local_steps"] for r in pushes) / max(1, sum(r["local_steps"] for r in pushes)),
+               2)
+
+
 def round_seconds(workdir: str) -> float:
   """Median seconds between two pushes of one learner: the length of a round of H steps."""
   pushes = _records(os.path.join(workdir, "metrics.jsonl"), "push")
@@ -192,16 +221,18 @@ def main(argv: list[str]) -> None:
   lost, twice = exactly_once(chaotic.workdir, 2)
   replayed = sum(r.get("replayed", 0) for r in _records(os.path.join(chaotic.workdir, "metrics.jsonl"), "push"))
   logging.info("size %s, %d undisturbed seeds: a round takes %.2fs (undisturbed seed 0, median); the restarted "
-               "syncers replayed %d pushes", _SIZE.value, _SEEDS.value,
-               round_seconds(os.path.join(root, "undisturbed_0")), replayed)
+               "syncers replayed %d pushes; mean staleness of the pushed steps %.2f with chaos, %s undisturbed; "
+               "load average %s", _SIZE.value, _SEEDS.value, round_seconds(os.path.join(root, "undisturbed_0")),
+               replayed, mean_staleness(chaotic.workdir),
+               [mean_staleness(os.path.join(root, f"undisturbed_{seed}")) for seed in range(_SEEDS.value)],
+               os.getloadavg())
   common.emit({
       "kills": {"learner": kills["learner"], "syncer": kills["syncer"]},
       "acked_lost": lost, "applied_twice": twice,
       "loss_ratio": round(_final_loss(chaotic.workdir) / losses[0], 4),
       "undisturbed_spread": round((max(losses) - min(losses)) / statistics.mean(losses), 4),
       "rejoin_seconds": rejoin_seconds(chaotic),
-      "syncer_recovery_seconds": _spread([served - began for name, began, served in chaotic.restarts
-                                          if name == "syncer"]),
+      "syncer_recovery_seconds": syncer_recovery_seconds(chaotic),
   })
 
 
