@@ -62,8 +62,8 @@ def test_microbatches_equal_one_big_batch():
 
 
 def test_scanned_layers_take_the_same_adamw_steps_stacked_as_the_layer_loop():
-  """With scan_layers the optimizer updates the blocks stacked as [L, ...] leaves: same params and
-  moments as the per-leaf update, and weight decay still skips the (stacked, 2-D) norm scales."""
+  """With scan_layers the step holds and updates the blocks stacked as [L, ...] leaves: dealt back, the
+  same params and moments as the per-leaf update, and weight decay still skips the (stacked, 2-D) norm scales."""
   config = tiny_config(**{"model.num_layers": 3, "inner.weight_decay": 0.5, "inner.warmup_steps": 0})
   _, params, axes = model_lib.build_model(config.model, seed=0)
   optimizer = inner.inner_optimizer(config.inner, total_steps=10)
@@ -77,7 +77,8 @@ def test_scanned_layers_take_the_same_adamw_steps_stacked_as_the_layer_loop():
     state = loop.init(params)
     for _ in range(2):
       state, metrics = loop.step(state, loop.put_batch(batch))
-    return jax.device_get(state), float(metrics["grad_norm"])
+    assert (model_lib.STACKED in state.params) == scan  # The step holds the blocks stacked...
+    return jax.device_get(loop.from_step(state)), float(metrics["grad_norm"])  # ...and deals them back.
 
   (loop_state, loop_norm), (scan_state, scan_norm) = two_steps(False), two_steps(True)
   assert jax.tree.structure(scan_state) == jax.tree.structure(loop_state)
