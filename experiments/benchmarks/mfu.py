@@ -4,9 +4,10 @@ For ~125M and ~350M Llama-style configs (RoPE, SwiGLU, bf16, seq 2048) with atte
 variants, times the framework's compiled inner step (inner.build_inner_loop: sharded jit,
 activation constraints, donation, scanned layers held stacked) against a hand-written jax.jit +
 optax AdamW step of the same model, layout and devices (`runners`), both back to back in every
-block (`paired_ratio`: alternating order, median of the blocks' ratios). mfu = model FLOPs per second / (devices x peak bf16 FLOP/s), where the device's
-peak is known (TPU, H100/H200), else null; model FLOPs are the analytic 6N + attention count
-(model.flops_per_token), so remat's recomputation is not counted as useful work.
+block (`paired_ratio`: alternating order, median of the blocks' ratios). mfu = model FLOPs per
+second / (devices x peak bf16 FLOP/s), where the device's peak is known (TPU, H100/H200), else
+null; model FLOPs are the analytic 6N + attention count (model.flops_per_token), so remat's
+recomputation is not counted as useful work.
 
 The analytic count is checked against XLA's own: `flops_xla_vs_analytic` is the cost analysis
 of the lowered forward + backward of each full-size config (loop layers, no remat, one
@@ -110,8 +111,8 @@ def runners(cfg, devices, batch_size, steps):
   return run_framework, run_bare
 
 
-def paired_ratio(run_framework, run_bare, blocks: int) -> tuple[float, float, float]:
-  """(median framework seconds, median bare seconds, median of the blocks' framework/bare ratios).
+def paired_ratio(run_framework, run_bare, blocks: int) -> tuple[float, float]:
+  """(median framework seconds, median of the blocks' framework/bare ratios).
 
   Why pairs: on a shared machine the load drifts between blocks; a block times both sides back to
   back (in alternating order, so neither always runs first), and the median of those ratios is
@@ -125,7 +126,7 @@ def paired_ratio(run_framework, run_bare, blocks: int) -> tuple[float, float, fl
       run()
       times[name].append(time.perf_counter() - begin)
   ratios = [f / b for f, b in zip(times["framework"], times["bare"])]
-  return statistics.median(times["framework"]), statistics.median(times["bare"]), statistics.median(ratios)
+  return statistics.median(times["framework"]), statistics.median(ratios)
 
 
 def measure(sizes, variants, blocks: int, steps: int) -> dict:
@@ -145,14 +146,15 @@ def measure(sizes, variants, blocks: int, steps: int) -> dict:
         continue  # `auto` resolved to a kernel already timed with the same remat.
       run_framework, run_bare = runners(cfg, devices, batch_size, steps)
       run_framework(), run_bare()  # compile and warm up
-      framework_s, _, ratio = paired_ratio(run_framework, run_bare, blocks)
+      framework_s, ratio = paired_ratio(run_framework, run_bare, blocks)
       step = framework_s / steps
       flops = model_lib.flops_per_token(cfg) * batch_size * cfg.seq_len
       mfu[name] = None if peak is None else round(flops / step / (peak * len(devices)), 4)
       ratios[name] = round(ratio, 4)
       ms[name] = round(step * 1e3, 2)
       print(f"{name}: {ms[name]} ms/step, ratio {ratios[name]}, mfu {mfu[name]}", flush=True)
-  return {"backend": backend, "device": devices[0].device_kind, "load_average": os.getloadavg(), "devices": len(devices), "batch_size": batch_size,
+  return {"backend": backend, "device": devices[0].device_kind, "load_average": os.getloadavg(),
+          "devices": len(devices), "batch_size": batch_size,
           "mfu": mfu, "ratio": max(ratios.values()), "ratios": ratios, "framework_ms_per_step": ms,
           "flops_xla_vs_analytic": {size: xla_vs_analytic_flops(size) for size in sizes}}
 
