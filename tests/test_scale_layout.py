@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from configs import tpu_1b
-from decoupled_diloco import experiment, inner, mesh, model as model_lib
+from decoupled_diloco import checkpoint as checkpoint_lib, experiment, inner, mesh, model as model_lib
 from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.run import state as state_lib
 from decoupled_diloco.runtime import lockstep, sim
 from tests.helpers import tiny_config
 
@@ -168,3 +169,18 @@ def test_a_scanned_step_compiles_to_the_same_program_at_any_depth():
   assert deep_buffers == shallow_buffers
   # Measured 238 -> 239 kernels; with block_i's in the state it was 286 -> 383 (and 63 -> 159 buffers).
   assert deep_kernels - shallow_kernels <= 2
+
+
+def test_a_checkpoint_of_loop_layers_restores_into_a_scanned_runs_stacked_state(tmp_path):
+  """Checkpoints hold block_i's whatever scan_layers says, so a run may switch it between resumes."""
+  loop_exp = experiment.build(tiny_config(**{**SCAN, "model.scan_layers": False}))
+  for _ in range(2):  # Moves the params and AdamW moments off their initial values.
+    loop_exp.learners[0].step()
+  with checkpoint_lib.Checkpointer(str(tmp_path)) as checkpointer:
+    state_lib.save(checkpointer, loop_exp, 2, state_lib.metadata(loop_exp, 2))
+    scan_exp = experiment.build(tiny_config(**SCAN))
+    state_lib.restore(scan_exp, checkpointer, 2)
+  restored = scan_exp.learners[0]
+  assert model_lib.STACKED in restored.state.params and restored.steps == 2
+  chex.assert_trees_all_equal(jax.device_get(restored.loop.from_step(restored.state)),
+                              jax.device_get(loop_exp.learners[0].state))

@@ -76,7 +76,8 @@ def runners(cfg, devices, batch_size, steps):
 
   Like with like: the bare loop is a hand-written jax.jit + optax AdamW step of the same model,
   traced under the same mesh (so the model's activation constraints apply alike) with its state
-  placed and laid out as the framework's (FSDP shardings, scanned blocks stacked) and donated;
+  placed, laid out and pinned as the framework's (FSDP shardings in and out, scanned blocks
+  stacked) and donated: left to propagation, its outputs' shardings could drift from its inputs';
   what it leaves out is the framework itself (step counter, gradient norm, the InnerLoop).
   """
   model, params, axes = model_lib.build_model(cfg, seed=0)
@@ -101,7 +102,9 @@ def runners(cfg, devices, batch_size, steps):
       updates, opt_state = optimizer.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state, loss
 
-  bare_step = jax.jit(bare_step, donate_argnums=(0, 1))
+  shardings = (loop.state_shardings.params, loop.state_shardings.opt_state)
+  bare_step = jax.jit(bare_step, in_shardings=(*shardings, loop.batch_sharding),
+                      out_shardings=(*shardings, mesh.replicated(loop.mesh)), donate_argnums=(0, 1))
 
   def run_bare():
     for batch in batches:
