@@ -72,7 +72,7 @@ def xla_vs_analytic_flops(size: str) -> float:
 
 
 def runners(cfg, devices, batch_size, steps):
-  """(framework block, bare block): each takes `steps` steps and waits for the last.
+  """(framework block, bare block, compiled-cost ratios): each block takes `steps` steps and waits for the last.
 
   Like with like: the bare loop is a hand-written jax.jit + optax AdamW step of the same model,
   traced under the same mesh (so the model's activation constraints apply alike) with its state
@@ -111,7 +111,25 @@ def runners(cfg, devices, batch_size, steps):
       bare["params"], bare["opt_state"], loss = bare_step(bare["params"], bare["opt_state"],
                                                           jax.device_put(batch, loop.batch_sharding))
     jax.block_until_ready(loss)
-  return run_framework, run_bare
+
+  batch = loop.put_batch(batches[0])
+  framework_cost = _compiled_cost(loop.step, framework["state"], batch)
+  bare_cost = _compiled_cost(bare_step, bare["params"], bare["opt_state"], batch)
+  return run_framework, run_bare, {key: round(framework_cost[key] / bare_cost[key], 4) for key in _COST_KEYS}
+
+
+_COST_KEYS = ("flops", "bytes accessed")
+
+
+def _compiled_cost(jitted, *args) -> dict:
+  """XLA's cost analysis of `jitted` compiled for `args` (FLOPs and bytes accessed per step).
+
+  Why: on a loaded machine step times swing by tens of percent; the two compiled programs'
+  own counts say, independently of the load, whether the framework's step does more work.
+  """
+  cost = jitted.lower(*args).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return {key: float(cost[key]) for key in _COST_KEYS}
 
 
 def paired_ratio(run_framework, run_bare, blocks: int) -> tuple[float, float]:
@@ -139,7 +157,7 @@ def measure(sizes, variants, blocks: int, steps: int) -> dict:
   devices = jax.devices()[:4] if on_cpu else jax.devices()
   peak = next((p for prefix, p in _PEAKS.items() if devices[0].device_kind.startswith(prefix)), None)
   batch_size = 8 if on_cpu else 8 * len(devices)
-  mfu, ratios, ms = {}, {}, {}
+  mfu, ratios, ms, costs = {}, {}, {}, {}
   for size in sizes:
     for variant in variants:
       cfg = model_config(size, variant, on_cpu)
@@ -147,7 +165,7 @@ def measure(sizes, variants, blocks: int, steps: int) -> dict:
       name = f"{size}{'-cpu' if on_cpu else ''}/{attention.resolve_implementation(kind, backend)}/{remat}"
       if name in ratios:
         continue  # `auto` resolved to a kernel already timed with the same remat.
-      run_framework, run_bare = runners(cfg, devices, batch_size, steps)
+      run_framework, run_bare, costs[name] = runners(cfg, devices, batch_size, steps)
       run_framework(), run_bare()  # compile and warm up
       framework_s, ratio = paired_ratio(run_framework, run_bare, blocks)
       step = framework_s / steps
@@ -155,10 +173,11 @@ def measure(sizes, variants, blocks: int, steps: int) -> dict:
       mfu[name] = None if peak is None else round(flops / step / (peak * len(devices)), 4)
       ratios[name] = round(ratio, 4)
       ms[name] = round(step * 1e3, 2)
-      print(f"{name}: {ms[name]} ms/step, ratio {ratios[name]}, mfu {mfu[name]}", flush=True)
+      print(f"{name}: {ms[name]} ms/step, ratio {ratios[name]}, mfu {mfu[name]}, compiled {costs[name]}", flush=True)
   return {"backend": backend, "device": devices[0].device_kind, "load_average": os.getloadavg(),
           "devices": len(devices), "batch_size": batch_size,
           "mfu": mfu, "ratio": max(ratios.values()), "ratios": ratios, "framework_ms_per_step": ms,
+          "compiled_framework_vs_bare": costs,
           "flops_xla_vs_analytic": {size: xla_vs_analytic_flops(size) for size in sizes}}
 
 
