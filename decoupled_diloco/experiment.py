@@ -47,7 +47,7 @@ class Experiment:
     """The params the run stands for: Θ under DiLoCo, the single group's params under ddp."""
     if self.syncer is not None:
       return self.syncer.params
-    return self.learners[0].state.params
+    return self.learners[0].params
 
 
 def with_overrides(config, overrides: dict):

@@ -105,47 +105,49 @@ def loss_and_grads(model: LanguageModel, params, batch, microbatches: int = 1):
 
 def train_step(model: LanguageModel, optimizer: optax.GradientTransformation, state: TrainState, batch,
                microbatches: int = 1):
-  """One AdamW step on the mean next-token loss of `batch` (accumulated over microbatches)."""
-  loss, grads = loss_and_grads(model, state.params, batch, microbatches)
-  params, opt_state, grad_norm = _apply_optimizer(optimizer, grads, state.opt_state, state.params,
-                                                  model.scanned_layers)
-  return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": grad_norm}
+  """One AdamW step on the mean next-token loss of `batch` (accumulated over microbatches).
 
-
-def _apply_optimizer(optimizer: optax.GradientTransformation, grads, opt_state, params, scanned_layers: int):
-  """(params, opt_state, gradient norm) after one optimizer update; scanned blocks are updated stacked.
-
-  Why stacked: per leaf, the update and the norm are L copies of the same ops over L blocks in
-  the compiled step, which made its compile time grow with depth although the layers
-  themselves are one scanned block. Stacked as [L, ...] leaves it is the same element-wise
-  arithmetic (the norm sums in another order) on one leaf per block param.
+  With scan_layers the state holds the blocks stacked as [L, ...] leaves (`InnerLoop.to_step`), so
+  the update, the norm and the step's inputs and outputs are one op and one buffer per block param
+  whatever the depth: the compiled step does not grow with L.
   """
-  if not scanned_layers:
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
-
-  def restack(fn, tree, like):
-    like_def = jax.tree.structure(like)
-    is_like = lambda node: jax.tree.structure(node) == like_def  # noqa: E731
-    return jax.tree.map(lambda node: fn(node, scanned_layers) if is_like(node) else node, tree, is_leaf=is_like)
-
-  stacked_params, stacked_grads = (model_lib.stack_blocks(tree, scanned_layers) for tree in (params, grads))
-  updates, opt_state = optimizer.update(stacked_grads, restack(model_lib.stack_blocks, opt_state, params),
-                                        stacked_params)
-  new_params = model_lib.unstack_blocks(optax.apply_updates(stacked_params, updates), scanned_layers)
-  return new_params, restack(model_lib.unstack_blocks, opt_state, stacked_params), optax.tree.norm(stacked_grads)
+  loss, grads = loss_and_grads(model, state.params, batch, microbatches)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
 @dataclasses.dataclass(frozen=True)
 class InnerLoop:
-  """A group's compiled steps and the shardings that tie them to its mesh."""
+  """A group's compiled steps and the shardings that tie them to its mesh.
+
+  The state the step carries is in the step's layout: with scan_layers its params and AdamW
+  moments hold the blocks stacked ([L, ...] leaves under `blocks`); everything outside the step
+  (pushes, landings, checkpoints, fragments, evaluation) uses the params tree of block_i's, and
+  `from_step` / `to_step` convert where the two meet. Without scan_layers both are the identity.
+  """
   mesh: Mesh
-  param_shardings: Any
-  state_shardings: TrainState
+  param_shardings: Any          # of the params tree (block_0 .. block_{L-1})
+  state_shardings: TrainState   # of the state in the step's layout
   batch_sharding: jax.sharding.NamedSharding
-  init: Any  # params (any placement) -> TrainState on this mesh
+  init: Any  # params tree (any placement) -> TrainState in the step's layout on this mesh
   step: Any  # (TrainState, batch) -> (TrainState, metrics); donates the state
-  loss: Any  # (params, batch) -> scalar, for evaluation
+  loss: Any  # (params tree, batch) -> scalar, for evaluation
+  converters: dict = dataclasses.field(default_factory=dict)  # (direction, "state"|"params") -> jitted conversion
+
+  def to_step(self, tree):
+    """A TrainState or params tree of block_i's in the step's layout (a new copy when stacked)."""
+    return self._convert("to_step", tree)
+
+  def from_step(self, tree):
+    """A TrainState or params tree in the step's layout as block_i's (a new copy when stacked): what
+    checkpoints, pushes and landings see, whatever scan_layers says."""
+    return self._convert("from_step", tree)
+
+  def _convert(self, direction: str, tree):
+    if not self.converters:
+      return tree
+    return self.converters[direction, "state" if isinstance(tree, TrainState) else "params"](tree)
 
   def put_params(self, params):
     """Copies params (host or another mesh) onto this group's devices, explicitly.
@@ -184,18 +186,20 @@ def build_inner_loop(model: LanguageModel, optimizer: optax.GradientTransformati
   The steps trace under the mesh (as an abstract mesh), so the model's activation constraints
   pin the residual stream to the batch axes instead of leaving layout to propagation.
   """
+  layers = model.scanned_layers
   param_shardings = mesh_lib.param_shardings(mesh, params_shape, param_axes)
+  step_param_shardings = model_lib.stack_shardings(param_shardings) if layers else param_shardings
   scalar = mesh_lib.replicated(mesh)
   batch = mesh_lib.batch_sharding(mesh)
+  stack = (lambda params: model_lib.stack_blocks(params, layers)) if layers else (lambda params: params)
 
   def init(params):
+    params = stack(params)
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
-  # Optimizer-state leaves shaped like a parameter take that parameter's sharding
-  # (AdamW moments); everything else (counts) is replicated.
-  abstract_state = jax.eval_shape(init, params_shape)
-  opt_shardings = _opt_state_shardings(abstract_state.opt_state, params_shape, param_shardings, scalar)
-  state_shardings = TrainState(scalar, param_shardings, opt_shardings)
+  step_params_shape = jax.eval_shape(stack, params_shape)
+  state_shardings = TrainState(scalar, step_param_shardings,
+                               _opt_state_shardings(optimizer, step_params_shape, step_param_shardings, scalar))
 
   jit_init = jax.jit(init, in_shardings=(param_shardings,), out_shardings=state_shardings)
   def under_mesh(fn):
@@ -208,8 +212,33 @@ def build_inner_loop(model: LanguageModel, optimizer: optax.GradientTransformati
                      in_shardings=(state_shardings, batch), out_shardings=(state_shardings, scalar),
                      donate_argnums=0)
   jit_loss = jax.jit(under_mesh(model.loss), in_shardings=(param_shardings, batch), out_shardings=scalar)
-  loop = InnerLoop(mesh, param_shardings, state_shardings, batch, None, jit_step, jit_loss)
+  converters = {}
+  if layers:
+    tree_shardings = {"params": (param_shardings, step_param_shardings),
+                      "state": (TrainState(scalar, param_shardings, _opt_state_shardings(
+                          optimizer, params_shape, param_shardings, scalar)), state_shardings)}
+    converters = _converters(layers, params_shape, step_params_shape, tree_shardings)
+  loop = InnerLoop(mesh, param_shardings, state_shardings, batch, None, jit_step, jit_loss, converters)
   return dataclasses.replace(loop, init=lambda params: jit_init(loop.put_params(params)))
+
+
+def _converters(layers: int, params_shape, step_params_shape, tree_shardings: dict) -> dict:
+  """Jitted conversions between the params tree and the stacked step layout, of a TrainState or params.
+
+  Each is compiled once per run; it holds L slices or stacks per block param (what the step no
+  longer does) and runs where the tree leaves the step, not at every step.
+  """
+  canonical_def, stacked_def = jax.tree.structure(params_shape), jax.tree.structure(step_params_shape)
+
+  def to_step(tree):
+    return _map_params_like(lambda p: model_lib.stack_blocks(p, layers), tree, canonical_def)
+
+  def from_step(tree):
+    return _map_params_like(lambda p: model_lib.unstack_blocks(p, layers), tree, stacked_def)
+
+  return {key: jax.jit(fn, out_shardings=shardings[index])
+          for kind, shardings in tree_shardings.items()
+          for key, fn, index in ((("to_step", kind), to_step, 1), (("from_step", kind), from_step, 0))}
 
 
 def abstract_inputs(loop: InnerLoop, optimizer: optax.GradientTransformation, params_shape, batch_size: int,
@@ -220,17 +249,20 @@ def abstract_inputs(loop: InnerLoop, optimizer: optax.GradientTransformation, pa
   shapes that do not fit this machine (a 1B model on a 64-chip slice) and reads its memory.
   """
   shapes = jax.eval_shape(lambda p: TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)), params_shape)
+  shapes = jax.eval_shape(loop.to_step, shapes)
   state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                        shapes, loop.state_shardings)
   return state, jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32, sharding=loop.batch_sharding)
 
 
-def _opt_state_shardings(opt_state_shape, params_shape, param_shardings, scalar):
-  """Shardings for an optax state: subtrees with the params' structure mirror them."""
-  params_def = jax.tree.structure(params_shape)
+def _map_params_like(fn, tree, like_def, other=lambda node: node):
+  """`tree` with `fn` applied to every subtree with the params' structure `like_def` (the params,
+  AdamW's moments) and `other` to every other leaf (counts)."""
+  is_like = lambda node: jax.tree.structure(node) == like_def  # noqa: E731
+  return jax.tree.map(lambda node: fn(node) if is_like(node) else other(node), tree, is_leaf=is_like)
 
-  def is_params_like(node):
-    return jax.tree.structure(node) == params_def
 
-  return jax.tree.map(lambda node: param_shardings if is_params_like(node) else scalar,
-                      opt_state_shape, is_leaf=is_params_like)
+def _opt_state_shardings(optimizer: optax.GradientTransformation, params_shape, param_shardings, scalar):
+  """Shardings for the optax state of `params_shape`: moments take their param's sharding, counts are replicated."""
+  return _map_params_like(lambda _: param_shardings, jax.eval_shape(optimizer.init, params_shape),
+                          jax.tree.structure(params_shape), lambda _: scalar)

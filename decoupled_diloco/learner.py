@@ -46,10 +46,15 @@ class Learner:
   _pending_losses: list = dataclasses.field(default_factory=list)
 
   def __post_init__(self):
-    self.assignment = self.assignment or (0,) * len(jax.tree.leaves(self.state.params))
+    self.assignment = self.assignment or (0,) * len(jax.tree.leaves(self.loop.param_shardings))
     fragments = max(self.assignment) + 1
     self.anchors, self.base_versions, self.residuals = [None] * fragments, [0] * fragments, [None] * fragments
     self.tokens_since_push, self.steps_since_push = [0] * fragments, [0] * fragments
+
+  @property
+  def params(self):
+    """θ as the params tree of block_i's (a device copy where the step holds the blocks stacked)."""
+    return self.loop.from_step(self.state.params)
 
   @property
   def num_fragments(self) -> int:
@@ -64,7 +69,7 @@ class Learner:
     """
     for leaf in jax.tree.leaves(self.state.params):
       leaf.delete()
-    self.state = self.state._replace(params=self.loop.put_params(global_params))
+    self.state = self.state._replace(params=self.loop.to_step(self.loop.put_params(global_params)))
     versions = [versions] * self.num_fragments if isinstance(versions, int) else list(versions)
     for p in range(self.num_fragments):
       self.anchors[p], self.base_versions[p] = fragments.select(global_params, self.assignment, p), versions[p]
@@ -84,7 +89,7 @@ class Learner:
     places it on its devices; its leader forms Δ against the host copy); a learner that forms no Δ (a
     group's follower) keeps no anchor.
     """
-    leaves, treedef = jax.tree.flatten(self.state.params)
+    leaves, treedef = jax.tree.flatten(self.params)
     shardings = jax.tree.leaves(self.loop.param_shardings)
     incoming = iter(jax.tree.leaves(fragment_params))
     for i, owner in enumerate(self.assignment):
@@ -95,7 +100,7 @@ class Learner:
         merged = _blend(self.alpha, leaves[i], merged)
       leaves[i].delete()
       leaves[i] = merged
-    self.state = self.state._replace(params=jax.tree.unflatten(treedef, leaves))
+    self.state = self.state._replace(params=self.loop.to_step(jax.tree.unflatten(treedef, leaves)))
     self.anchors[fragment] = (fragment_params if anchor is None else anchor) if self.forms_delta else None
     self.base_versions[fragment] = version
     self.pushed.pop(fragment, None)  # The new Θ_p anchors: θ_p as pushed is not needed any more.
@@ -140,7 +145,7 @@ class Learner:
     released: the next landing brings a new one, and holding the old Θ_p would keep a
     stale copy alive on the host.
     """
-    local = self.to_host(fragments.select(self.state.params, self.assignment, fragment))
+    local = self.to_host(fragments.select(self.params, self.assignment, fragment))
     delta = outer.pseudo_gradient(self.anchors[fragment], local) if self.forms_delta else local
     if self.codec.format == "fp32" and not self.codec.error_feedback:
       payload, wire_bytes = delta, compression.wire_bytes(self.codec, [x.shape for x in jax.tree.leaves(delta)])

@@ -243,10 +243,8 @@ def compile_group(config, group: int) -> dict:
   optimizer = inner.inner_optimizer(config.inner, config.outer_steps * config.inner_steps)
   loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:layout.devices], layout),
                                 params_shape, param_axes, config.inner.microbatches)
-  state = jax.eval_shape(lambda p: inner.TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)), params_shape)
-  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, loop.state_shardings)
-  batch = jax.ShapeDtypeStruct((config.learners.batch_size[group], config.model.seq_len + 1), jnp.int32,
-                               sharding=loop.batch_sharding)
+  state, batch = inner.abstract_inputs(loop, optimizer, params_shape, config.learners.batch_size[group],
+                                       config.model.seq_len)
   begin = time.perf_counter()
   compiled = loop.step.lower(state, batch).compile()
   seconds = time.perf_counter() - begin

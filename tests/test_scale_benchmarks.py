@@ -29,10 +29,10 @@ def test_compile_scale_measures_everything_it_names(capsys):
   result = _last_json(capsys)
   assert result["skipped"] == []
   assert set(result["compile"]) == {"scan_1", "scan_2", "loop_1", "loop_2"}
-  assert set(result["breakdown"]) == {"grads_1", "grads_2", "stacked_state_1", "stacked_state_2"}
+  assert set(result["breakdown"]) == {"grads_1", "grads_2", "convert_1", "convert_2"}
   assert set(result["remat_1_layers"]) == {"none", "full", "minimal"}
   for key in ("compile_ratio_32_vs_4", "compile_ratio_32_vs_4_wall", "compile_ratio_32_vs_4_loop",
-              "compile_ratio_32_vs_4_grads_only", "compile_ratio_32_vs_4_stacked_state", "remat_full_vs_none_xla_peak"):
+              "compile_ratio_32_vs_4_grads_only", "compile_ratio_32_vs_4_conversions", "remat_full_vs_none_xla_peak"):
     assert result[key] > 0, key
   assert 0 < result["remat_full_vs_none_bytes"] < 1  # Full remat keeps less than no remat, even at one layer.
 

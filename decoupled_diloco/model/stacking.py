@@ -1,15 +1,17 @@
-"""The blocks' params stacked along a leading layer axis, and back: how scanned layers are updated.
+"""The blocks' params stacked along a leading layer axis, and back: how scanned layers are held.
 
 The params tree keeps `block_0 .. block_{L-1}` (checkpoints, fragments and merges see one tree
-whatever `scan_layers` says). Inside a step, though, anything done per leaf of that tree is
-traced, lowered and compiled L times over; with the blocks stacked under one `blocks` key it is
-done once on [L, ...] arrays, so the step's size no longer grows with depth.
+whatever `scan_layers` says). A step over that tree, though, reads, updates and writes every
+block's leaves separately: L times the buffers and kernels, so its compile time grows with depth.
+With scan_layers the inner step's state holds the blocks stacked under one `blocks` key instead
+([L, ...] leaves), and the tree is dealt back only where it leaves the step.
 """
 
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 STACKED = 'blocks'
 
@@ -31,6 +33,13 @@ def unstack_blocks(tree: dict, num_layers: int) -> dict:
   rest = {k: v for k, v in tree.items() if k != STACKED}
   for i in range(num_layers):
     rest[block_key(i)] = jax.tree.map(lambda leaf, i=i: leaf[i], tree[STACKED])
+  return rest
+
+
+def stack_shardings(shardings: dict) -> dict:
+  """The NamedShardings of `stack_blocks(tree)` given `tree`'s: a stacked leaf is its block's, unsplit over layers."""
+  rest = {k: v for k, v in shardings.items() if not k.startswith('block_')}
+  rest[STACKED] = jax.tree.map(lambda s: NamedSharding(s.mesh, PartitionSpec(None, *s.spec)), shardings[block_key(0)])
   return rest
 
 

@@ -14,7 +14,7 @@ import jax
 from flax import nnx
 import jax.numpy as jnp
 
-from decoupled_diloco.model import attention, layers
+from decoupled_diloco.model import attention, layers, stacking
 from decoupled_diloco.model.layers import INIT_STDDEV, RMSNorm, constrain
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
@@ -133,16 +133,27 @@ class LanguageModel:
 
   Holds only the NNX graphdef (module structure + variable metadata, no arrays), the
   cross-entropy chunk, and the depth when the layers are scanned (0 when they are a loop), which
-  tells the inner step to update the blocks' params stacked. Methods are pure and not jitted: callers wrap them in their own jitted
-  train/eval steps.
+  tells the inner step to hold the blocks' params stacked. Methods take either params layout, are
+  pure and not jitted: callers wrap them in their own jitted train/eval steps.
   """
   graphdef: nnx.GraphDef
   loss_chunk: int = 0
   scanned_layers: int = 0
 
+  def module(self, params: dict) -> Transformer:
+    """The Transformer holding `params`: block_0..block_{L-1}, or the inner step's stacked `blocks`.
+
+    Why both: the inner step keeps scanned blocks stacked (its compiled size then does not grow
+    with depth); they are dealt out here at trace time, and the scan stacks the slices again,
+    which XLA folds away.
+    """
+    if stacking.STACKED in params:
+      params = stacking.unstack_blocks(params, self.scanned_layers)
+    return nnx.merge(self.graphdef, params)
+
   def logits(self, params: dict, tokens: jax.Array) -> jax.Array:
     """float32 logits [B, T, vocab] for int32 tokens [B, T]; logits at t depend only on <= t."""
-    return nnx.merge(self.graphdef, params)(tokens)
+    return self.module(params)(tokens)
 
   def loss(self, params: dict, batch: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy in nats for an int32 batch [B, T+1].
@@ -156,7 +167,7 @@ class LanguageModel:
       log_probs = jax.nn.log_softmax(logits, axis=-1)
       target_log_probs = jnp.take_along_axis(log_probs, batch[:, 1:, None], axis=-1)
       return -jnp.mean(target_log_probs)
-    module = nnx.merge(self.graphdef, params)
+    module = self.module(params)
     hidden, targets = module.hidden(batch[:, :-1]), batch[:, 1:]
     b, t = targets.shape
     if t % self.loss_chunk:

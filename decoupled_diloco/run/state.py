@@ -5,8 +5,9 @@ from decoupled_diloco.syncer import SyncerState
 
 
 def run_state(exp) -> dict:
-  """The pytrees a checkpoint holds: the syncer's (host) and every learner's (device)."""
-  state = {f"learner_{l.index}": l.state for l in exp.learners}
+  """The pytrees a checkpoint holds: the syncer's (host) and every learner's (device, as block_i's
+  whatever scan_layers says, so a run may switch it between resumes)."""
+  state = {f"learner_{l.index}": l.loop.from_step(l.state) for l in exp.learners}
   if exp.syncer is not None:
     state["syncer_params"] = exp.syncer.params
     state["syncer_opt_state"] = exp.syncer.state.opt_state
@@ -31,7 +32,7 @@ def restore(exp, checkpointer: checkpoint_lib.Checkpointer, step: int) -> dict:
   abstract = checkpoint_lib.abstract_like(run_state(exp))
   state, meta = checkpointer.restore(step, abstract)
   for learner in exp.learners:
-    learner.state = state[f"learner_{learner.index}"]
+    learner.state = learner.loop.to_step(state[f"learner_{learner.index}"])
     learner.steps = int(learner.state.step)
   for learner, data_state in zip(exp.learners, meta.get("data") or ()):
     if data_state:  # Packed pipelines continue from their saved position instead of replaying.

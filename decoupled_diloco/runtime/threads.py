@@ -240,7 +240,7 @@ class ThreadedRun:
     learner = self.exp.learners[m]
     learner.loop.step.lower(learner.state, learner.loop.put_batch(learner.batches.batch(learner.steps))).compile()
     if m == 0:
-      learner.loop.loss.lower(learner.state.params, learner.loop.put_batch(self.exp.evals.batches[0])).compile()
+      learner.loop.loss.lower(learner.params, learner.loop.put_batch(self.exp.evals.batches[0])).compile()
     push_lib.validate(Push(m, self.syncer.fragment_params(0), 0, 1, 1), self.syncer.learners, self.syncer.fragments,
                       self.syncer.codec)
 

@@ -96,7 +96,8 @@ class LearnerProcess:
     self.plan = schedule.RunPlan.from_config(config)
     self.learner = build_learner(config, self.plan, index, self.group)
     # Fragments whose pushes carry the budget's count: shard 0's (all of them with one syncer).
-    self.shard_map = shards.ShardMap.of(self.learner.state.params, self.learner.assignment, self.service.shards)
+    shapes = jax.eval_shape(self.learner.loop.from_step, self.learner.state.params)  # block_i's, as pushes see them.
+    self.shard_map = shards.ShardMap.of(shapes, self.learner.assignment, self.service.shards)
     self.client = self._connect(target, index) if self.group.leader else None
     self.speed = policy_lib.SpeedTracker([0.0])  # This group's measured steps per second (0 = none yet).
     self.compiled = False  # Whether a round ran yet in this process (the first one compiles the step).
@@ -188,8 +189,9 @@ class LearnerProcess:
     """
     step = self.checkpointer.latest_step()
     if step is not None:
-      state, meta = self.checkpointer.restore(step, {"state": checkpoint_lib.abstract_like(self.learner.state)})
-      self.learner.state = state["state"]
+      like = checkpoint_lib.abstract_like(self.learner.loop.from_step(self.learner.state))
+      state, meta = self.checkpointer.restore(step, {"state": like})
+      self.learner.state = self.learner.loop.to_step(state["state"])
       self.learner.steps = int(self.learner.state.step)
       data_state = meta.get("data", {}).get(str(jax.process_index()))
       if data_state:
@@ -320,7 +322,7 @@ class LearnerProcess:
     self.inflight[fragment] = (future, push, self.learner.steps + self.overlap, budget)
     self.seq, self.pushes = self.seq + 1, self.pushes + 1
     if self.service.learner_checkpoint_every and self.pushes % self.service.learner_checkpoint_every == 0:
-      self.checkpointer.save(self.learner.steps, {"state": self.learner.state},
+      self.checkpointer.save(self.learner.steps, {"state": self.learner.loop.from_step(self.learner.state)},
                              {"steps": self.learner.steps,
                               "data": {str(jax.process_index()): self.learner.batches.state()}})
 
@@ -344,7 +346,7 @@ class LearnerProcess:
     if self.group.processes == 1:
       self.learner.land(fragment, theta, self.status["versions"][fragment])
     else:  # Θ_p placed on the group's devices leaf by leaf; the leader's host copy anchors the next push.
-      like = fragments.select(self.learner.state.params, self.learner.assignment, fragment)
+      like = fragments.select(self.learner.params, self.learner.assignment, fragment)
       self.learner.land(fragment, self.group.share_tree(theta, like), self.status["versions"][fragment], anchor=theta)
     self.compute_since_push[fragment] *= self.learner.alpha  # As the learner's counts: from the landing.
 

@@ -8,10 +8,10 @@ compiler runs on one thread, so on an idle machine they equal wall seconds; on a
 they do not count the time other jobs took); wall seconds are reported beside them.
 
 Where the time goes (`breakdown`, scan at 4 and 32 layers): tracing + lowering vs XLA compile,
-the model's loss and gradients alone, the kernels (fusions) in the compiled step, and the same
-step with the params and AdamW state held stacked as [L, ...] leaves (what a layer-stacked
-params tree would compile to). Remat's effect is counted from the saved residuals of jax.vjp
-(jax.ad_checkpoint.print_saved_residuals): XLA's CPU memory analysis does not reflect
+the model's loss and gradients alone, the kernels (fusions) in the compiled step, and the
+conversions between the step's stacked state and the params tree of block_i's (compiled once
+per run, outside the step: `InnerLoop.from_step` / `to_step`). Remat's effect is counted from
+the saved residuals of jax.vjp (jax.ad_checkpoint.print_saved_residuals): XLA's CPU memory analysis does not reflect
 rematerialisation reliably, so both are reported. Targets: with scan, 32 layers compile in
 <= 1.5x the time of 4; at 16 layers full remat saves <= 1/4 of the residual bytes of none.
 
@@ -28,11 +28,11 @@ common.use_virtual_devices()
 import argparse  # noqa: E402  pylint: disable=g-import-not-at-top,g-bad-import-order
 import contextlib  # noqa: E402
 import io  # noqa: E402
+import os  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-import optax  # noqa: E402
 from jax import ad_checkpoint  # noqa: E402
 
 from configs import default  # noqa: E402
@@ -94,33 +94,18 @@ def compile_grads(cfg) -> dict:
   return timed_compile(jax.jit(grads), state.params, batch)
 
 
-def compile_stacked_state_step(cfg) -> dict:
-  """`timed_compile` of the same AdamW step with params and moments held as stacked [L, ...] leaves.
+def compile_conversions(cfg) -> dict:
+  """`timed_compile` of the step layout's conversions back and forth (stacked blocks <-> block_i's), summed.
 
-  Why: the framework's tree keeps block_0..block_{L-1} (checkpoints, fragments), so its step
-  reads and writes L separate buffers per block param and moment, one kernel each. This
-  compiles what a layer-stacked tree would: the blocks dealt out inside the loss only.
+  Why: with scan_layers the step holds the blocks stacked, and these deal them out where the
+  tree leaves the step (pushes, landings, checkpoints). They are compiled once per run, not per
+  step, and hold the L slices and stacks per block param that the step no longer does.
   """
-  loop, optimizer, (state, batch) = _step_and_inputs(cfg)
-  model, _, _ = model_lib.abstract_params(cfg)
-  layers = cfg.num_layers
-
-  replicated = mesh.replicated(loop.mesh)
-  params = {k: v for k, v in state.params.items() if not k.startswith("block_")}
-  params[model_lib.STACKED] = jax.tree.map(
-      lambda s: jax.ShapeDtypeStruct((layers, *s.shape), s.dtype, sharding=jax.sharding.NamedSharding(
-          loop.mesh, jax.sharding.PartitionSpec(None, *s.sharding.spec))), state.params["block_0"])
-  params_def = jax.tree.structure(params)
-  is_params_like = lambda node: jax.tree.structure(node) == params_def  # noqa: E731
-  opt_state = jax.tree.map(lambda n: params if is_params_like(n) else jax.ShapeDtypeStruct(
-      n.shape, n.dtype, sharding=replicated), jax.eval_shape(optimizer.init, params), is_leaf=is_params_like)
-
-  def step(params, opt_state, tokens):
-    with jax.sharding.use_abstract_mesh(loop.mesh.abstract_mesh):
-      loss, grads = jax.value_and_grad(lambda p: model.loss(model_lib.unstack_blocks(p, layers), tokens))(params)
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
-  return timed_compile(jax.jit(step, donate_argnums=(0, 1)), params, opt_state, batch)
+  loop, _, (state, _) = _step_and_inputs(cfg)
+  back = timed_compile(jax.jit(loop.from_step), state)
+  canonical = jax.eval_shape(loop.from_step, state)
+  forth = timed_compile(jax.jit(loop.to_step), canonical)
+  return {key: round(back[key] + forth[key], 2) for key in ("compile_s", "compile_wall_s", "lower_s")}
 
 
 def saved_residual_bytes(cfg) -> int:
@@ -153,7 +138,7 @@ def measure(depths: tuple[int, ...], remat_depth: int, width: int, budget_s: flo
   plan = [(f"scan_{d}", compile_step, model_config(d, True, width=width)) for d in (low, high)]
   plan += [(f"remat_{p}", compile_step, model_config(remat_depth, True, p, width)) for p in ("none", "full", "minimal")]
   plan += [(f"grads_{d}", compile_grads, model_config(d, True, width=width)) for d in (low, high)]
-  plan += [(f"stacked_state_{d}", compile_stacked_state_step, model_config(d, True, width=width)) for d in (low, high)]
+  plan += [(f"convert_{d}", compile_conversions, model_config(d, True, width=width)) for d in (low, high)]
   plan += [(f"scan_{d}", compile_step, model_config(d, True, width=width)) for d in depths if d not in (low, high)]
   plan += [(f"loop_{d}", compile_step, model_config(d, False, width=width)) for d in depths]
   begin, results, skipped = time.perf_counter(), {}, []
@@ -167,17 +152,17 @@ def measure(depths: tuple[int, ...], remat_depth: int, width: int, budget_s: flo
     print(f"{name}: {results[name]}", flush=True)
   residuals = {k: v["saved_residual_bytes"] for k, v in results.items() if k.startswith("remat_")}
   return {
-      "backend": jax.default_backend(),
+      "backend": jax.default_backend(), "load_average": os.getloadavg(),
       "compile_seconds": "compiling process CPU seconds (compile_wall_s beside them)",
       "width": width, "depths": list(depths),
       "compile": {k: v for k, v in results.items() if k.startswith(("scan_", "loop_"))},
-      "breakdown": {k: v for k, v in results.items() if k.startswith(("grads_", "stacked_state_"))},
+      "breakdown": {k: v for k, v in results.items() if k.startswith(("grads_", "convert_"))},
       f"remat_{remat_depth}_layers": {k[len("remat_"):]: v for k, v in results.items() if k.startswith("remat_")},
       "compile_ratio_32_vs_4": _ratio(results, f"scan_{high}", f"scan_{low}"),
       "compile_ratio_32_vs_4_wall": _ratio(results, f"scan_{high}", f"scan_{low}", "compile_wall_s"),
       "compile_ratio_32_vs_4_loop": _ratio(results, f"loop_{high}", f"loop_{low}"),
       "compile_ratio_32_vs_4_grads_only": _ratio(results, f"grads_{high}", f"grads_{low}"),
-      "compile_ratio_32_vs_4_stacked_state": _ratio(results, f"stacked_state_{high}", f"stacked_state_{low}"),
+      "compile_ratio_32_vs_4_conversions": _ratio(results, f"convert_{high}", f"convert_{low}"),
       "remat_full_vs_none_bytes": (round(residuals["remat_full"] / residuals["remat_none"], 4)
                                    if {"remat_full", "remat_none"} <= residuals.keys() else None),
       "remat_full_vs_none_xla_peak": _ratio(results, "remat_full", "remat_none", "xla_peak_bytes"),

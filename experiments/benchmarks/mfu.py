@@ -2,11 +2,12 @@
 
 For ~125M and ~350M Llama-style configs (RoPE, SwiGLU, bf16, seq 2048) with attention and remat
 variants, times the framework's compiled inner step (inner.build_inner_loop: sharded jit,
-activation constraints, donation, stacked update of scanned layers) against a hand-written
-jax.jit + optax AdamW step of the same model on the same devices, alternating blocks so both see
-the same load. mfu = model FLOPs per second / (devices x peak bf16 FLOP/s), where the device's
-peak is known (TPU, H100/H200), else null; model FLOPs are the analytic 6N + attention count
-(model.flops_per_token), so remat's recomputation is not counted as useful work.
+activation constraints, donation, scanned layers held stacked) against a hand-written jax.jit +
+optax AdamW step of the same model, layout and devices (`runners`), both back to back in every
+block (`paired_ratio`: alternating order, median of the blocks' ratios). mfu = model FLOPs per
+second / (devices x peak bf16 FLOP/s), where the device's peak is known (TPU, H100/H200), else
+null; model FLOPs are the analytic 6N + attention count (model.flops_per_token), so remat's
+recomputation is not counted as useful work.
 
 The analytic count is checked against XLA's own: `flops_xla_vs_analytic` is the cost analysis
 of the lowered forward + backward of each full-size config (loop layers, no remat, one
@@ -25,11 +26,13 @@ from experiments.benchmarks import common
 common.use_virtual_devices()
 
 import argparse  # noqa: E402  pylint: disable=g-import-not-at-top,g-bad-import-order
+import os  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from configs import default  # noqa: E402
 from decoupled_diloco import hardware, inner, mesh, model as model_lib  # noqa: E402
@@ -69,7 +72,14 @@ def xla_vs_analytic_flops(size: str) -> float:
 
 
 def runners(cfg, devices, batch_size, steps):
-  """(framework block, bare block): each takes `steps` steps and waits for the last."""
+  """(framework block, bare block, compiled-cost ratios): each block takes `steps` steps and waits for the last.
+
+  Like with like: the bare loop is a hand-written jax.jit + optax AdamW step of the same model,
+  traced under the same mesh (so the model's activation constraints apply alike) with its state
+  placed, laid out and pinned as the framework's (FSDP shardings in and out, scanned blocks
+  stacked) and donated: left to propagation, its outputs' shardings could drift from its inputs';
+  what it leaves out is the framework itself (step counter, gradient norm, the InnerLoop).
+  """
   model, params, axes = model_lib.build_model(cfg, seed=0)
   optimizer = inner.inner_optimizer(default.get_config().inner, 10_000)
   loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(devices), jax.eval_shape(lambda p: p, params),
@@ -83,24 +93,61 @@ def runners(cfg, devices, batch_size, steps):
       framework["state"], metrics = loop.step(framework["state"], loop.put_batch(batch))
     jax.block_until_ready(metrics)
 
-  bare_mesh = jax.make_mesh((len(devices),), ("data",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
-  replicated, split = NamedSharding(bare_mesh, PartitionSpec()), NamedSharding(bare_mesh, PartitionSpec("data"))
-  bare = {"params": jax.device_put(params, replicated)}
+  bare = {"params": loop.to_step(loop.put_params(params))}
   bare["opt_state"] = jax.jit(optimizer.init)(bare["params"])
 
   def bare_step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(model.loss)(params, batch)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    with jax.sharding.use_abstract_mesh(loop.mesh.abstract_mesh):
+      loss, grads = jax.value_and_grad(model.loss)(params, batch)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
 
-  bare_step = jax.jit(bare_step, donate_argnums=(0, 1))
+  shardings = (loop.state_shardings.params, loop.state_shardings.opt_state)
+  bare_step = jax.jit(bare_step, in_shardings=(*shardings, loop.batch_sharding),
+                      out_shardings=(*shardings, mesh.replicated(loop.mesh)), donate_argnums=(0, 1))
 
   def run_bare():
     for batch in batches:
       bare["params"], bare["opt_state"], loss = bare_step(bare["params"], bare["opt_state"],
-                                                          jax.device_put(batch, split))
+                                                          jax.device_put(batch, loop.batch_sharding))
     jax.block_until_ready(loss)
-  return run_framework, run_bare
+
+  batch = loop.put_batch(batches[0])
+  framework_cost = _compiled_cost(loop.step, framework["state"], batch)
+  bare_cost = _compiled_cost(bare_step, bare["params"], bare["opt_state"], batch)
+  return run_framework, run_bare, {key: round(framework_cost[key] / bare_cost[key], 4) for key in _COST_KEYS}
+
+
+_COST_KEYS = ("flops", "bytes accessed")
+
+
+def _compiled_cost(jitted, *args) -> dict:
+  """XLA's cost analysis of `jitted` compiled for `args` (FLOPs and bytes accessed per step).
+
+  Why: on a loaded machine step times swing by tens of percent; the two compiled programs'
+  own counts say, independently of the load, whether the framework's step does more work.
+  """
+  cost = jitted.lower(*args).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return {key: float(cost[key]) for key in _COST_KEYS}
+
+
+def paired_ratio(run_framework, run_bare, blocks: int) -> tuple[float, float]:
+  """(median framework seconds, median of the blocks' framework/bare ratios).
+
+  Why pairs: on a shared machine the load drifts between blocks; a block times both sides back to
+  back (in alternating order, so neither always runs first), and the median of those ratios is
+  robust to a slow stretch hitting one block, where a ratio of two medians is not.
+  """
+  times = {"framework": [], "bare": []}
+  sides = [("framework", run_framework), ("bare", run_bare)]
+  for block in range(blocks):
+    for name, run in sides[::1 if block % 2 == 0 else -1]:
+      begin = time.perf_counter()
+      run()
+      times[name].append(time.perf_counter() - begin)
+  ratios = [f / b for f, b in zip(times["framework"], times["bare"])]
+  return statistics.median(times["framework"]), statistics.median(ratios)
 
 
 def measure(sizes, variants, blocks: int, steps: int) -> dict:
@@ -110,7 +157,7 @@ def measure(sizes, variants, blocks: int, steps: int) -> dict:
   devices = jax.devices()[:4] if on_cpu else jax.devices()
   peak = next((p for prefix, p in _PEAKS.items() if devices[0].device_kind.startswith(prefix)), None)
   batch_size = 8 if on_cpu else 8 * len(devices)
-  mfu, ratios, ms = {}, {}, {}
+  mfu, ratios, ms, costs = {}, {}, {}, {}
   for size in sizes:
     for variant in variants:
       cfg = model_config(size, variant, on_cpu)
@@ -118,17 +165,19 @@ def measure(sizes, variants, blocks: int, steps: int) -> dict:
       name = f"{size}{'-cpu' if on_cpu else ''}/{attention.resolve_implementation(kind, backend)}/{remat}"
       if name in ratios:
         continue  # `auto` resolved to a kernel already timed with the same remat.
-      run_framework, run_bare = runners(cfg, devices, batch_size, steps)
+      run_framework, run_bare, costs[name] = runners(cfg, devices, batch_size, steps)
       run_framework(), run_bare()  # compile and warm up
-      medians = common.interleaved_medians({"framework": run_framework, "bare": run_bare}, blocks)
-      step = medians["framework"] / steps
+      framework_s, ratio = paired_ratio(run_framework, run_bare, blocks)
+      step = framework_s / steps
       flops = model_lib.flops_per_token(cfg) * batch_size * cfg.seq_len
       mfu[name] = None if peak is None else round(flops / step / (peak * len(devices)), 4)
-      ratios[name] = round(medians["framework"] / medians["bare"], 4)
+      ratios[name] = round(ratio, 4)
       ms[name] = round(step * 1e3, 2)
-      print(f"{name}: {ms[name]} ms/step, ratio {ratios[name]}, mfu {mfu[name]}", flush=True)
-  return {"backend": backend, "device": devices[0].device_kind, "devices": len(devices), "batch_size": batch_size,
+      print(f"{name}: {ms[name]} ms/step, ratio {ratios[name]}, mfu {mfu[name]}, compiled {costs[name]}", flush=True)
+  return {"backend": backend, "device": devices[0].device_kind, "load_average": os.getloadavg(),
+          "devices": len(devices), "batch_size": batch_size,
           "mfu": mfu, "ratio": max(ratios.values()), "ratios": ratios, "framework_ms_per_step": ms,
+          "compiled_framework_vs_bare": costs,
           "flops_xla_vs_analytic": {size: xla_vs_analytic_flops(size) for size in sizes}}
 
 
