@@ -12,15 +12,13 @@ networked syncer needs, behind one lock (gRPC handlers run on a thread pool):
   * admission (`admission`, `limits`): known learners, bounded headers, and fencing: each Join
     starts a new incarnation of its learner, and pushes of older ones are refused;
   * membership: the start barrier, and leases (silent for `lease_seconds`: out of the quorum until it calls);
-  * the run's budget: outer_steps × inner_steps × M inner steps, counted from pushes (each
-    step once, in the first push after it: see `admission.budget_share`);
+  * the run's budget: outer_steps × inner_steps × M inner steps, each counted once (`admission.budget_share`);
   * streaming: pushes and pulls name their fragment (`pullcache`: Θ_p encoded once per version);
   * measured speeds: an EMA of each learner's steps per compute-second; every reply carries the
     fastest other learner's (`max_speed`), DyLU's reference (a learner knows its own better);
   * incarnations: every reply names this start of the syncer (`durable.Store.next_incarnation`).
 
-Replay is exact except for the grace window's duration estimates (not checkpointed): merges
-(and lease changes) are logged too, so the same pushes are applied, in the same order.
+Replay is exact: merges and lease changes are logged too, and the grace window's estimates checkpointed.
 """
 
 import collections
