@@ -78,8 +78,9 @@ def test_the_evaluator_credential_reads_theta_and_nothing_else(served):
     learner.join()
     learner.push(0, delta, base_version=0, tokens=64, local_steps=4, compute_seconds=0.1)
   status = evaluator.heartbeat()
-  assert status["done"] and not status["final"]  # Learner 0 has not heard the end: a push could still move Θ.
-  learners[0].pull(0, 0)  # Now it has.
+  assert status["done"] and not status["final"]  # No learner said goodbye: a final push could still move Θ.
+  learners[0].pull(0, 0)  # Now both have (a learner's pull after its final pushes).
+  learners[1].pull(0, 0)
   status, theta = evaluator.pull(0, 0)  # A learner told 'done' gets no Θ; the evaluator gets the final one.
   assert status["final"] and status["version"] == core.syncer.version >= 1 and status["tokens"] == 128
   assert _leaves_equal(theta, core.syncer.params) and not _leaves_equal(theta, params)

@@ -166,7 +166,8 @@ def test_core_remembers_across_restarts_who_heard_the_run_is_over(params, tmp_pa
   core = _core(params, tmp_path)
   core.budget_steps = 8
   _push(core, params, 0, 0)
-  _push(core, params, 1, 0)  # Spends the budget: the run is done; learner 1 heard it in this reply.
+  _push(core, params, 1, 0)  # Spends the budget: the run is done, but a push's reply does not count as heard
+  core.pull(1, 0, -1, time.time())  # (learner 1 may have final pushes on their way); its pull after them does.
   assert core.done and core.told_done == {1} and not core.all_told_done()
   core.heartbeat(0, time.time())  # A side thread's heartbeat does not count...
   assert core.told_done == {1}

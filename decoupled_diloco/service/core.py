@@ -196,8 +196,8 @@ class SyncerCore:
   def status(self, learner: int, tells_done: bool = True) -> dict:
     """Reply fields every call returns: where the run is and how much work is left.
 
-    `tells_done`: whether the learner acts on this reply. A heartbeat's reply is read by a
-    side thread, so the syncer keeps serving until the learner's own loop heard it.
+    `tells_done`: whether the learner is done with the syncer after this reply: a pull's (sent once its final
+    pushes landed: learner_main._goodbye), not a heartbeat's (a side thread reads it) nor a push's.
     """
     if self.done and tells_done and learner not in self.told_done:
       self.told_done.add(learner)
@@ -267,10 +267,10 @@ class SyncerCore:
           self._check_learner(learner, now)
           if seq <= self.acked[learner]:
             self.counts["duplicates"] += 1
-            return {"status": "duplicate", **self.status(learner)}
+            return {"status": "duplicate", **self.status(learner, tells_done=False)}
           self.counts["late"] += 1  # Steps the budget did not count (see admission.budget_share).
           self.acked[learner] = seq
-          return {"status": "late", **self.status(learner)}
+          return {"status": "late", **self.status(learner, tells_done=False)}
         excluded_live = self._readmit(learner)  # Receive needs it in the quorum; undone if refused.
         try:
           accepted = self._apply(header, delta, payload, now, replay=False)
@@ -285,7 +285,7 @@ class SyncerCore:
       except (wire.WireError, PushRejected):
         self.counts["rejected"] += 1
         raise
-      return {"status": "applied" if accepted else "dropped", **self.status(learner)}
+      return {"status": "applied" if accepted else "dropped", **self.status(learner, tells_done=False)}
 
   def _apply(self, header: dict, delta, payload, now: float, replay: bool, record_it: bool = True,
              count_it: bool = True) -> bool:

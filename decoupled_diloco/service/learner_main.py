@@ -1,32 +1,20 @@
 """A learner process (`experiments.train --role=learner --learner_id=i --syncer=HOST:PORT`).
 
-It builds only its own group, on the devices of this process, and runs periods of H steps
-(under DyLU ⌊v/max v · H⌋ with v this learner's speed, declared or measured from its own
-periods against the fastest learner the syncer has seen; under a time budget the steps that
-fit policy.round_seconds at the measured speed; learners.slowdown emulates a slower slice)
-as the virtual clock does (runtime/sim.py):
-fragment p (streaming.num_fragments = P, 1 unless streaming) is pushed after step t_p of the
-period (fragments.sync_offsets: P = 1 pushes at the period's end), its exchange (the push,
-then the pull of Θ_p if it moved) runs on a background thread while the steps go on, and
-τ = streaming.overlap_steps steps after the push Θ_p lands: θ_p ← α·θ_p + (1 − α)·Θ_p
-(α = streaming.alpha), waited for if it is not back (`blocked`; τ = 0 waits at once). The
-next push of p counts its steps and tokens from that landing (learner.land). A fragment
-whose turn comes round while it is still in flight (a short period) lands first.
+It builds only its own group, on this process's devices, and runs periods of H steps (under
+DyLU ⌊v/max v · H⌋, v this learner's speed, declared or measured against the fastest learner
+the syncer has seen; learners.slowdown emulates a slower slice) as the virtual clock does
+(runtime/sim.py): fragment p is pushed after step t_p of the period (fragments.sync_offsets),
+its exchange (the push, then the pull of Θ_p if it moved) runs on a background thread while
+the steps go on, and τ = streaming.overlap_steps steps later Θ_p lands: θ_p ← α·θ_p + (1 − α)·Θ_p,
+waited for if it is not back (`blocked`). The next push of p counts from that landing.
 
-The run's budget counts every step once, in the first push after it (the push header's
-budget_steps, admission.budget_share); a period is cut short to the budget left, so its last step
-pushes. At the budget's end a learner pushes what is left of the fragments not in flight,
-lands the rest and pushes what is left of them, fragment 0 last each time, each waited for.
-
-Restarted after a crash it joins again: Θ and its last acknowledged sequence number come
-from the syncer, its AdamW state and step (hence its data position) from its own
-checkpoint in <workdir>/learner_<i>/.
-
-A group may span several JAX processes (a multi-host slice, `group.py`): all of them run
-this loop in step; process 0 alone talks to the syncer and writes the metrics, and shares
-what it heard with the others at the same points of the loop.
+The run's budget counts every step once, in the first push after it (admission.budget_share).
+At its end a learner pushes and lands what is left, fragment 0 last, then says goodbye (a pull).
+Restarted after a crash it joins again: Θ and its last acknowledged sequence number come from
+the syncer, its AdamW state and data position from its checkpoint in <workdir>/learner_<i>/.
+A group may span several JAX processes (a multi-host slice, `group.py`): all run this loop in
+step; process 0 alone talks to the syncer and writes metrics, and shares what it heard.
 """
-
 import collections
 import concurrent.futures
 import dataclasses
@@ -232,12 +220,25 @@ class LearnerProcess:
     finally:
       self._stop.set()
       if self.client is not None and self.status.get("done"):
-        self.client.abandon()  # Exchanges still in flight are moot: the syncer may be gone already.
-      self.exchanges.shutdown(wait=True)
+        self.client.abandon()  # From here each call makes one attempt: the syncer may be gone already.
+      self.exchanges.shutdown(wait=True)  # Final pushes still in flight get their attempt.
+      if self.client is not None and self.status.get("done"):
+        self._goodbye()
     summary = self._summary()
     self._write(summary)
     self.close()
     return summary
+
+  def _goodbye(self) -> None:
+    """Tells the syncer this learner heard the end and has nothing more to push, so it may stop.
+
+    Why a call of its own: a push's reply saying 'done' can reach the learner while its final
+    pushes of other fragments are still on their way; the syncer counts only a pull as heard.
+    """
+    try:
+      self.client.pull(self.status["versions"][0])
+    except (grpc.RpcError, client_lib.SyncerUnreachable) as error:  # Gone already (it lingered long enough).
+      logging.info("the syncer did not hear this learner's goodbye: %s", error)
 
   def _summary(self) -> dict:
     """The learner_summary record: wall-clock split into busy and blocked, and the syncer's acks."""
