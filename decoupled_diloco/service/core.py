@@ -28,17 +28,20 @@ import time
 from absl import logging
 
 from decoupled_diloco import policy as policy_lib
-from decoupled_diloco.service import admission, durable, membership, pullcache, wal, wire
+from decoupled_diloco.service import admission, durable, membership, pullcache, recovery, wal, wire
 from decoupled_diloco.service import limits as limits_lib
 from decoupled_diloco.push import Push, PushRejected
-from decoupled_diloco.syncer import MergeReport, Syncer, SyncerState
+from decoupled_diloco.syncer import MergeReport, Syncer
 
 # Re-exported: the server, syncer_main and tests name them as the core's.
 PUSH_SCHEMA, Stopped, UnknownLearner = admission.PUSH_SCHEMA, durable.Stopped, admission.UnknownLearner
 
 
-class SyncerCore:
-  """Thread-safe service state around a `Syncer`; every public method takes the lock."""
+class SyncerCore(recovery.Recovery):
+  """Thread-safe service state around a `Syncer`; every public method takes the lock.
+
+  Restore, replay and checkpoint (`start`, `checkpoint`) are `recovery.Recovery`'s.
+  """
 
   def __init__(self, syncer: Syncer, num_learners: int, budget_steps: int, directory: str, *,
                checkpoint_every_merges: int, lease_seconds: float, metadata: dict, emit=None, on_merge=None,
@@ -73,95 +76,6 @@ class SyncerCore:
     self.store = durable.Store(directory, truncate_corrupt_log, local_dir)
     self.syncer_incarnation = 0  # This process's start on the workdir (start() takes the next one).
     self.restored_at: float | None = None  # When start() had restored a checkpoint, before the replay (time.time()).
-
-  # Start, restore, checkpoint.
-  def start(self, now: float) -> int | None:
-    """Restores the latest checkpoint and replays the log (or checkpoints a fresh run at 0).
-
-    Returns the restored checkpoint step, None for a fresh run.
-    """
-    with self.lock:
-      self.syncer_incarnation = self.store.next_incarnation()
-      self.last_seen = {m: now for m in range(self.num_learners)}
-      if self.store.latest_step() is None:
-        self.start_time = now
-        self.store.open_fresh()
-        self._checkpoint(now)
-        return None
-      step, state, meta = self.store.restore_usable(self._state_trees())
-      self.syncer.restore(SyncerState(state["params"], state["opt_state"], tuple(meta["versions"])))
-      self.acked = {m: meta["acked"].get(str(m), -1) for m in range(self.num_learners)}
-      self.incarnations.update({int(m): n for m, n in meta.get("incarnations", {}).items()})
-      self.steps_done, self.tokens_done, self.done = meta["steps_done"], meta["tokens_done"], meta["done"]
-      self.start_time = meta["start_time"]
-      self.counts.update(meta.get("counts", {}))  # Replay adds the pushes applied after the checkpoint.
-      self.refused.update(meta.get("refused", {}))
-      self.syncer.restore_estimates(meta["estimates"])  # Before the replay, which goes on updating them.
-      self.restored_at = time.time()
-      self._replay(meta["segment"], step)
-      self.store.open_after_replay(meta["segment"])
-      if self.steps_done >= self.budget_steps and not self.done:  # Crashed between the last push and the end.
-        self._finish(now)
-      logging.info("syncer incarnation %d restored checkpoint %d and replayed its log: version %d, %d of %d steps "
-                   "done", self.syncer_incarnation, step, self.syncer.version, self.steps_done, self.budget_steps)
-      return step
-
-  def _state_trees(self) -> dict:
-    state = self.syncer.state
-    return {"params": state.params, "opt_state": state.opt_state}
-
-  def _checkpoint(self, now: float) -> None:
-    """Rotates the log onto the pushes Θ does not hold yet, then saves the checkpoint that points there."""
-    version = self.syncer.version
-    if self.store.latest_step() == version:
-      return  # The log already holds everything since that checkpoint.
-    carried = [(dict(record, carried=True), location) for _, record, location in self._unabsorbed]
-    pending_steps = sum(admission.budget_share(r["header"])[0] for r, _ in carried)
-    pending_tokens = sum(admission.budget_share(r["header"])[1] for r, _ in carried)
-    meta = {**self.metadata, "versions": list(self.syncer.versions), "segment": version, "done": self.done,
-            "acked": {str(m): s for m, s in self.acked.items()}, "start_time": self.start_time,
-            "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens,
-            "counts": self.counts, "refused": dict(self.refused), "estimates": self.syncer.estimates,
-            "incarnations": {str(m): n for m, n in self.incarnations.items()}}
-    locations = self.store.rotate(version, carried)
-    self._unabsorbed = [(f, record, location) for (f, record, _), location in zip(self._unabsorbed, locations)]
-    if not self.store.save(version, self._state_trees(), meta, now):
-      return  # Retried by a later tick; the log holds everything meanwhile.
-    self._merges_since_checkpoint, self._checkpoint_due = 0, False
-    logging.info("syncer checkpoint at version %d (%d pushes carried in the log)", version, len(carried))
-
-  def checkpoint(self, now: float) -> None:
-    """A checkpoint now (SIGTERM, end of run), unless the latest one already is this version."""
-    with self.lock:
-      self._checkpoint(now)
-
-  def _replay(self, first_segment: int, step: int) -> None:
-    """Re-applies logged pushes, merges and lease changes after checkpoint `step`, each once.
-
-    Metric records after `step` were dropped at the restart; replayed pushes write theirs
-    again (a carried push only if its record was one of those dropped).
-    """
-    applied = set()
-    for record, payload, location in self.store.records_from(first_segment):
-      if record["type"] == "push":
-        header = record["header"]
-        key = (header["learner"], header["seq"])
-        if key in applied or not (record.get("carried") or header["seq"] > self.acked[header["learner"]]):
-          continue
-        applied.add(key)
-        self._apply(header, wire.decode(payload), location, record["now"], replay=True,
-                    record_it=not record.get("carried") or record["outer_step"] > step,
-                    count_it=not record.get("carried"))
-      elif record["type"] == "merge":
-        self._after_merges([self.syncer.merge(record["now"], record["fragment"])], record["now"], replay=True)
-      elif record["type"] == "live":
-        membership.set_live(self.syncer, record["learners"], self.quorum_setting)
-      elif record["type"] == "done":
-        self.done = True
-      elif record["type"] == "told":
-        self.told_done.add(record["learner"])
-      elif record["type"] == "join":
-        self.incarnations[record["learner"]] = record["incarnation"]
 
   # Calls.
   def _check_learner(self, learner: int, now: float) -> None:

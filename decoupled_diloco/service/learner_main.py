@@ -15,9 +15,7 @@ the syncer, its AdamW state and data position from its checkpoint in <workdir>/l
 A group may span several JAX processes (a multi-host slice, `group.py`): all run this loop in
 step; process 0 alone talks to the syncer and writes metrics, and shares what it heard.
 """
-import collections
 import concurrent.futures
-import dataclasses
 import os
 import threading
 import time
@@ -28,48 +26,16 @@ import grpc
 import jax
 
 from decoupled_diloco import checkpoint as checkpoint_lib
-from decoupled_diloco import experiment, fragments, metrics as metrics_lib, shards
-from decoupled_diloco import model as model_lib
+from decoupled_diloco import fragments, metrics as metrics_lib, shards
 from decoupled_diloco import policy as policy_lib
 from decoupled_diloco import storage, workdir_lock
-from decoupled_diloco.data import sources
-from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
-from decoupled_diloco.learner import Learner
-from decoupled_diloco.run import account as account_lib
 from decoupled_diloco.run import records, schedule
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import group as group_lib
+from decoupled_diloco.service import learner_build
 from decoupled_diloco.service import link as link_lib
 from decoupled_diloco.service import security, shardclient
-
-
-def build_learner(config, plan: schedule.RunPlan, index: int, group: group_lib.GroupLink) -> Learner:
-  """Learner group `index` alone, on this process's devices (its slice of the run), built as the
-  in-process runtimes build theirs; this process reads only its rows of the group's batch."""
-  count = config.learners.devices[index]
-  devices = jax.devices()
-  if len(devices) < count:
-    raise ConfigError(f"learner {index} needs {count} devices but this process has {len(devices)}: "
-                      "start it with jax_num_cpu_devices (experiments.train does) or on its own slice")
-  tokenizer_lib.resolve_model_vocab(config)
-  corpus = sources.load_corpus(config.data, config.model.seq_len)
-  model, params, param_axes = model_lib.build_model(config.model, config.seed)
-  rows_per_process = config.learners.batch_size[index] // jax.process_count()
-  rows = range(jax.process_index() * rows_per_process, (jax.process_index() + 1) * rows_per_process)
-  learner = experiment.build_learner(config, plan, index, devices[:count], corpus, model, params, param_axes, rows)
-  # θ comes to the leader one leaf at a time (only its Δ is sent); as pushed, it anchors a fragment no merge moved.
-  learner.to_host, learner.keep_pushed, learner.forms_delta = group.gather_to_leader, True, group.leader
-  return learner
-
-
-@dataclasses.dataclass(kw_only=True)
-class ProcessAccount(account_lib.Account):
-  """A learner process's account: busy and blocked in wall-clock seconds, plus its exchanges."""
-  begin: float = dataclasses.field(default_factory=time.perf_counter)
-  final_ack: float = 0.0  # The part of `blocked` spent on the last push, which no round can hide.
-  exchange: float = 0.0   # Background push + pull time: what a learner without overlap would have waited.
-  statuses: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # Acks by status.
 
 
 class LearnerProcess:
@@ -82,7 +48,7 @@ class LearnerProcess:
     self.config, self.index, self.service = config, index, config.service
     self.group = group_lib.GroupLink()
     self.plan = schedule.RunPlan.from_config(config)
-    self.learner = build_learner(config, self.plan, index, self.group)
+    self.learner = learner_build.build_learner(config, self.plan, index, self.group)
     # Fragments whose pushes carry the budget's count: shard 0's (all of them with one syncer).
     shapes = jax.eval_shape(self.learner.loop.from_step, self.learner.state.params)  # block_i's, as pushes see them.
     self.shard_map = shards.ShardMap.of(shapes, self.learner.assignment, self.service.shards)
@@ -105,7 +71,7 @@ class LearnerProcess:
     self.writer = metrics_lib.MetricsWriter(self.directory) if self.group.leader else None
     self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(self.directory, "checkpoints"), max_to_keep=1)
     self.exchanges = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="exchange")
-    self.account = ProcessAccount()
+    self.account = learner_build.ProcessAccount()
     self._stop = threading.Event()
 
   def _connect(self, target: str, index: int):
@@ -201,7 +167,7 @@ class LearnerProcess:
     self.seq = self.status["acked_seq"] + 1
     if self.group.leader:
       threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
-    self.account = ProcessAccount()  # The clock starts with training, not with compilation.
+    self.account = learner_build.ProcessAccount()  # The clock starts with training, not with compilation.
     self.mark = time.perf_counter()
     logging.info("learner %d joined at version %d (next seq %d, %d steps left)", self.index, self.status["version"],
                  self.seq, self.status["steps_left"])

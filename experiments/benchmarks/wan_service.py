@@ -61,9 +61,9 @@ def calibrate(slowdown: float) -> tuple[float, int]:
   import jax  # pylint: disable=g-import-not-at-top
   from configs import demo  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.run import schedule  # pylint: disable=g-import-not-at-top
-  from decoupled_diloco.service import group, learner_main  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.service import group, learner_build  # pylint: disable=g-import-not-at-top
   config = demo.get_config()
-  learner = learner_main.build_learner(config, schedule.RunPlan.from_config(config), 0, group.GroupLink())
+  learner = learner_build.build_learner(config, schedule.RunPlan.from_config(config), 0, group.GroupLink())
   model_bytes = sum(x.nbytes for x in jax.tree.leaves(learner.state.params))
   for _ in range(3):  # Compiles.
     learner.timed_step()
