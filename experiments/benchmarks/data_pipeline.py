@@ -114,13 +114,12 @@ def main():
     rss_large = peak_rss_mb(str(large), model, args.batches)
   print(f"pipeline: byte {byte_rate:,.0f} tokens/s, sentencepiece {sp_rate:,.0f} tokens/s; inner step consumes "
         f"{consumed:,.0f} tokens/s; peak RSS {rss_small:.0f} MB ({args.small_mb} MB corpus) vs "
-        f"{rss_large:.0f} MB ({10 * args.small_mb} MB)")
+        f"{rss_large:.0f} MB ({10 * args.small_mb} MB); seq_len {SEQ_LEN}, rows {ROWS}, {os.cpu_count()} CPUs, "
+        f"this process's peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
   common.emit({"byte_tokens_per_s": round(byte_rate), "sentencepiece_tokens_per_s": round(sp_rate),
                "consumed_tokens_per_s": round(consumed), "headroom": round(sp_rate / consumed, 2),
                "tpu_host_headroom": round(sp_rate / TPU_HOST_TOKENS_PER_S, 2),
-               "rss_growth_mb": round(rss_large - rss_small, 1), "corpus_mb": [args.small_mb, 10 * args.small_mb],
-               "seq_len": SEQ_LEN, "rows": ROWS, "cpu_count": os.cpu_count(),
-               "self_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)})
+               "rss_growth_mb": round(rss_large - rss_small, 1)})
 
 
 if __name__ == "__main__":
