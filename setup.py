@@ -53,6 +53,8 @@ setuptools.setup(
             "nbformat>=5.10,<6",
             "ipykernel>=6.29,<8",
             "matplotlib>=3.10,<3.12",
+            # tests/test_format.py and `bash .ci/format`: pinned, since each version formats a little differently.
+            "yapf==0.43.0",
         ],
     },
 )
