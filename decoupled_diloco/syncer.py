@@ -188,13 +188,8 @@ class Syncer:
     return self.fragments[fragment].params
 
   def to_host(self, tree):
-    """Explicit move of a learner's arrays off its mesh, onto the syncer's device.
-
-    Read-only host arrays (a decoded wire payload, whose buffer nobody writes again) are
-    taken without a copy when aligned for XLA: the copy would cost as much as the merge.
-    """
-    read_only = all(isinstance(x, np.ndarray) and not x.flags.writeable for x in jax.tree.leaves(tree))
-    return jax.device_put(tree, self.device, may_alias=True if read_only else None)
+    """Explicit move of arrays (e.g. checkpointed sums) onto the syncer's device; pushes take `push.on_device`."""
+    return jax.device_put(tree, self.device)
 
   def check(self, push: Push) -> Push:
     """The push decoded onto the syncer's device and validated; raises PushRejected (counted).
@@ -205,7 +200,7 @@ class Syncer:
     # Explicit move onto the syncer's device (and the payload's check) first: a merge must never
     # meet a leaf that lives elsewhere after the push was accepted.
     try:
-      push = push_lib.on_device(push, self.codec, self.to_host)
+      push = push_lib.on_device(push, self.codec, self.device)
     except (TypeError, ValueError) as error:
       self.counts["rejected"] += 1
       raise PushRejected(f"push from learner {push.learner} rejected: its pseudo-gradient is not a valid tree or "
@@ -276,8 +271,10 @@ class Syncer:
     for state in self.fragments:
       zeros = zeros_like(state.params)
       push_lib.all_finite(zeros)
-      sums, radii = accumulate.fold(state.rda, None, None, jax.tree.leaves(zeros), np.float32(1))
-      sums, radii = accumulate.fold(state.rda, sums, radii, jax.tree.leaves(zeros), np.float32(1))
+      sums, radii = None, None
+      for _ in range(2):  # The first fold and later ones, the way this codec's pushes are folded.
+        sums, radii = accumulate.fold(state.rda, sums, radii, jax.tree.leaves(zeros), np.float32(1),
+                                      one_at_a_time=self.codec.format != "fp32" or self.codec.error_feedback)
       jax.block_until_ready(accumulate.merge_and_step(self.optimizer, state.rda, zeros, zeros_like(state.opt_state),
                                                       merge.Accumulator(sums, radii, 2.0, 1.0), np.float32(0.5)))
 
@@ -309,7 +306,8 @@ class Syncer:
     sums, radii = (None, None) if accumulator is None else (accumulator.sums, accumulator.radii)
     fragment.accumulator = None  # Its buffers are donated to the fold.
     sums, radii = accumulate.fold(fragment.rda, sums, radii, push_lib.delta_leaves(push, self.codec),
-                                  merge.fold_scale(weight, damping, ref))
+                                  merge.fold_scale(weight, damping, ref),
+                                  one_at_a_time=isinstance(push.delta, compression.Compressed))
     total = weight / ref + (0.0 if accumulator is None else accumulator.total)
     fragment.accumulator = merge.Accumulator(jax.block_until_ready(sums), radii, total, ref)  # Done with the push.
     push_lib.release(push)

@@ -1,11 +1,11 @@
 """A push's receive buffer is freed when the syncer is done with it, not at a later garbage collection.
 
-The syncer takes a decoded wire payload without a copy (XLA aliases its read-only memory).
-These tests turn the cyclic garbage collector off, so the only way a receive buffer can be
-freed is the syncer letting go of it: before `push.release`, JAX dropped its reference only
-at its next `gc` pass, and the buffer of a folded push could outlive the next push's
-arrival. Run on real wire payloads, real device views and the real finite check.
-"""
+The syncer takes a decoded wire payload without a copy (DLPack views of its memory). These
+tests turn the cyclic garbage collector off, so the only way a receive buffer can be freed
+is the syncer letting go of it (`push.release`): with the aliases `device_put` made before,
+JAX dropped its reference only at its next `gc` pass, and the buffer of a folded push could
+outlive the next push's arrival. Run on real wire payloads, real device views and the real
+finite check."""
 
 import gc
 import weakref
@@ -17,7 +17,7 @@ import optax
 import pytest
 
 from decoupled_diloco import compression
-from decoupled_diloco.push import Push, PushRejected, all_finite
+from decoupled_diloco.push import Push, PushRejected, all_finite, host_view
 from decoupled_diloco.service import wire
 from decoupled_diloco.syncer import Settings, Syncer
 
@@ -127,3 +127,15 @@ def test_finite_check_accepts_values_whose_squares_overflow(on_device):
   assert all_finite(huge)
   huge["x"] = put(np.array([3e38] * 7 + [np.nan], np.float32))
   assert not all_finite(huge)
+
+
+def test_a_received_payload_is_taken_without_a_copy_and_bfloat16_by_its_bits():
+  """DLPack views of the receive buffer itself (read-only views included); bfloat16, which DLPack lacks, bit-cast."""
+  syncer = _syncer()
+  _, payload = _received({"f32": np.arange(1000, dtype=np.float32), "bf16": np.arange(64, dtype=jnp.bfloat16)})
+  assert not payload["f32"].flags.writeable
+  views = {name: host_view(array, syncer.device) for name, array in payload.items()}
+  assert views["f32"].unsafe_buffer_pointer() == payload["f32"].ctypes.data
+  assert views["bf16"].dtype == jnp.bfloat16
+  for name, array in payload.items():
+    np.testing.assert_array_equal(np.asarray(views[name]), array)

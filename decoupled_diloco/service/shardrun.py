@@ -46,18 +46,26 @@ def for_shard(config, workdir: str, shard: int | None):
 class RunState:
   """The run's end as shard 0 sees it, shared with the other shards through one small file.
 
-  Shard 0 `publish`es; others `follow` (at every tick). With one syncer it holds no file and
-  the syncer stops when its own learners all heard the end, as it always did.
+  Shard 0 `publish`es; others `follow`, reading the file at most every `read_every_seconds`:
+  they check at every tick (0.1 s), and on a gs:// workdir each read is a GCS request, while
+  the end may be seen a second or two late. With one syncer it holds no file and the syncer
+  stops when its own learners all heard the end, as it always did.
   """
 
-  def __init__(self, workdir: str, shard: int | None, num_shards: int):
+  def __init__(self, workdir: str, shard: int | None, num_shards: int, read_every_seconds: float = 2.0):
     self.shard, self.sharded = shard or 0, num_shards > 1
     self.path = os.path.join(os.path.dirname(workdir), RUN_STATE) if self.sharded else None
+    self.read_every_seconds = read_every_seconds
     self._published = None
+    self._read_at, self._state = None, {"done": False, "all_told": False}
 
-  def _read(self) -> dict:
-    path = storage.path(self.path)
-    return json.loads(path.read_text()) if path.exists() else {"done": False, "all_told": False}
+  def _read(self, now: float) -> dict:
+    if self._read_at is None or now - self._read_at >= self.read_every_seconds:
+      path = storage.path(self.path)
+      if path.exists():
+        self._state = json.loads(path.read_text())
+      self._read_at = now
+    return self._state
 
   def sync(self, core, now: float) -> None:
     """Shard 0 writes its done / all-told state when it changes; the others finish once shard 0 is done."""
@@ -68,11 +76,11 @@ class RunState:
       if state != self._published:
         storage.replace_text(self.path, json.dumps(state))
         self._published = state
-    elif self._read()["done"]:
+    elif self._read(now)["done"]:
       core.end(now)
 
-  def may_stop(self, core) -> bool:
+  def may_stop(self, core, now: float) -> bool:
     """Whether this syncer is done serving: every learner heard the end (from shard 0, for a shard)."""
     if not self.sharded or self.shard == 0:
       return core.all_told_done()
-    return core.done and self._read()["all_told"]
+    return core.done and self._read(now)["all_told"]

@@ -178,7 +178,7 @@ def _serve(config, workdir: str, local: str, token: str, credentials, model, par
           if core.done:
             done_at = done_at or now
             evaluated = config.service.evaluate_on != "evaluator" or server.reader.has_final()
-            if (run_state.may_stop(core) and evaluated) or now - done_at > config.service.linger_seconds:
+            if (run_state.may_stop(core, now) and evaluated) or now - done_at > config.service.linger_seconds:
               break
       except core_lib.Stopped as error:  # Fail-stop: the log cannot take new state; serve nothing more.
         server.stop(grace=0)

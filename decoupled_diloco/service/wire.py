@@ -16,7 +16,7 @@ payload cannot alias or hide bytes. A "compressed" value is [format, shapes, lea
 decodes back into a `compression.Compressed`.
 
 Why 64: `assemble` receives into a 64-byte-aligned buffer, so every decoded array is
-aligned as XLA's CPU client needs to take it without a copy (`Syncer.to_host`).
+aligned as XLA's CPU client needs to take it without a copy (`push.host_view`).
 
 Streams: a push is its header message followed by the payload cut into chunks of at most
 `chunk_bytes`; the header's `payload_bytes` says how many bytes follow, so a receiver

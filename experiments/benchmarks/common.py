@@ -67,11 +67,23 @@ def emit(figures: dict) -> None:
   print(json.dumps(figures, sort_keys=True))
 
 
-def emit_throughput_ratio(figures: dict, nbytes: int, medians: dict[str, float], framework: str,
-                          baseline: str) -> None:
+def throughput_figures(figures: dict, nbytes: int, medians: dict[str, float], framework: str,
+                       baseline: str) -> dict:
   """`figures` plus seconds and GB/s of both sides of a same-bytes comparison, and `ratio`
   = baseline seconds / framework seconds (the framework's share of the baseline's throughput)."""
   for side in (framework, baseline):
     figures[f"{side}_seconds"] = round(medians[side], 4)
     figures[f"{side}_gbytes_per_s"] = round(nbytes / medians[side] / 1e9, 3)
-  emit({**figures, "bytes": nbytes, "ratio": round(medians[baseline] / medians[framework], 3)})
+  return {**figures, "bytes": nbytes, "ratio": round(medians[baseline] / medians[framework], 3)}
+
+
+def emit_throughput_ratio(figures: dict, nbytes: int, medians: dict[str, float], framework: str,
+                          baseline: str) -> None:
+  """`throughput_figures` as the result line."""
+  emit(throughput_figures(figures, nbytes, medians, framework, baseline))
+
+
+def emit_keys(figures: dict, keys: tuple[str, ...]) -> None:
+  """`figures` without `keys` as a context line, then the result line of exactly `keys` (the issue's)."""
+  print(json.dumps({k: v for k, v in figures.items() if k not in keys}, sort_keys=True))
+  emit({k: figures[k] for k in keys})

@@ -9,9 +9,11 @@ aligned buffer), validated (shapes, dtypes, NaN/Inf) and folded into the running
 (streaming accumulation); the last one triggers the merge (token × staleness weights,
 weighted mean) and the outer step (Nesterov SGD). The baseline copies the same M·N·4 bytes
 with numpy (`np.copyto` into preallocated buffers), interleaved with the syncer in the same
-run. Key `ratio` = numpy seconds / syncer seconds, i.e. the syncer's bytes/s as a fraction
+run. Last line: key `ratio` = numpy seconds / syncer seconds, i.e. the syncer's bytes/s as a fraction
 of a memory copy's (target >= 0.5).
 """
+
+import os
 
 from absl import app
 from absl import flags
@@ -61,8 +63,9 @@ def main(argv) -> None:
   merge(), copy()  # Compile and warm up.
   medians = common.interleaved_medians({"syncer": merge, "numpy": copy}, _BLOCKS.value)
   size = sum(leaf.nbytes for leaf in sources)
-  common.emit_throughput_ratio({"benchmark": "merge_throughput", "pushes": m, "params": _PARAMS.value}, size,
-                               medians, "syncer", "numpy")
+  common.emit_keys(common.throughput_figures({"benchmark": "merge_throughput", "pushes": m, "params": _PARAMS.value,
+                                              "load_average": round(os.getloadavg()[0], 1)}, size, medians,
+                                             "syncer", "numpy"), ("ratio",))
 
 
 if __name__ == "__main__":

@@ -6,16 +6,17 @@ For each push format (fp32, int4) and M, a fresh child process runs the service'
 machine (`SyncerCore`: write-ahead log on disk, pull cache, no network) over N float32
 parameters in 10 tensors, M learners, quorum M, outer Nesterov SGD: a pull of Θ (as every
 learner does after a merge), then M pushes one after the other, the last one merging, then
-a pull of the new Θ. Each payload is read from a file into the aligned buffer the service
-assembles a push in (`wire.assemble`) and handed to `SyncerCore.push`, as the server does,
-so one receive buffer is live at a time. The child's peak RSS over that phase (VmHWM,
+a pull of the new Θ. Each payload is read from a file straight into the aligned buffer the
+data channel receives a push into (`wire.aligned_buffer`, `recv_into`: no transport chunks),
+and handed to `SyncerCore.push`, as the server does, so one receive buffer is live at a
+time. The child's peak RSS over that phase (VmHWM,
 reset through /proc/self/clear_refs after the setup, whose orbax checkpoint at version 0
 is not part of a merge) minus the idle process's, per parameter, is the figure. The idle
 process is the same child with a 10,000-parameter model (imports, JAX, compiled merges,
 orbax, the log: everything but the parameters); its peak RSS is reported beside the figure
 (`idle_rss_mb`).
-Keys: host_bytes_per_param {M: B/param} (fp32 pushes), int4_host_bytes_per_param,
-steady_bytes_per_param (after the merge and pull, fp32), idle_rss_mb. Target <= 16.
+Last line: host_bytes_per_param {M: B/param} (fp32 pushes; target <= 16). The line before:
+int4_host_bytes_per_param, steady_bytes_per_param (after the merge and pull, fp32), idle_rss_mb.
 """
 
 import gc
@@ -38,7 +39,6 @@ _CHILD = flags.DEFINE_string("child", "", "Internal: run one measurement, FORMAT
 _PAYLOAD = flags.DEFINE_string("payload", "", "Internal: the payload file of the child.")
 _LEAVES = 10
 _IDLE_PARAMS = 10_000  # The idle process's model: the syncer without (nearly any) parameters.
-_CHUNK = 4 << 20
 
 
 def _status_kb(field: str) -> int:
@@ -95,9 +95,9 @@ def _child(fmt: str, count: int, path: str, n: int) -> dict:
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
       f.write("5")  # Peak RSS from here on.
     for learner in range(count):
-      with open(path, "rb") as f:
-        chunks = iter(lambda: f.read(_CHUNK), b"")
-        payload = wire.assemble(chunks, size, size, _CHUNK)
+      payload = wire.aligned_buffer(size)
+      with open(path, "rb", buffering=0) as f:  # As the data channel receives: recv_into this buffer.
+        assert f.readinto(payload) == size
       payload.flags.writeable = False
       header = {"learner": learner, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 1024 * (learner + 1),
                 "local_steps": 16, "budget_steps": 16, "budget_tokens": 1024, "compute_seconds": 1.0,
@@ -144,13 +144,15 @@ def main(argv) -> None:
                             "peak_bytes_per_param": round((row["peak_kb"] - idle_kb[fmt, count]) * 1024 / n, 2),
                             "steady_bytes_per_param": round((row["steady_kb"] - idle_kb[fmt, count]) * 1024 / n, 2)}
         print(json.dumps(rows[fmt, count]), flush=True)
-  common.emit({"benchmark": "syncer_memory", "params": n,
-               "host_bytes_per_param": {m: r["peak_bytes_per_param"] for (f, m), r in rows.items() if f == "fp32"},
-               "int4_host_bytes_per_param": {m: r["peak_bytes_per_param"]
-                                             for (f, m), r in rows.items() if f == "int4"},
-               "steady_bytes_per_param": {m: r["steady_bytes_per_param"] for (f, m), r in rows.items() if f == "fp32"},
-               "idle_rss_mb": max(r["idle_rss_mb"] for r in rows.values()),
-               "payload_bytes": {f: r["payload_bytes"] for (f, m), r in rows.items()}})
+  common.emit_keys({"benchmark": "syncer_memory", "params": n,
+                    "host_bytes_per_param": {m: r["peak_bytes_per_param"] for (f, m), r in rows.items() if f == "fp32"},
+                    "int4_host_bytes_per_param": {m: r["peak_bytes_per_param"]
+                                                  for (f, m), r in rows.items() if f == "int4"},
+                    "steady_bytes_per_param": {m: r["steady_bytes_per_param"]
+                                               for (f, m), r in rows.items() if f == "fp32"},
+                    "idle_rss_mb": max(r["idle_rss_mb"] for r in rows.values()),
+                    "payload_bytes": {f: r["payload_bytes"] for (f, m), r in rows.items()},
+                    "load_average": round(os.getloadavg()[0], 1)}, ("host_bytes_per_param",))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ per second and pushed bytes per second over its loop, and its peak RSS (VmHWM) m
 process's (the same child over a 10,000-parameter model: imports, JAX, compiled merges).
 Keys: `throughput_ratio` = outer steps per second of all S = 2 shards together / S = 1's
 (target >= 0.9; the shards share this machine's cores), `memory_per_shard_ratio` = the larger
-S = 2 shard's peak bytes / the S = 1 syncer's, idle RSS subtracted (target <= 0.55), and
-per-S rows with the raw figures.
+S = 2 shard's peak bytes / the S = 1 syncer's, idle RSS subtracted (target <= 0.55), on the
+last line; per-S rows with the raw figures on the line before.
 """
 
 import json
@@ -155,13 +155,14 @@ def measure(n: int, num_fragments: int, rounds: int) -> dict:
 
 
 def main(argv) -> None:
-  """A child measures one shard; the parent runs S = 1, S = 2 and prints one JSON line."""
+  """A child measures one shard; the parent runs S = 1, S = 2 and prints the figures, then the keys."""
   del argv
   if _CHILD.value:
     num_shards, shard = map(int, _CHILD.value.split(":"))
     print(json.dumps(_child(num_shards, shard, _PAYLOADS.value, _PARAMS.value, _FRAGMENTS.value, _ROUNDS.value)))
     return
-  common.emit(measure(_PARAMS.value, _FRAGMENTS.value, _ROUNDS.value))
+  common.emit_keys(measure(_PARAMS.value, _FRAGMENTS.value, _ROUNDS.value),
+                   ("memory_per_shard_ratio", "throughput_ratio"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""The run's end shared between syncer shards: shard 0 writes it, the others read it at most every few seconds."""
+
+import dataclasses
+import os
+
+from decoupled_diloco.service import shardrun
+
+
+@dataclasses.dataclass
+class _Core:
+  """What RunState reads of a syncer core: whether the run is done, whether every learner heard it."""
+  done: bool = False
+  told: bool = False
+  ended_at: float | None = None
+
+  def all_told_done(self) -> bool:
+    return self.told
+
+  def end(self, now: float) -> None:
+    self.done, self.ended_at = True, now
+
+
+def test_other_shards_follow_shard_0_reading_its_file_at_most_every_read_interval(tmp_path):
+  workdirs = [shardrun.shard_workdir(str(tmp_path), s) for s in range(2)]
+  for workdir in workdirs:
+    os.makedirs(workdir)
+  leader, follower = _Core(), _Core()
+  published = shardrun.RunState(workdirs[0], 0, 2)
+  following = shardrun.RunState(workdirs[1], 1, 2, read_every_seconds=2.0)
+  published.sync(leader, 0.0)
+  following.sync(follower, 0.0)  # Reads: not done.
+  leader.done = True
+  published.sync(leader, 0.1)
+  for now in (0.1, 1.0, 1.9):  # Ticks inside the interval do not read the file again.
+    following.sync(follower, now)
+  assert not follower.done
+  following.sync(follower, 2.0)
+  assert follower.ended_at == 2.0
+  leader.told = True
+  published.sync(leader, 2.1)
+  assert published.may_stop(leader, 2.1)
+  assert not following.may_stop(follower, 2.1)  # Read at 2.0: not all told yet.
+  assert following.may_stop(follower, 4.0)
+
+
+def test_one_syncer_keeps_no_file_and_stops_on_its_own_learners(tmp_path):
+  state, core = shardrun.RunState(str(tmp_path), None, 1), _Core(done=True)
+  state.sync(core, 0.0)
+  assert not (tmp_path / shardrun.RUN_STATE).exists() and not (tmp_path.parent / shardrun.RUN_STATE).exists()
+  assert not state.may_stop(core, 0.0)
+  core.told = True
+  assert state.may_stop(core, 0.0)
