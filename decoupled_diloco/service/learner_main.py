@@ -41,7 +41,7 @@ from decoupled_diloco.run import records, schedule
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import group as group_lib
 from decoupled_diloco.service import link as link_lib
-from decoupled_diloco.service import security, shardclient
+from decoupled_diloco.service import shardclient
 
 
 def build_learner(config, plan: schedule.RunPlan, index: int, group: group_lib.GroupLink) -> Learner:
@@ -86,7 +86,9 @@ class LearnerProcess:
     # Fragments whose pushes carry the budget's count: shard 0's (all of them with one syncer).
     shapes = jax.eval_shape(self.learner.loop.from_step, self.learner.state.params)  # block_i's, as pushes see them.
     self.shard_map = shards.ShardMap.of(shapes, self.learner.assignment, self.service.shards)
-    self.client = self._connect(target, index) if self.group.leader else None
+    self.client = (shardclient.connect(target, self.service, index, self.shard_map, self.learner.assignment,
+                                      link_lib.links(self.service, len(config.learners.devices))[index])
+                   if self.group.leader else None)
     self.speed = policy_lib.SpeedTracker([0.0])  # This group's measured steps per second (0 = none yet).
     self.compiled = False  # Whether a round ran yet in this process (the first one compiles the step).
     self.slowdown = self.plan.slowdown[index]
@@ -107,22 +109,6 @@ class LearnerProcess:
     self.exchanges = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="exchange")
     self.account = ProcessAccount()
     self._stop = threading.Event()
-
-  def _connect(self, target: str, index: int):
-    """A client of the syncer at `target`, or of every shard (`target`: their addresses, comma-separated)."""
-    targets = target.split(",")
-    if len(targets) != self.service.shards:
-      raise ConfigError(f"--syncer names {len(targets)} address(es) but service.shards={self.service.shards}: give "
-                        "every shard's HOST:PORT, comma-separated, shard 0's first")
-    link = link_lib.links(self.service, len(self.config.learners.devices))[index]  # Shared: one learner's link.
-    clients = [client_lib.SyncerClient(
-        address, security.load_token(self.service.token_file), index, chunk_bytes=self.service.chunk_bytes,
-        timeout_seconds=self.service.rpc_timeout_seconds, retry_seconds=self.service.retry_seconds,
-        credentials=security.channel_credentials(self.service.tls_ca), data_channel=self.service.data_port >= 0,
-        data_tls=security.client_tls_context(self.service.tls_ca), link=link) for address in targets]
-    if len(clients) == 1:
-      return clients[0]
-    return shardclient.ShardedClient(clients, self.shard_map, self.learner.assignment)
 
   def _heartbeats(self) -> None:
     """Keeps the lease while a long round computes (single attempts: the exchange retries)."""
