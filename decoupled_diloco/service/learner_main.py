@@ -237,7 +237,8 @@ class LearnerProcess:
         blocked_fraction=account.blocked / wall if wall else 0.0, final_ack_seconds=account.final_ack,
         exchange_seconds=account.exchange, rounds=self.pushes, retries=self.client.retries if self.client else 0,
         syncer_restarts=self.client.syncer_restarts if self.client else 0,
-        processes=self.group.processes, group_peak_bytes=self.group.peak_bytes, ack_statuses=dict(account.statuses),
+        processes=self.group.processes, group_peak_bytes=self.group.peak_bytes,
+        group_host_bytes=self.group.host_peaks(), ack_statuses=dict(account.statuses),
         pushes=sum(account.statuses.values()),
         dropped=account.statuses["dropped"], rejected=account.statuses["refused"],
         # What a learner process does not measure: the syncer's side of its pushes, and stalls by count.

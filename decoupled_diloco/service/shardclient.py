@@ -112,3 +112,8 @@ class ShardedClient:
   def syncer_restarts(self) -> int:
     """Shard restarts this learner noticed, over all shards."""
     return sum(client.syncer_restarts for client in self.clients)
+
+  @property
+  def pulled_bytes(self) -> int:
+    """Θ bytes pulled, over all shards."""
+    return sum(client.pulled_bytes for client in self.clients)
