@@ -93,4 +93,5 @@ def test_an_evaluator_reads_every_shard_and_tags_its_evals_with_each_fragments_v
   assert evals[-1]["versions"] == final and min(final) >= 1  # The final Θ of both shards, each merged.
   assert evals[-1]["tokens"] == summaries[0]["tokens"]  # The run's clock is shard 0's, which counts the budget.
   done, = _records(evaluator, "evaluator_summary")
-  assert done["evaluated_version"] == sum(final) and done["eval_loss"] == evals[-1]["eval_loss"] and done["pulled_bytes"]
+  assert done["evaluated_version"] == sum(final) and done["eval_loss"] == evals[-1]["eval_loss"]
+  assert done["pulled_bytes"] > 0
