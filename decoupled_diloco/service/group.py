@@ -18,8 +18,9 @@ GroupLink.gather_to_leader):
 So, beyond what it keeps (its params, and on process 0 the anchor and Δ), no host and no
 device holds more than the largest leaf at once, where a whole-tree collective would hold all
 of Θ_p on every device. The learner summary reports both: `group_peak_bytes`, the largest
-buffer one collective placed on each device, and `group_host_bytes`, every process's peak of
-host memory allocated during an exchange (traced by tracemalloc, numpy's buffers included).
+buffer one collective placed on each device, and `group_host_bytes`, every process's most bytes
+of numpy buffers allocated by an exchange and alive as one leaf's collective returns (traced by
+tracemalloc in numpy's domain: the leaf's host copies, not XLA's own buffers).
 
   experiments.train --role=learner --learner_id=0 --group_coordinator=HOST:PORT \
       --group_processes=2 --group_process_id=K ...          (CPU, or any explicit setup)
@@ -79,7 +80,7 @@ class GroupLink:
     self.leader = jax.process_index() == 0
     self.processes = jax.process_count()
     self.peak_bytes = 0  # Largest buffer one exchange collective placed on a host (and on each device) at once.
-    self.host_peak_bytes = 0  # Most host memory this process allocated during one exchange (`_tracing_host`).
+    self.host_peak_bytes = 0  # Most numpy bytes an exchange of this process held at once (`_sample_host`).
     self._tracing, self._lock = 0, threading.Lock()  # Exchanges under way (a push's and a pull's may overlap).
 
   def share(self, message):
@@ -105,8 +106,8 @@ class GroupLink:
 
   @contextlib.contextmanager
   def _tracing_host(self):
-    """Measures the host memory this process allocates during an exchange (tracemalloc sees numpy's buffers too):
-    the bound the leaf-by-leaf exchange exists for, checked by the 2-process group test."""
+    """Traces the numpy buffers this process allocates during an exchange, for `_sample_host`: the host bound
+    the leaf-by-leaf exchange exists for, checked by the 2-process group test."""
     with self._lock:
       self._tracing += 1
       if self._tracing == 1:
@@ -115,10 +116,14 @@ class GroupLink:
       yield
     finally:
       with self._lock:
-        self.host_peak_bytes = max(self.host_peak_bytes, tracemalloc.get_traced_memory()[1])
         self._tracing -= 1
         if not self._tracing:
           tracemalloc.stop()
+
+  def _sample_host(self) -> None:
+    """Notes the numpy bytes allocated since the exchange began and alive now, as a leaf's collective returned."""
+    traces = tracemalloc.take_snapshot().filter_traces([tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)])
+    self.host_peak_bytes = max(self.host_peak_bytes, sum(trace.size for trace in traces.traces))
 
   def host_peaks(self) -> list[int]:
     """Every process's `host_peak_bytes`, in process order (a collective: every process calls it at its end)."""
@@ -144,6 +149,7 @@ class GroupLink:
         data = np.asarray(leaf) if self.leader else np.zeros(counterpart.shape, counterpart.dtype)
         self._note(data.nbytes)
         received = multihost_utils.broadcast_one_to_all(data, is_source=self.leader)
+        self._sample_host()
         placed.append(jax.device_put(np.asarray(received), counterpart.sharding))
         del data, received  # Before the next leaf comes.
     return jax.tree.unflatten(jax.tree.structure(like), placed)
@@ -157,6 +163,7 @@ class GroupLink:
     def gathered(leaf):
       full = multihost_utils.process_allgather(leaf, tiled=True)
       self._note(full.nbytes)
+      self._sample_host()
       return full if self.leader else placeholder(leaf)
 
     with self._tracing_host():
