@@ -190,10 +190,11 @@ def test_a_given_syncer_address_needs_no_lookup():
   assert len(learners) == 2 and all("--syncer=10.0.0.7:8470 " in l for l in learners)
 
 
-def test_a_sharded_syncer_starts_one_process_per_shard_and_learners_dial_every_shard():
-  overrides = (*OVERRIDES, "--config.service.shards=2")
+def test_a_sharded_syncer_starts_one_process_per_shard_and_learners_and_the_evaluator_dial_every_shard():
+  overrides = (*OVERRIDES, "--config.service.shards=2", "--config.service.evaluate_on=evaluator")
   steps = launch_tpu.plan(_options(syncer_address="10.0.0.7", port=8470, reuse=True, syncer_shards=2,
-                                   overrides=overrides))
+                                   overrides=overrides,
+                                   evaluator_slice=launch_tpu.parse_slices("v5p-8@us-east5-a")[0]))
   syncers = [_remote(list(s.argv)) for s in steps if "--role=syncer" in " ".join(s.argv)]
   assert len(syncers) == 2
   for shard, command in enumerate(syncers):  # Shard s binds 8470 + s and its data channel 8472 + s.
@@ -202,5 +203,7 @@ def test_a_sharded_syncer_starts_one_process_per_shard_and_learners_dial_every_s
     assert f'"$D/syncer_{shard}.log"' in command
   learners = [_remote(list(s.argv)) for s in steps if "--role=learner" in " ".join(s.argv)]
   assert len(learners) == 2 and all("--syncer=10.0.0.7:8470,10.0.0.7:8471 " in l for l in learners)
+  evaluator, = [_remote(list(s.argv)) for s in steps if "--role=evaluator" in " ".join(s.argv)]
+  assert "--syncer=10.0.0.7:8470,10.0.0.7:8471 " in evaluator
   with pytest.raises(ConfigError, match=r"--port=65533 must be in \[1, 65532\]"):
     launch_tpu.check(_options(port=65533, syncer_shards=2), (16, 32))

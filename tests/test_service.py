@@ -99,6 +99,10 @@ def test_a_learner_group_of_two_jax_processes_trains_as_one_group(cluster):
   # largest leaf on a host or a device, where a whole-tree one held the whole model.
   leaves = [x.nbytes for x in jax.tree.leaves(model_lib.build_model(service_config.get_config().model, 0)[1])]
   assert 0 < group["group_peak_bytes"] <= max(leaves) < sum(leaves) / 2, (group["group_peak_bytes"], leaves)
+  # Measured on each host (tracemalloc): the numpy bytes an exchange held as a leaf's collective returned. The
+  # follower holds its leaf's zeros and the broadcast's input (2 leaves: 64 KiB here); a whole-tree exchange held Θ.
+  hosts = group["group_host_bytes"]
+  assert len(hosts) == 2 and 0 < max(hosts) <= 2 * max(leaves) < sum(leaves), (hosts, leaves)
   losses = [r["loss"] for r in _learner_records(run.workdir, 0, "train")]
   assert losses[-1] < losses[0] - 1.0, losses
   # The group checkpointed its inner state from both processes (orbax writes each one's shards).

@@ -1,4 +1,5 @@
-"""The sharded syncer with real processes: two syncer shards, one SIGKILLed mid-run and restarted."""
+"""The sharded syncer with real processes: two syncer shards, one SIGKILLed mid-run and restarted; an evaluator
+reading Θ from both."""
 
 import collections
 import os
@@ -64,3 +65,33 @@ def test_a_sharded_run_with_a_shard_killed_mid_run_loses_nothing_and_applies_not
   for m in range(2):  # Each learner heard shard 1's new incarnation in a reply, and carried on.
     summary, = _records(os.path.join(cluster.workdir, f"learner_{m}", "metrics.jsonl"), "learner_summary")
     assert summary["syncer_restarts"] == 1, summary
+
+
+def test_an_evaluator_reads_every_shard_and_tags_its_evals_with_each_fragments_version(tmp_path):
+  cluster = LocalCluster(CONFIG, str(tmp_path / "run"), [
+      "--config.service.shards=2", "--config.service.evaluate_on=evaluator", "--config.streaming.num_fragments=2",
+      "--config.streaming.strategy=balanced"], 2, env=dict(os.environ, DD_SYNCER_TOKEN="v" * 32), shards=2,
+                         evaluator=True)
+  try:
+    cluster.start()
+    codes = cluster.wait(RUN_TIMEOUT)
+  finally:
+    cluster.stop()
+  assert codes == {"syncer": 0, "syncer_1": 0, "learner_0": 0, "learner_1": 0, "evaluator": 0}, codes
+  merged = []  # Per shard (= per fragment here: one each), the versions it merged.
+  for shard in range(2):
+    assert not _shard_records(cluster.workdir, shard, "eval")  # Evaluation happened off the syncers.
+    merged.append({0} | {r["outer_step"] for r in _shard_records(cluster.workdir, shard, "outer")})
+  summaries = [_shard_records(cluster.workdir, shard, "summary")[0] for shard in range(2)]
+  evaluator = os.path.join(cluster.workdir, "evaluator", "metrics.jsonl")
+  evals = _records(evaluator, "eval")
+  assert len(evals) >= 2 and [r["outer_step"] for r in evals] == sorted({r["outer_step"] for r in evals})
+  for record in evals:  # Each fragment at a version its shard merged; the record's version is their sum.
+    assert all(v in merged[p] for p, v in enumerate(record["versions"])) and record["outer_step"] == sum(
+        record["versions"]), record
+  final = [s["outer_step"] for s in summaries]
+  assert evals[-1]["versions"] == final and min(final) >= 1  # The final Θ of both shards, each merged.
+  assert evals[-1]["tokens"] == summaries[0]["tokens"]  # The run's clock is shard 0's, which counts the budget.
+  done, = _records(evaluator, "evaluator_summary")
+  assert done["evaluated_version"] == sum(final) and done["eval_loss"] == evals[-1]["eval_loss"]
+  assert done["pulled_bytes"] > 0

@@ -10,6 +10,7 @@ import pytest
 from decoupled_diloco import experiment, shards
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.runtime import sim
+from decoupled_diloco.service import settings as service_settings
 from tests.helpers import tiny_config
 
 
@@ -99,3 +100,12 @@ def test_a_sharded_simulation_killed_mid_run_resumes_to_the_uninterrupted_record
   assert 0 < len(_records(tmp_path / "twice")) < len(_records(tmp_path / "once"))
   sim.run(experiment.build(tiny_config(**{**overrides, "resume": True})), str(tmp_path / "twice"))
   assert _records(tmp_path / "twice") == _records(tmp_path / "once")
+
+
+def test_shards_refuse_evaluating_on_a_syncer_and_take_an_evaluator():
+  config = tiny_config(**{"service.shards": 2, "service.evaluate_on": "syncer"})
+  with pytest.raises(ConfigError, match="leaves no syncer holding Θ whole to evaluate: set --config.service.eval"):
+    service_settings.Settings.from_config(config.service)
+  for where in ("evaluator", "none"):
+    config.service.evaluate_on = where
+    assert service_settings.Settings.from_config(config.service).shards == 2

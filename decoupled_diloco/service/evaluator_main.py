@@ -4,13 +4,15 @@ Why a process of its own (service.evaluate_on='evaluator', issue 16): at 1B one 
 FLOPs and 150 GB of XLA temporaries, which the syncer's host CPU must never run (every
 learner waits on the syncer). This process runs the model where it can run, on its own
 devices (service.evaluator_devices = N: N devices, params and batches sharded fsdp over all of
-them; 0: learner group 0's devices and layout), and reads Θ like a learner: over the same client, with its own read-only credential (security.EVALUATOR:
-pulls and status only, no lease, no quorum, never a push).
+them; 0: learner group 0's devices and layout), and reads Θ like a learner: over the same
+client (one per shard with service.shards > 1), with its own read-only credential
+(security.EVALUATOR: pulls and status only, no lease, no quorum, never a push).
 
 Every `eval_every` rounds' worth of tokens (the cadence the syncer used) it reads Θ, one
 fragment at a time, each only when its version moved, until a pass in which none moved: the
 Θ it holds is then exactly the syncer's Θ at one version, which its `eval` record names
-(outer_step = version, with the syncer's tokens, mean inner steps and run seconds at it). Evals
+(outer_step = version, `versions` per fragment, with the syncer's tokens, mean inner steps and
+run seconds at it; with shards each fragment is at its own shard's version: docs/syncer-shards.md). Evals
 run on a background thread (run.evaluator.Evaluator, at most one waiting: the newest Θ wins and
 records count the replaced ones in `evals_skipped`). When the syncer says Θ is final (the
 budget is spent and every learner heard it), the final Θ is read and evaluated, an
@@ -26,14 +28,13 @@ from absl import logging
 import jax
 import optax
 
-from decoupled_diloco import experiment, fragments, inner, mesh, metrics as metrics_lib, model as model_lib
+from decoupled_diloco import experiment, fragments, inner, mesh, metrics as metrics_lib, model as model_lib, shards
 from decoupled_diloco.data import sources
 from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.run import evaluator as evaluator_lib
 from decoupled_diloco.run import schedule
-from decoupled_diloco.service import client as client_lib
-from decoupled_diloco.service import runconfig, security
+from decoupled_diloco.service import runconfig, security, shardclient
 
 POLL_SECONDS = 0.5  # How often the run's status is asked for (a header only, no Θ).
 MAX_PASSES = 8  # Read passes over the fragments before giving up on a Θ that keeps moving (read again next poll).
@@ -63,16 +64,13 @@ class EvaluatorProcess:
     if service.evaluate_on != "evaluator":
       raise ConfigError(f"--role=evaluator needs --config.service.evaluate_on=evaluator (it is "
                         f"{service.evaluate_on!r}: the syncer would not wait for the evaluator's final read)")
-    self.client = client_lib.SyncerClient(
-        target, security.load_token(service.token_file), security.EVALUATOR, chunk_bytes=service.chunk_bytes,
-        timeout_seconds=service.rpc_timeout_seconds, retry_seconds=service.retry_seconds,
-        credentials=security.channel_credentials(service.tls_ca), data_channel=service.data_port >= 0,
-        data_tls=security.client_tls_context(service.tls_ca))
+    _, shapes, _ = model_lib.abstract_params(config.model)
+    self.assignment = experiment.fragment_assignment(config, shapes)
+    self.client = shardclient.connect(target, service, security.EVALUATOR,
+                                      shards.ShardMap.of(shapes, self.assignment, service.shards), self.assignment)
     evaluate, evals = build_evaluate(config, jax.devices())
     self.writer = metrics_lib.MetricsWriter(os.path.join(workdir, metrics_lib.EVALUATOR_DIR))
     self.evaluator = evaluator_lib.Evaluator(evaluate, evals, self.writer.write, max_waiting=1)
-    _, shapes, _ = model_lib.abstract_params(config.model)
-    self.assignment = experiment.fragment_assignment(config, shapes)
     self.num_fragments = max(self.assignment) + 1
     self.eval_due = schedule.Every(schedule.RunPlan.from_config(config).tokens_per_eval)
     self.held: list = [None] * self.num_fragments  # Θ_p as last read...
@@ -124,9 +122,10 @@ class EvaluatorProcess:
 
 
 def _clock(status: dict) -> dict:
-  """The syncer's clock at a read: Θ's version, mean inner steps per learner, tokens, run seconds."""
-  return {"outer_step": status["version"], "inner_step": status["inner_step"], "tokens": status["tokens"],
-          "time": status["wall_time"], "wall_time": status["wall_time"]}
+  """The syncer's clock at a read: Θ's version (the sum of its fragments' `versions`, each fragment's own),
+  mean inner steps per learner, tokens, run seconds."""
+  return {"outer_step": status["version"], "versions": list(status["versions"]), "inner_step": status["inner_step"],
+          "tokens": status["tokens"], "time": status["wall_time"], "wall_time": status["wall_time"]}
 
 
 def run(config, workdir: str, target: str) -> dict:

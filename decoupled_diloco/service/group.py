@@ -16,8 +16,11 @@ GroupLink.gather_to_leader):
         straight into the group's sharding of it and drops the host copy (process 0 keeps
         Θ_p on its host as the next push's anchor; the others keep no anchor).
 So, beyond what it keeps (its params, and on process 0 the anchor and Δ), no host and no
-device holds more than the largest leaf at once (`peak_bytes`, in the learner summary),
-where a whole-tree collective would hold all of Θ_p on every device.
+device holds more than the largest leaf at once, where a whole-tree collective would hold all
+of Θ_p on every device. The learner summary reports both: `group_peak_bytes`, the largest
+buffer one collective placed on each device, and `group_host_bytes`, every process's most bytes
+of numpy buffers allocated by an exchange and alive as one leaf's collective returns (traced by
+tracemalloc in numpy's domain: the leaf's host copies, not XLA's own buffers).
 
   experiments.train --role=learner --learner_id=0 --group_coordinator=HOST:PORT \
       --group_processes=2 --group_process_id=K ...          (CPU, or any explicit setup)
@@ -27,6 +30,10 @@ A group is the unit of failure: if one of its processes dies the others cannot s
 (their collectives have no partner), so launchers kill and restart the whole group, which
 then rejoins like any restarted learner.
 """
+
+import contextlib
+import threading
+import tracemalloc
 
 import jax
 from jax.experimental import multihost_utils
@@ -73,6 +80,8 @@ class GroupLink:
     self.leader = jax.process_index() == 0
     self.processes = jax.process_count()
     self.peak_bytes = 0  # Largest buffer one exchange collective placed on a host (and on each device) at once.
+    self.host_peak_bytes = 0  # Most numpy bytes an exchange of this process held at once (`_sample_host`).
+    self._tracing, self._lock = 0, threading.Lock()  # Exchanges under way (a push's and a pull's may overlap).
 
   def share(self, message):
     """`message` (leader's: dicts, lists, scalars, None and arrays) as seen by every process.
@@ -95,6 +104,35 @@ class GroupLink:
   def _note(self, nbytes: int) -> None:
     self.peak_bytes = max(self.peak_bytes, nbytes)
 
+  @contextlib.contextmanager
+  def _tracing_host(self):
+    """Traces the numpy buffers this process allocates during an exchange, for `_sample_host`: the host bound
+    the leaf-by-leaf exchange exists for, checked by the 2-process group test."""
+    with self._lock:
+      self._tracing += 1
+      if self._tracing == 1:
+        tracemalloc.start()
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._tracing -= 1
+        if not self._tracing:
+          tracemalloc.stop()
+
+  def _sample_host(self) -> None:
+    """Notes the numpy bytes allocated since the exchange began and alive now, as a leaf's collective returned."""
+    traces = tracemalloc.take_snapshot().filter_traces([tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)])
+    self.host_peak_bytes = max(self.host_peak_bytes, sum(trace.size for trace in traces.traces))
+
+  def host_peaks(self) -> list[int]:
+    """Every process's `host_peak_bytes`, in process order (a collective: every process calls it at its end)."""
+    if self.processes == 1:
+      return [self.host_peak_bytes]
+    mine = np.frombuffer(self.host_peak_bytes.to_bytes(8, "little"), np.uint8)  # 8 raw bytes: see `share`.
+    every = np.asarray(multihost_utils.process_allgather(mine), np.uint8).reshape(self.processes, 8)
+    return [int.from_bytes(row.tobytes(), "little") for row in every]
+
   def share_tree(self, tree, like):
     """The leader's host `tree` (Θ_p) placed on the group's devices, one leaf per collective.
 
@@ -106,11 +144,14 @@ class GroupLink:
       return tree
     leaves = jax.tree.leaves(tree) if self.leader else [None] * len(jax.tree.leaves(like))
     placed = []
-    for leaf, counterpart in zip(leaves, jax.tree.leaves(like)):
-      data = np.asarray(leaf) if self.leader else np.zeros(counterpart.shape, counterpart.dtype)
-      self._note(data.nbytes)
-      received = multihost_utils.broadcast_one_to_all(data, is_source=self.leader)
-      placed.append(jax.device_put(np.asarray(received), counterpart.sharding))
+    with self._tracing_host():
+      for leaf, counterpart in zip(leaves, jax.tree.leaves(like)):
+        data = np.asarray(leaf) if self.leader else np.zeros(counterpart.shape, counterpart.dtype)
+        self._note(data.nbytes)
+        received = multihost_utils.broadcast_one_to_all(data, is_source=self.leader)
+        self._sample_host()
+        placed.append(jax.device_put(np.asarray(received), counterpart.sharding))
+        del data, received  # Before the next leaf comes.
     return jax.tree.unflatten(jax.tree.structure(like), placed)
 
   def gather_to_leader(self, tree):
@@ -122,9 +163,11 @@ class GroupLink:
     def gathered(leaf):
       full = multihost_utils.process_allgather(leaf, tiled=True)
       self._note(full.nbytes)
+      self._sample_host()
       return full if self.leader else placeholder(leaf)
 
-    return jax.tree.map(gathered, tree)
+    with self._tracing_host():
+      return jax.tree.map(gathered, tree)
 
 
 def placeholder(leaf):

@@ -35,7 +35,7 @@ from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import group as group_lib
 from decoupled_diloco.service import learner_build
 from decoupled_diloco.service import link as link_lib
-from decoupled_diloco.service import security, shardclient
+from decoupled_diloco.service import shardclient
 
 
 class LearnerProcess:
@@ -52,7 +52,9 @@ class LearnerProcess:
     # Fragments whose pushes carry the budget's count: shard 0's (all of them with one syncer).
     shapes = jax.eval_shape(self.learner.loop.from_step, self.learner.state.params)  # block_i's, as pushes see them.
     self.shard_map = shards.ShardMap.of(shapes, self.learner.assignment, self.service.shards)
-    self.client = self._connect(target, index) if self.group.leader else None
+    self.client = (shardclient.connect(target, self.service, index, self.shard_map, self.learner.assignment,
+                                      link_lib.links(self.service, len(config.learners.devices))[index])
+                   if self.group.leader else None)
     self.speed = policy_lib.SpeedTracker([0.0])  # This group's measured steps per second (0 = none yet).
     self.compiled = False  # Whether a round ran yet in this process (the first one compiles the step).
     self.slowdown = self.plan.slowdown[index]
@@ -73,22 +75,6 @@ class LearnerProcess:
     self.exchanges = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="exchange")
     self.account = learner_build.ProcessAccount()
     self._stop = threading.Event()
-
-  def _connect(self, target: str, index: int):
-    """A client of the syncer at `target`, or of every shard (`target`: their addresses, comma-separated)."""
-    targets = target.split(",")
-    if len(targets) != self.service.shards:
-      raise ConfigError(f"--syncer names {len(targets)} address(es) but service.shards={self.service.shards}: give "
-                        "every shard's HOST:PORT, comma-separated, shard 0's first")
-    link = link_lib.links(self.service, len(self.config.learners.devices))[index]  # Shared: one learner's link.
-    clients = [client_lib.SyncerClient(
-        address, security.load_token(self.service.token_file), index, chunk_bytes=self.service.chunk_bytes,
-        timeout_seconds=self.service.rpc_timeout_seconds, retry_seconds=self.service.retry_seconds,
-        credentials=security.channel_credentials(self.service.tls_ca), data_channel=self.service.data_port >= 0,
-        data_tls=security.client_tls_context(self.service.tls_ca), link=link) for address in targets]
-    if len(clients) == 1:
-      return clients[0]
-    return shardclient.ShardedClient(clients, self.shard_map, self.learner.assignment)
 
   def _heartbeats(self) -> None:
     """Keeps the lease while a long round computes (single attempts: the exchange retries)."""
@@ -217,7 +203,8 @@ class LearnerProcess:
         blocked_fraction=account.blocked / wall if wall else 0.0, final_ack_seconds=account.final_ack,
         exchange_seconds=account.exchange, rounds=self.pushes, retries=self.client.retries if self.client else 0,
         syncer_restarts=self.client.syncer_restarts if self.client else 0,
-        processes=self.group.processes, group_peak_bytes=self.group.peak_bytes, ack_statuses=dict(account.statuses),
+        processes=self.group.processes, group_peak_bytes=self.group.peak_bytes,
+        group_host_bytes=self.group.host_peaks(), ack_statuses=dict(account.statuses),
         pushes=sum(account.statuses.values()),
         dropped=account.statuses["dropped"], rejected=account.statuses["refused"],
         # What a learner process does not measure: the syncer's side of its pushes, and stalls by count.

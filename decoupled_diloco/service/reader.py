@@ -5,7 +5,8 @@ cache of Θ_p encoded once per version, the same data channel), but it is no lea
 joins, holds no lease, counts in no quorum and can never push (its credential is refused
 for that, security.EVALUATOR). What it needs besides Θ is where the run is, so that its
 records name the Θ version and the tokens at it, and whether Θ is final: the budget is spent
-and every learner heard so, so no push can move Θ again. The syncer waits (up to
+and every learner heard so, so no push can move Θ again (for a syncer shard: shard 0 says every
+learner heard it, and this shard is done: `shardrun.RunState.may_stop`). The syncer waits (up to
 service.linger_seconds) until the evaluator has read every fragment while Θ was final, so
 the final Θ is always evaluated.
 """
@@ -24,8 +25,9 @@ EXTRA_FIELDS = {"inner_step": int, "tokens": int, "wall_time": float, "final": b
 class Reader:
   """Read-only calls on a `SyncerCore`: status and fragment pulls, and whether the final Θ was read."""
 
-  def __init__(self, core: core_lib.SyncerCore):
+  def __init__(self, core: core_lib.SyncerCore, is_final=None):
     self.core = core
+    self.is_final = is_final or core.all_told_done  # Whether Θ can no longer move (the module doc).
     self._final_reads: set[int] = set()  # Fragments the evaluator read while Θ was final.
     self._lock = threading.Lock()
 
@@ -37,7 +39,7 @@ class Reader:
               "steps_left": max(0, core.budget_steps - core.steps_done), "done": core.done, "max_speed": 0.0,
               "incarnation": 0, "syncer_incarnation": core.syncer_incarnation,
               "inner_step": core.steps_done // core.num_learners, "tokens": core.tokens_done,
-              "wall_time": time.time() - core.start_time, "final": core.all_told_done()}
+              "wall_time": time.time() - core.start_time, "final": self.is_final()}
 
   def pull(self, fragment: int, have_version: int) -> tuple[dict, list | None]:
     """(status, encoded Θ_fragment, or None when `have_version` is current), from the learners' pull cache."""

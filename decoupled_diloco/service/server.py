@@ -147,6 +147,8 @@ class SyncerServer:
   answers the ones beyond RESOURCE_EXHAUSTED at once (learners retry those), so a flood
   neither queues without bound nor takes memory. Keepalive: see `keepalive_options`.
   `links[i]` paces the Θ the data channel sends to learner i (link.py; none given: unshaped).
+  `is_final()`: whether Θ can no longer move, for the evaluator (reader.Reader; none given: every learner heard
+  the end).
   """
 
   def __init__(self, core: core_lib.SyncerCore, token: str, *, host: str, port: int, chunk_bytes: int,
@@ -154,12 +156,13 @@ class SyncerServer:
                data_port: int = -1, data_tls: ssl.SSLContext | None = None, data_timeout_seconds: float = 120.0,
                keepalive_seconds: float = 20.0, keepalive_timeout_seconds: float = 10.0,
                max_concurrent_rpcs: int = 256,
-               links: tuple[link_lib.Link, ...] = ()):
+               links: tuple[link_lib.Link, ...] = (), is_final=None):
     if data_port >= 0 and (credentials is None) != (data_tls is None):
       raise ValueError("the data channel needs TLS exactly when gRPC has it: pass data_tls with credentials")
     self.core, self.chunk_bytes, self.max_payload_bytes = core, chunk_bytes, max_payload_bytes
     self.credentials = security.Credentials(token, core.num_learners)
-    self.reader = reader.Reader(core)  # The evaluator's read-only view (service.evaluate_on='evaluator').
+    # The evaluator's read-only view (service.evaluate_on='evaluator'); `is_final`: see reader.Reader.
+    self.reader = reader.Reader(core, is_final)
     self.rejections = collections.Counter()
     self._bulk_lock = threading.Lock()
     self._logged: dict[str, tuple[float, int]] = {}  # reason -> (start of its minute, refusals in it)

@@ -60,9 +60,9 @@ class Settings:
          f"service.learner_checkpoint_every={self.learner_checkpoint_every} must be >= 0 (0 = never)"),
         (settings_lib.is_int(self.shards) and self.shards >= 1,
          f"service.shards={self.shards!r} must be an int >= 1: set --config.service.shards"),
-        (self.shards == 1 or self.evaluate_on == "none",
+        (self.shards == 1 or self.evaluate_on != "syncer",
          f"service.shards={self.shards} leaves no syncer holding Θ whole to evaluate: set "
-         "--config.service.evaluate_on=none"),
+         "--config.service.evaluate_on=evaluator (it reads every shard) or none"),
     ))
 
   @classmethod

@@ -6,11 +6,35 @@ local id, and answers with the run's status as one syncer would: `versions` per 
 fragment from the shards' latest replies, `version` their sum, the budget (`steps_left`,
 `done`) and `max_speed` from shard 0, which alone counts the budget (service/shardrun.py),
 and `acked_seq` the highest any shard acknowledged (a learner's seqs rise across shards, so
-each shard's exactly-once check holds on its own subsequence).
+each shard's exactly-once check holds on its own subsequence). The evaluator reads through the
+same client (its read-only status adds the run's clock, taken from shard 0 like the budget,
+and `final`, which holds only once every shard says so: a shard's Θ can move until it does). A
+fragment pulled in a reply that said final cannot move again, and its shard stops once the
+evaluator has read all of its own (service/reader.py), so that shard is not called again.
 """
 
 from decoupled_diloco import fragments, shards
+from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.service import client as client_lib
+from decoupled_diloco.service import security
+
+# Fields of the run's status that shard 0 alone knows: it counts the budget (service/shardrun.py).
+_RUN_FIELDS = ("steps_left", "done", "max_speed", "inner_step", "tokens", "wall_time")
+
+
+def connect(target: str, service, identity: int, shard_map: shards.ShardMap, assignment, link=None):
+  """A client of the syncer at `target`, or of every shard (`target`: their addresses, comma-separated, shard 0's
+  first), for learner `identity` (or security.EVALUATOR) with the credential in service.token_file."""
+  targets = target.split(",")
+  if len(targets) != service.shards:
+    raise ConfigError(f"--syncer names {len(targets)} address(es) but service.shards={service.shards}: give "
+                      "every shard's HOST:PORT, comma-separated, shard 0's first")
+  clients = [client_lib.SyncerClient(
+      address, security.load_token(service.token_file), identity, chunk_bytes=service.chunk_bytes,
+      timeout_seconds=service.rpc_timeout_seconds, retry_seconds=service.retry_seconds,
+      credentials=security.channel_credentials(service.tls_ca), data_channel=service.data_port >= 0,
+      data_tls=security.client_tls_context(service.tls_ca), link=link) for address in targets]
+  return clients[0] if len(clients) == 1 else ShardedClient(clients, shard_map, assignment)
 
 
 class ShardedClient:
@@ -20,6 +44,7 @@ class ShardedClient:
     self.clients, self.map = clients, shard_map
     self.leaf_shards = tuple(shard_map.shard_of[f] for f in assignment)  # Owner of every leaf of Θ.
     self._statuses: list[dict | None] = [None] * len(clients)  # Each shard's latest status.
+    self._final: set[int] = set()  # Fragments pulled in a reply that said Θ is final (an evaluator's).
 
   def _status(self, shard: int, status: dict) -> dict:
     """The run's status after `status` came from `shard` (with that reply's own fields kept)."""
@@ -30,9 +55,11 @@ class ShardedClient:
       if self._statuses[s] is not None:
         versions[p] = self._statuses[s]["versions"][self.map.local(p)]
     budget = self._statuses[0] or status
-    return {**status, "versions": versions, "version": sum(versions),
-            "acked_seq": max(s["acked_seq"] for s in known),
-            "steps_left": budget["steps_left"], "done": budget["done"], "max_speed": budget["max_speed"]}
+    merged = {**status, "versions": versions, "version": sum(versions), "acked_seq": max(s["acked_seq"] for s in known),
+              **{name: budget[name] for name in _RUN_FIELDS if name in budget}}
+    if "final" in status:  # An evaluator's status (service/reader.py).
+      merged["final"] = len(known) == len(self.clients) and all(s["final"] for s in known)
+    return merged
 
   def join(self) -> tuple[dict, object]:
     """Joins every shard: (the run's status, Θ assembled from every shard's part)."""
@@ -46,7 +73,11 @@ class ShardedClient:
   def pull(self, have_version: int, fragment: int = 0) -> tuple[dict, object]:
     """Θ_fragment from its shard (None when `have_version` is still current there)."""
     shard = self.map.shard_of[fragment]
+    if fragment in self._final:  # Held at its final version: nothing to ask (its shard may have stopped).
+      return self._status(shard, self._statuses[shard]), None
     status, theta = self.clients[shard].pull(have_version, self.map.local(fragment))
+    if status.get("final"):
+      self._final.add(fragment)
     return self._status(shard, status), theta
 
   def push(self, seq: int, delta, *, fragment: int = 0, **header) -> dict:
@@ -55,9 +86,11 @@ class ShardedClient:
     return self._status(shard, self.clients[shard].push(seq, delta, fragment=self.map.local(fragment), **header))
 
   def heartbeat(self, retry: bool = True) -> dict:
-    """Renews this learner's lease on every shard; the run's status."""
+    """Renews this learner's lease on every shard (asks every shard whose final Θ an evaluator does not hold yet);
+    the run's status."""
     for shard, client in enumerate(self.clients):
-      status = self._status(shard, client.heartbeat(retry))
+      settled = set(self.map.owned(shard)) <= self._final
+      status = self._status(shard, self._statuses[shard] if settled else client.heartbeat(retry))
     return status
 
   def abandon(self) -> None:
@@ -79,3 +112,8 @@ class ShardedClient:
   def syncer_restarts(self) -> int:
     """Shard restarts this learner noticed, over all shards."""
     return sum(client.syncer_restarts for client in self.clients)
+
+  @property
+  def pulled_bytes(self) -> int:
+    """Θ bytes pulled, over all shards."""
+    return sum(client.pulled_bytes for client in self.clients)

@@ -11,6 +11,7 @@ replay's compiled programs come from the previous start's XLA cache (`<local dir
 and the merge is warmed up in the background; a 'syncer_start' record gives the start-up's phases.
 """
 
+import functools
 import os
 import signal
 import threading
@@ -160,7 +161,8 @@ def _serve(config, workdir: str, local: str, token: str, credentials, model, par
           data_timeout_seconds=config.service.rpc_timeout_seconds, keepalive_seconds=config.service.keepalive_seconds,
           keepalive_timeout_seconds=config.service.keepalive_timeout_seconds,
           max_concurrent_rpcs=config.service.max_concurrent_rpcs,
-          links=tuple(link_lib.links(config.service, core.num_learners)))
+          links=tuple(link_lib.links(config.service, core.num_learners)),
+          is_final=functools.partial(run_state.may_stop, core))
       server.rejections = core.refused  # Checkpointed with the core: refusals survive restarts.
       port = server.start()
       recorder.write(start_record(core, step, entered, replayed_at))  # Before the address: launchers wait for it.

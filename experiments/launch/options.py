@@ -149,15 +149,20 @@ def train_args(o: Options) -> list[str]:
 def learner_args(o: Options, index: int, address: str, home: str = "$D") -> list[str]:
   """Learner `index`'s flags on every host of its slice (shell words; `home` holds its CA): --group_coordinator=auto
   makes the slice's hosts one JAX program; with S syncer shards, --syncer lists them, shard 0's first."""
-  syncers = ",".join(f"{shlex.quote(address)}:{o.port + s}" for s in range(o.syncer_shards))
-  return ["--role=learner", f"--learner_id={index}", f"--syncer={syncers}", "--group_coordinator=auto",
+  return ["--role=learner", f"--learner_id={index}", _syncers(o, address), "--group_coordinator=auto",
           *_trust(o, home)]
 
 
 def evaluator_args(o: Options, address: str) -> list[str]:
-  """The evaluator's flags (shell words): the syncer, the CA it trusts, and its slice's chips as its devices."""
-  return ["--role=evaluator", f"--syncer={shlex.quote(address)}:{o.port}", *_trust(o, "$D"),
+  """The evaluator's flags (shell words): the syncer (every shard), the CA it trusts, and its slice's chips as its
+  devices."""
+  return ["--role=evaluator", _syncers(o, address), *_trust(o, "$D"),
           f"--config.service.evaluator_devices={o.evaluator_slice.chips}"]
+
+
+def _syncers(o: Options, address: str) -> str:
+  """--syncer: the syncer's HOST:PORT, or with S shards every shard's (port + s), shard 0's first."""
+  return "--syncer=" + ",".join(f"{shlex.quote(address)}:{o.port + s}" for s in range(o.syncer_shards))
 
 
 def _trust(o: Options, home: str) -> list[str]:
