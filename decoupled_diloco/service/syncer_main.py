@@ -11,7 +11,6 @@ replay's compiled programs come from the previous start's XLA cache (`<local dir
 and the merge is warmed up in the background; a 'syncer_start' record gives the start-up's phases.
 """
 
-import functools
 import os
 import signal
 import threading
@@ -162,7 +161,7 @@ def _serve(config, workdir: str, local: str, token: str, credentials, model, par
           keepalive_timeout_seconds=config.service.keepalive_timeout_seconds,
           max_concurrent_rpcs=config.service.max_concurrent_rpcs,
           links=tuple(link_lib.links(config.service, core.num_learners)),
-          is_final=functools.partial(run_state.may_stop, core))
+          is_final=lambda: run_state.may_stop(core, time.time()))
       server.rejections = core.refused  # Checkpointed with the core: refusals survive restarts.
       port = server.start()
       recorder.write(start_record(core, step, entered, replayed_at))  # Before the address: launchers wait for it.
