@@ -43,6 +43,7 @@ from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.service import wire
 
 AUTO = "auto"
+TRACED_EXCHANGES = 4  # A run's first exchanges (pushes and pulls) measure their host bytes (`group_host_bytes`).
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
@@ -82,6 +83,7 @@ class GroupLink:
     self.peak_bytes = 0  # Largest buffer one exchange collective placed on a host (and on each device) at once.
     self.host_peak_bytes = 0  # Most numpy bytes an exchange of this process held at once (`_sample_host`).
     self._tracing, self._lock = 0, threading.Lock()  # Exchanges under way (a push's and a pull's may overlap).
+    self._traces_left = TRACED_EXCHANGES
 
   def share(self, message):
     """`message` (leader's: dicts, lists, scalars, None and arrays) as seen by every process.
@@ -107,21 +109,28 @@ class GroupLink:
   @contextlib.contextmanager
   def _tracing_host(self):
     """Traces the numpy buffers this process allocates during an exchange, for `_sample_host`: the host bound
-    the leaf-by-leaf exchange exists for, checked by the 2-process group test."""
+    the leaf-by-leaf exchange exists for, checked by the 2-process group test. Only a run's first exchanges are
+    traced: tracemalloc slows every allocation of the process while it runs."""
     with self._lock:
-      self._tracing += 1
-      if self._tracing == 1:
-        tracemalloc.start()
+      traced = bool(self._tracing or self._traces_left)
+      if traced:
+        self._tracing += 1
+        if self._tracing == 1:
+          self._traces_left -= 1
+          tracemalloc.start()
     try:
       yield
     finally:
-      with self._lock:
-        self._tracing -= 1
-        if not self._tracing:
-          tracemalloc.stop()
+      if traced:
+        with self._lock:
+          self._tracing -= 1
+          if not self._tracing:
+            tracemalloc.stop()
 
   def _sample_host(self) -> None:
     """Notes the numpy bytes allocated since the exchange began and alive now, as a leaf's collective returned."""
+    if not tracemalloc.is_tracing():
+      return
     traces = tracemalloc.take_snapshot().filter_traces([tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)])
     self.host_peak_bytes = max(self.host_peak_bytes, sum(trace.size for trace in traces.traces))
 
