@@ -17,6 +17,8 @@ Targets: decoupled_m8's eval loss within 1 % of dp_no_failures'; its goodput >= 
   python -m experiments.benchmarks.failure_quality
 """
 
+import json
+
 from experiments.benchmarks import common
 
 common.use_virtual_devices(16)
@@ -53,14 +55,15 @@ def rows() -> dict:
 
 
 def main(argv) -> None:
-  """Runs the three rows and prints the table and the JSON line."""
+  """Runs the three rows, prints the table and the context, and ends with the JSON line of the issue's keys."""
   del argv
   results, figures = shakespeare.compare(rows(), PUBLISHED["goodput"], counts=("failures",))
   loss, good = figures["eval_loss"], figures["goodput"]
-  common.emit({
-      **figures, "decoupled_vs_dp_loss": round(loss["decoupled_m8"] / loss["dp_no_failures"] - 1, 4),
-      "goodput_gain_over_elastic_dp": round(good["decoupled_m8"] - good["elastic_dp"], 4),
-      "lost_steps": {n: r.get("lost_steps") or 0 for n, r in results.items()}, "published": PUBLISHED})
+  print(json.dumps({"decoupled_vs_dp_loss": round(loss["decoupled_m8"] / loss["dp_no_failures"] - 1, 4),
+                    "goodput_gain_over_elastic_dp": round(good["decoupled_m8"] - good["elastic_dp"], 4),
+                    "lost_steps": {n: r.get("lost_steps") or 0 for n, r in results.items()},
+                    "virtual_seconds": figures["virtual_seconds"], "published": PUBLISHED}, sort_keys=True))
+  common.emit({"eval_loss": loss, "goodput": good})
 
 
 if __name__ == "__main__":
