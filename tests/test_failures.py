@@ -115,6 +115,8 @@ def test_paper_benchmarks_run_end_to_end(benchmark, tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   figures = json.loads(result.stdout.splitlines()[-1])
   assert all(np.isfinite(v) for v in figures["eval_loss"].values())
+  if benchmark == "failure_quality":  # The keys and nothing else.
+    assert set(figures) == {"eval_loss", "goodput"}
   if benchmark != "learners_sweep":
     assert set(figures["goodput"]) == set(figures["eval_loss"]) and len(figures["goodput"]) == 3
     assert all(0 < g <= 1 for g in figures["goodput"].values())
