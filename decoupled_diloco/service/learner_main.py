@@ -41,7 +41,7 @@ from decoupled_diloco.run import records, schedule
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import group as group_lib
 from decoupled_diloco.service import link as link_lib
-from decoupled_diloco.service import security, shardclient
+from decoupled_diloco.service import runconfig, security, shardclient
 
 
 def build_learner(config, plan: schedule.RunPlan, index: int, group: group_lib.GroupLink) -> Learner:
@@ -80,6 +80,8 @@ class LearnerProcess:
       raise ConfigError(f"--learner_id={index} is not in [0, {len(config.learners.devices)}): the config has "
                         f"{len(config.learners.devices)} learner groups")
     self.config, self.index, self.service = config, index, config.service
+    lock_dir = os.path.join(storage.local_dir(workdir, config.service.local_dir, "a learner's lock"), f"learner_{index}")
+    runconfig.cache_compiled_programs(os.path.join(lock_dir, "xla_cache"))  # Before any compile: a restart loads.
     self.group = group_lib.GroupLink()
     self.plan = schedule.RunPlan.from_config(config)
     self.learner = build_learner(config, self.plan, index, self.group)
@@ -99,8 +101,6 @@ class LearnerProcess:
     self.compute_since_push = [0.0] * self.learner.num_fragments  # A push's compute_seconds, per fragment.
     self.directory = os.path.join(workdir, f"learner_{index}")
     # Before anything in it is touched: a frozen predecessor's save in progress stays its own.
-    local = storage.local_dir(workdir, config.service.local_dir, "a learner's lock")
-    lock_dir = os.path.join(local, f"learner_{index}")
     self.lock = workdir_lock.DirectoryLock(lock_dir, f"learner.{jax.process_index()}.lock", f"learner {index}")
     self.writer = metrics_lib.MetricsWriter(self.directory) if self.group.leader else None
     self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(self.directory, "checkpoints"), max_to_keep=1)

@@ -34,7 +34,9 @@ whose pushes are never stale, and fresher outer steps make a lower loss at the s
 """
 
 import collections
+import math
 import os
+import random
 import shutil
 import statistics
 import tempfile
@@ -59,7 +61,7 @@ _PLAN = flags.DEFINE_list("plan", ["learner", "syncer", "learner"], "Kinds of th
 # schedule's seed: which learner dies; default 0) apply too.
 flags.FLAGS.set_default("workdir", os.path.join(tempfile.gettempdir(), "dd_chaos"))
 
-# What users run with the service, at two sizes; kills start after 8 merges, `every` seconds apart.
+# What users run with the service, at two sizes.
 _COMMON = ("--config.mode=decoupled", "--config.learners.devices=(1,1)", "--config.outer.optimizer=delayed_nesterov",
            "--config.outer.buffer_size=2", "--config.syncer.quorum=1", "--config.policy.kind=dylu",
            "--config.policy.speed_source=measured",
@@ -68,12 +70,12 @@ _COMMON = ("--config.mode=decoupled", "--config.learners.devices=(1,1)", "--conf
 _SIZES = {
     "demo": {"overrides": ("--config.learners.batch_size=(16,16)",
                            "--config.outer_steps=12", "--config.inner_steps=20"),
-             "every": 10.0, "min_uptime": 30.0, "timeout": 900.0},
+             "timeout": 900.0},
     "tiny": {"overrides": ("--config.model.seq_len=16", "--config.model.d_model=32",
                            "--config.model.num_layers=1", "--config.model.num_heads=2", "--config.model.d_ff=64",
                            "--config.learners.batch_size=(4,4)", "--config.outer_steps=150",
                            "--config.inner_steps=20", "--config.data.synthetic.num_tokens=30000"),
-             "every": 2.0, "min_uptime": 5.0, "timeout": 600.0},
+             "timeout": 600.0},
 }
 
 
@@ -106,20 +108,46 @@ class TimedCluster(LocalCluster):
       probe.close()
 
 
-class AfterMerges(Chaos):
-  """Chaos whose clock starts once the syncer merged `merges` times: kills hit a run in progress, and a
-  killed syncer has checkpoints and a log to restore and replay (however slowly processes start)."""
+class ProgressChaos(Chaos):
+  """Chaos timed by the run's progress, not the clock: kill i comes once the syncer's version reached
+  `versions[i]` (seeded) and the previous victim is back (a learner: finished a round since its restart), so
+  one seed kills at the same points of training on an idle or a loaded machine, and recoveries never overlap."""
 
-  def __init__(self, *args, merges: int, **kwargs):
-    super().__init__(*args, **kwargs)
-    self.merges = merges
+  def __init__(self, seed: int, plan: tuple[str, ...], versions: list[int], delay: float):
+    super().__init__(seed, every=0.0, delay=delay, include_syncer=True, plan=plan)
+    self.versions = versions
+    self.back: list[tuple[str, float]] = []  # (victim, time.time() of its restart)
 
   def step(self, cluster: LocalCluster, now: float) -> None:
-    if self.next_kill is None:
-      path = os.path.join(cluster.workdir, "metrics.jsonl")
-      if not os.path.exists(path) or len(_records(path, "outer")) < self.merges:
-        return
+    down = set(self.down)
+    kills = sum(event == "kill" for _, event, _ in self.events)
+    self.next_kill = now if kills < len(self.versions) and self._due(cluster, kills) else math.inf
     super().step(cluster, now)
+    self.back += [(name, time.time()) for name in down - set(self.down)]
+
+  def _due(self, cluster: LocalCluster, kills: int) -> bool:
+    if self.down or syncer_version(cluster.workdir) < self.versions[kills]:
+      return False
+    if not self.back or self.back[-1][0] == "syncer":
+      return True
+    name, restarted = self.back[-1]
+    return any(r["unix_time"] > restarted
+               for r in _records(os.path.join(cluster.workdir, name, "metrics.jsonl"), "first_round"))
+
+
+def kill_versions(seed: int, kills: int, final_version: int) -> list[int]:
+  """Seeded, increasing syncer versions to kill at: after the first merges (so a restarted syncer restores a
+  checkpoint and replays its log) and before 60% of the undisturbed run's `final_version` (so a killed
+  learner is back well before the budget is spent and the run trains with both learners again)."""
+  low, high = max(4, final_version // 6), max(5, final_version * 3 // 5)
+  step = (high - low) / kills
+  rng = random.Random(seed)
+  return [int(low + step * (i + rng.random())) for i in range(kills)]
+
+
+def syncer_version(workdir: str) -> int:
+  """The newest version the syncer's 'outer' records reached (a restarted syncer rewrites what it replays)."""
+  return max((r["outer_step"] for r in _records(os.path.join(workdir, "metrics.jsonl"), "outer")), default=0)
 
 
 def _run(workdir: str, overrides: list[str], size: dict, chaos: Chaos | None) -> TimedCluster:
@@ -213,8 +241,10 @@ def main(argv: list[str]) -> None:
     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
   losses = [_final_loss(_run(os.path.join(root, f"undisturbed_{seed}"), [f"--config.seed={seed}"], size,
                              None).workdir) for seed in range(_SEEDS.value)]
-  chaos = AfterMerges(flags.FLAGS.chaos_seed or 0, size["every"], delay=2.0, include_syncer=True,
-                      min_uptime=size["min_uptime"], plan=tuple(_PLAN.value), merges=8)
+  seed = flags.FLAGS.chaos_seed or 0
+  versions = kill_versions(seed, len(_PLAN.value), syncer_version(os.path.join(root, "undisturbed_0")))
+  logging.info("chaos plan: %s at syncer versions %s", _PLAN.value, versions)
+  chaos = ProgressChaos(seed, tuple(_PLAN.value), versions, delay=2.0)
   chaotic = _run(os.path.join(root, "chaos"), ["--config.seed=0"], size, chaos)
   kills = collections.Counter("syncer" if name == "syncer" else "learner" for _, event, name in chaos.events
                               if event == "kill")
