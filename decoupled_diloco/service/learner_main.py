@@ -80,7 +80,8 @@ class LearnerProcess:
       raise ConfigError(f"--learner_id={index} is not in [0, {len(config.learners.devices)}): the config has "
                         f"{len(config.learners.devices)} learner groups")
     self.config, self.index, self.service = config, index, config.service
-    lock_dir = os.path.join(storage.local_dir(workdir, config.service.local_dir, "a learner's lock"), f"learner_{index}")
+    local = storage.local_dir(workdir, config.service.local_dir, "a learner's lock")
+    lock_dir = os.path.join(local, f"learner_{index}")
     runconfig.cache_compiled_programs(os.path.join(lock_dir, "xla_cache"))  # Before any compile: a restart loads.
     self.group = group_lib.GroupLink()
     self.plan = schedule.RunPlan.from_config(config)
@@ -265,7 +266,7 @@ class LearnerProcess:
     Its pushes' time per step feed this group's measured speed, except in the first period (compilation).
     """
     learner = self.learner
-    first_step, digests = learner.steps, []
+    first_step, digests, compiled_at = learner.steps, [], None
     for step_in_period in range(1, steps + 1):
       self._land_due()
       if self.status["done"]:
@@ -274,6 +275,7 @@ class LearnerProcess:
         learner.timed_step(self.slowdown)
       else:
         learner.step()
+      compiled_at = compiled_at or time.time()  # The first step's call returns once XLA compiled (or loaded) it.
       digests.append(zlib.crc32(learner.batches.batch(learner.steps - 1)))  # The batch just trained on.
       self.budget[0] += 1
       self.budget[1] += learner.batches.tokens_per_batch
@@ -291,7 +293,7 @@ class LearnerProcess:
     self._tick()
     if not self.compiled:  # Start-up and compilation end here: what a (re)started learner costs before training.
       self._write({"kind": "first_round", "outer_step": learner.base_versions[0], "unix_time": time.time(),
-                   "start_step": self.start_step})
+                   "compiled_unix_time": compiled_at, "start_step": self.start_step})
     self.compiled = True
 
   def _land_due(self) -> None:

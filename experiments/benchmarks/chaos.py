@@ -19,8 +19,9 @@ with exactly the keys of issue 13:
   loss_ratio        final eval loss with chaos / without (seed 0, same token budget).
   undisturbed_spread  (max - min) / mean of the undisturbed runs' final eval losses.
   rejoin_seconds    from a learner's restart to the syncer's first accepted push of it: {p50, max}, split
-                    at the learner's first finished round into `startup` (process start, imports, Join,
-                    compilation) and `rest` (target: at most one round of H steps), each {p50, max}.
+                    where its first step's call returned into `startup` (process start, imports, Join,
+                    restore, compilation or loading it from the learner's XLA cache) and `rest` (its
+                    first round of steps and the push; target: at most one round of H steps), each {p50, max}.
   syncer_recovery_seconds  from a syncer's restart to the first call it served (a heartbeat this
                     benchmark sends): {p50, max}; target 10 s. Split by the restarted syncer's
                     'syncer_start' record into `imports` (process start, imports), `restore` (model
@@ -180,7 +181,8 @@ def _spread(values: list[float]) -> dict:
 
 
 def rejoin_seconds(cluster: TimedCluster) -> dict:
-  """From each learner restart to the syncer's first accepted push of it, split at its first finished round."""
+  """From each learner restart to the syncer's first accepted push of it, split where its first step was compiled
+  (or loaded from the XLA cache): start-up before, its first round of steps and push after."""
   checkpoints = os.path.join(cluster.workdir, "checkpoints")
   with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
     start_time = checkpointer.restore_metadata(checkpointer.latest_step())["start_time"]
@@ -192,8 +194,8 @@ def rejoin_seconds(cluster: TimedCluster) -> dict:
     learner = int(name.split("_")[1])
     accepted = [start_time + r["wall_time"] for r in pushes if r["learner"] == learner
                 and start_time + r["wall_time"] > began]
-    rounds = [r["unix_time"] for r in _records(os.path.join(cluster.workdir, name, "metrics.jsonl"), "first_round")
-              if r["unix_time"] > began]
+    rounds = [r["compiled_unix_time"] for r in _records(os.path.join(cluster.workdir, name, "metrics.jsonl"),
+                                                         "first_round") if r["unix_time"] > began]
     if accepted and rounds:  # Else restarted into a run that was over.
       total.append(min(accepted) - began)
       startup.append(min(rounds) - began)
