@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 import numpy as np
+import tensorboardX
 
 from decoupled_diloco import storage
 
@@ -157,21 +158,16 @@ class MetricsWriter:
       self._purge_step = max((_x_axis(r) for r in kept), default=-1) + 1
     self._file = storage.open_append(self.path, interval=UPLOAD_SECONDS)
     self._tb_dir = os.fspath(directory / TENSORBOARD_DIR)
-    self._tb_runs = {}  # Run -> tensorboardX.SummaryWriter, opened at its first scalar.
+    self._tb_runs: dict[str, tensorboardX.SummaryWriter] = {}
+    self._tb_run("")
     # Staleness of the pushes so far, per TensorBoard run, for the cumulative histograms.
     self._staleness = collections.defaultdict(collections.Counter)
     for record in kept:
       self._count_staleness(record)
 
-  def _tb_run(self, run: str):
-    """The event writer of a TensorBoard run, opened on first use (a learner's on its first record).
-
-    Why tensorboardX (and google-cloud-storage, which it imports) only here: a restarted syncer
-    writes no scalar before it serves, so its start-up does not wait for them.
-    """
+  def _tb_run(self, run: str) -> tensorboardX.SummaryWriter:
+    """The event writer of a TensorBoard run, opened on first use (a learner's on its first record)."""
     if run not in self._tb_runs:
-      storage.register_tensorboard_writers()
-      import tensorboardX  # pylint: disable=g-import-not-at-top
       # tensorboardX names event files by whole seconds + hostname and opens them with 'wb':
       # a resume within the same second would overwrite the crashed run's file. A
       # nanosecond suffix keeps names unique and in write order, as TensorBoard reads them.

@@ -15,7 +15,6 @@ in memory and rewrites the whole object (one atomic PUT) when it is flushed; fil
 flock (the syncer's write-ahead log, directory locks) must live on local disk: `local_dir`.
 """
 
-import functools
 import os
 import re
 import time
@@ -25,6 +24,7 @@ os.environ.setdefault("EPATH_USE_TF", "false")  # Before epath picks (and caches
 
 from etils import epath  # pylint: disable=g-import-not-at-top,wrong-import-position
 import fsspec  # pylint: disable=g-import-not-at-top,wrong-import-position
+import tensorboardX.record_writer  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from decoupled_diloco.errors import ConfigError  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -176,12 +176,5 @@ class _TensorBoardFactory:
     del location  # Object stores have no directories to create.
 
 
-@functools.cache
-def register_tensorboard_writers() -> None:
-  """Routes tensorboardX's event files on gs:// through this layer; once, before its first writer opens.
-
-  Why not at import: tensorboardX imports google-cloud-storage, a tenth of a second or (on a loaded
-  host) seconds of every process start, also of one that writes no events before it must serve."""
-  import tensorboardX.record_writer  # pylint: disable=g-import-not-at-top
-  for scheme in REMOTE_SCHEMES:
-    tensorboardX.record_writer.register_writer_factory(scheme, _TensorBoardFactory())
+for _scheme in REMOTE_SCHEMES:
+  tensorboardX.record_writer.register_writer_factory(_scheme, _TensorBoardFactory())
