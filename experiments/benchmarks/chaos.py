@@ -1,6 +1,6 @@
-r"""Chaos benchmark: SIGKILL learners and the syncer at seeded times; nothing acknowledged is lost.
+r"""Chaos benchmark: SIGKILL learners and the syncer at seeded points of training; nothing acknowledged is lost.
 
-  python -m experiments.benchmarks.chaos               # the demo's model, ~10 min on 2 idle cores
+  python -m experiments.benchmarks.chaos               # the demo's model, 15 min on 2 cores at load ~30
   python -m experiments.benchmarks.chaos --size=tiny   # the end-to-end test's size
 
 Real processes on loopback (experiments.launch_local) run what users run with the service:
@@ -8,8 +8,9 @@ Delayed Nesterov, quorum 1, DyLU with measured speeds, a syncer that checkpoints
 merges. Delayed Nesterov buffers M = 2 arrivals per momentum step (outer.buffer_size; with 1,
 every stale arrival took a full Nesterov step and the undisturbed runs diverged: train loss
 2.7 -> 7..16, a 15% spread). `--seeds` undisturbed runs (config seeds 0..n-1), then one run of
-seed 0 under a seeded schedule that kills learners and the syncer after the first merges, so a
-restarted syncer restores a checkpoint and replays its log. The last line is one JSON object
+seed 0 under a seeded schedule that kills learners and the syncer at seeded syncer versions after
+the first merges (ProgressChaos: the same points of training on any host), so a restarted syncer
+restores a checkpoint and replays its log. The last line is one JSON object
 with exactly the keys of issue 13:
 
   kills             {learner, syncer}: SIGKILLs that happened.
@@ -30,8 +31,9 @@ with exactly the keys of issue 13:
 A log line before it gives what the targets are measured against: the undisturbed seed-0 run's
 median round (seconds between a learner's pushes), the pushes the restarted syncers replayed, the
 mean staleness of the pushed steps with and without chaos, and the machine's load average. Why the
-staleness: a learner down (its restart takes longer than a demo run's rest) leaves the other alone,
-whose pushes are never stale, and fresher outer steps make a lower loss at the same token budget.
+staleness: a learner down (its restart is a fifth to a third of a demo-size run) leaves the other
+alone, whose rounds then take half as long and whose pushes are never stale, and fresher outer steps
+make a lower loss at the same token budget (docs/service-durability.md#chaos-benchmark).
 """
 
 import collections
@@ -59,7 +61,7 @@ _SIZE = flags.DEFINE_enum("size", "demo", ["demo", "tiny"], "Model and budget: t
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Undisturbed runs (config seeds 0..n-1) for the spread.")
 _PLAN = flags.DEFINE_list("plan", ["learner", "syncer", "learner"], "Kinds of the successive victims.")
 # launch_local's --workdir (where the runs go; each run's folder is replaced) and --chaos_seed (the
-# schedule's seed: which learner dies; default 0) apply too.
+# schedule's seed: the kill versions and which learner dies; default 0) apply too.
 flags.FLAGS.set_default("workdir", os.path.join(tempfile.gettempdir(), "dd_chaos"))
 
 # What users run with the service, at two sizes.
