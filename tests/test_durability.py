@@ -351,19 +351,19 @@ def test_a_stale_learner_incarnation_is_refused_once_a_newer_one_joined_and_afte
 
 @pytest.mark.slow
 def test_the_chaos_benchmark_loses_nothing_when_learners_and_the_syncer_are_killed(tmp_path):
-  # The syncer first: the tiny run can end within one kill interval of its first kill, and a learner kill right
-  # after the syncer's restart still finds the run going (its learners waited for the syncer meanwhile).
+  # Kills at seeded syncer versions within the undisturbed run's first 60%, each once the previous victim is back:
+  # both kills happen however loaded the host is.
   process = subprocess.run([sys.executable, "-m", "experiments.benchmarks.chaos", "--size=tiny", "--seeds=1",
                             "--plan=syncer,learner", f"--workdir={tmp_path}"], capture_output=True, text=True,
                            timeout=900,
                            env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
   assert process.returncode == 0, process.stderr[-3000:]
   figures = json.loads(process.stdout.strip().splitlines()[-1])
-  assert figures["kills"]["learner"] >= 1 and figures["kills"]["syncer"] == 1, figures
+  assert figures["kills"] == {"learner": 1, "syncer": 1}, figures  # The plan's, on any host.
   assert figures["acked_lost"] == 0 and figures["applied_twice"] == 0, figures
   assert 0 < figures["syncer_recovery_seconds"]["max"] < 300, figures
   # A learner restarted near the budget's end may find the run over: then it has no rejoin time.
   assert set(figures) == {"kills", "acked_lost", "applied_twice", "loss_ratio", "undisturbed_spread", "rejoin_seconds",
                           "syncer_recovery_seconds"}, figures  # Exactly issue 13's keys.
   rejoin = figures["rejoin_seconds"]
-  assert rejoin.get("max", 1) > 0 and rejoin["startup"].get("max", 1) > 0, figures
+  assert rejoin.get("max", 1) > 0 and rejoin["startup"].get("max", 1) > 0 and rejoin["rest"].get("p50", 0) >= 0, figures

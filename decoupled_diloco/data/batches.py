@@ -30,10 +30,8 @@ sources (TFDS, ArrayRecord, subword text) go through the packed pipeline (pipeli
 
 import math
 
-import grain
 import numpy as np
 
-from decoupled_diloco.data import pipeline
 from decoupled_diloco.errors import ConfigError
 
 SPLITS = ("iid", "noniid")
@@ -87,6 +85,7 @@ class LearnerBatches:
     self._learner_index = learner_index
     self._order_cache: dict[int, np.ndarray] = {}
     self.rows = rows if rows is not None else range(batch_size)
+    import grain  # pylint: disable=g-import-not-at-top  (grain only where it is used: a syncer starts sooner)
     self._dataset = grain.MapDataset.range(2**62).map(self._rows_of_step)
 
   @property
@@ -138,6 +137,7 @@ def learner_batches(corpus, seq_len: int, *, learner_index: int, num_learners: i
                     seed: int, rows: range | None = None, prefetch: int = 2):
   """Learner `learner_index`'s batches (this process's `rows` of them): windows or packed documents."""
   if corpus.packed:
+    from decoupled_diloco.data import pipeline  # pylint: disable=g-import-not-at-top  (imports grain)
     return pipeline.PackedBatches(corpus.train_documents, corpus.tokenizer, seq_len, learner_index=learner_index,
                                   num_learners=num_learners, batch_size=batch_size, split=split, seed=seed,
                                   rows=rows, prefetch=prefetch)
@@ -152,6 +152,7 @@ def eval_batches(corpus, seq_len: int, batch_size: int, num_batches: int) -> lis
   eval losses are comparable across steps and runs.
   """
   if corpus.packed:
+    from decoupled_diloco.data import pipeline  # pylint: disable=g-import-not-at-top  (imports grain)
     windows = pipeline.eval_windows(corpus.eval_documents, corpus.tokenizer, seq_len, num_batches * batch_size)
     return list(windows.reshape(num_batches, batch_size, -1))
   windows = make_windows(corpus.eval, seq_len)

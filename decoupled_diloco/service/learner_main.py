@@ -35,7 +35,7 @@ from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import group as group_lib
 from decoupled_diloco.service import learner_build
 from decoupled_diloco.service import link as link_lib
-from decoupled_diloco.service import shardclient
+from decoupled_diloco.service import runconfig, shardclient
 
 
 class LearnerProcess:
@@ -46,6 +46,9 @@ class LearnerProcess:
       raise ConfigError(f"--learner_id={index} is not in [0, {len(config.learners.devices)}): the config has "
                         f"{len(config.learners.devices)} learner groups")
     self.config, self.index, self.service = config, index, config.service
+    local = storage.local_dir(workdir, config.service.local_dir, "a learner's lock")
+    lock_dir = os.path.join(local, f"learner_{index}")
+    runconfig.cache_compiled_programs(os.path.join(lock_dir, "xla_cache"))  # Before any compile: a restart loads.
     self.group = group_lib.GroupLink()
     self.plan = schedule.RunPlan.from_config(config)
     self.learner = learner_build.build_learner(config, self.plan, index, self.group)
@@ -67,8 +70,6 @@ class LearnerProcess:
     self.compute_since_push = [0.0] * self.learner.num_fragments  # A push's compute_seconds, per fragment.
     self.directory = os.path.join(workdir, f"learner_{index}")
     # Before anything in it is touched: a frozen predecessor's save in progress stays its own.
-    local = storage.local_dir(workdir, config.service.local_dir, "a learner's lock")
-    lock_dir = os.path.join(local, f"learner_{index}")
     self.lock = workdir_lock.DirectoryLock(lock_dir, f"learner.{jax.process_index()}.lock", f"learner {index}")
     self.writer = metrics_lib.MetricsWriter(self.directory) if self.group.leader else None
     self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(self.directory, "checkpoints"), max_to_keep=1)
@@ -218,7 +219,7 @@ class LearnerProcess:
     Its pushes' time per step feed this group's measured speed, except in the first period (compilation).
     """
     learner = self.learner
-    first_step, digests = learner.steps, []
+    first_step, digests, compiled_at = learner.steps, [], None
     for step_in_period in range(1, steps + 1):
       self._land_due()
       if self.status["done"]:
@@ -227,6 +228,7 @@ class LearnerProcess:
         learner.timed_step(self.slowdown)
       else:
         learner.step()
+      compiled_at = compiled_at or time.time()  # The first step's call returns once XLA compiled (or loaded) it.
       digests.append(zlib.crc32(learner.batches.batch(learner.steps - 1)))  # The batch just trained on.
       self.budget[0] += 1
       self.budget[1] += learner.batches.tokens_per_batch
@@ -244,7 +246,7 @@ class LearnerProcess:
     self._tick()
     if not self.compiled:  # Start-up and compilation end here: what a (re)started learner costs before training.
       self._write({"kind": "first_round", "outer_step": learner.base_versions[0], "unix_time": time.time(),
-                   "start_step": self.start_step})
+                   "compiled_unix_time": compiled_at, "start_step": self.start_step})
     self.compiled = True
 
   def _land_due(self) -> None:

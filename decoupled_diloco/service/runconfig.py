@@ -85,6 +85,15 @@ def max_payload_bytes(params) -> int:
   return 2 * sum(int(np.size(x)) * 4 for x in jax.tree.leaves(params)) + (1 << 20)
 
 
+def cache_compiled_programs(directory: str) -> None:
+  """Keeps what XLA compiles from here on in `directory`, however quick: a restarted syncer's log replay and
+  warm-up, and a restarted learner's train step, load their programs instead of compiling them (10 s for
+  3 replayed pushes, most of a learner's rejoin, on a loaded host)."""
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def write_address(workdir: str, address: str) -> None:
   """Publishes 'host:port' atomically, so a launcher never reads half of it."""
   storage.replace_text(os.path.join(workdir, ADDRESS_FILE), address)

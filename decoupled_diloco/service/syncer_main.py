@@ -131,7 +131,7 @@ def latest_checkpoint(checkpoints: str) -> int | None:
 def _serve(config, workdir: str, local: str, token: str, credentials, model, params, corpus, shard: int | None,
            entered: float) -> dict:
   """The syncer's life in a workdir it holds: restore, serve, finish."""
-  cache_compiled_programs(os.path.join(local, "xla_cache"))
+  runconfig.cache_compiled_programs(os.path.join(local, "xla_cache"))
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   recorder = records.Recorder()
@@ -191,14 +191,6 @@ def _serve(config, workdir: str, local: str, token: str, credentials, model, par
       return _finish(core, evaluator, recorder, server, write_summary=core.done and not _has_summary(writer.path))
   finally:
     core.close()
-
-
-def cache_compiled_programs(directory: str) -> None:
-  """Keeps what XLA compiles from here on in `directory`, however quick: a restart's log replay and
-  warm-up then load the merge instead of compiling it (10 s for 3 replayed pushes on a loaded host)."""
-  jax.config.update("jax_compilation_cache_dir", directory)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def start_record(core: core_lib.SyncerCore, step: int | None, entered: float, replayed_at: float) -> dict:

@@ -1,6 +1,6 @@
-r"""Chaos benchmark: SIGKILL learners and the syncer at seeded times; nothing acknowledged is lost.
+r"""Chaos benchmark: SIGKILL learners and the syncer at seeded points of training; nothing acknowledged is lost.
 
-  python -m experiments.benchmarks.chaos               # the demo's model, ~10 min on 2 idle cores
+  python -m experiments.benchmarks.chaos               # the demo's model, 15 min on 2 cores at load ~30
   python -m experiments.benchmarks.chaos --size=tiny   # the end-to-end test's size
 
 Real processes on loopback (experiments.launch_local) run what users run with the service:
@@ -8,8 +8,9 @@ Delayed Nesterov, quorum 1, DyLU with measured speeds, a syncer that checkpoints
 merges. Delayed Nesterov buffers M = 2 arrivals per momentum step (outer.buffer_size; with 1,
 every stale arrival took a full Nesterov step and the undisturbed runs diverged: train loss
 2.7 -> 7..16, a 15% spread). `--seeds` undisturbed runs (config seeds 0..n-1), then one run of
-seed 0 under a seeded schedule that kills learners and the syncer after the first merges, so a
-restarted syncer restores a checkpoint and replays its log. The last line is one JSON object
+seed 0 under a seeded schedule that kills learners and the syncer at seeded syncer versions after
+the first merges (ProgressChaos: the same points of training on any host), so a restarted syncer
+restores a checkpoint and replays its log. The last line is one JSON object
 with exactly the keys of issue 13:
 
   kills             {learner, syncer}: SIGKILLs that happened.
@@ -19,8 +20,9 @@ with exactly the keys of issue 13:
   loss_ratio        final eval loss with chaos / without (seed 0, same token budget).
   undisturbed_spread  (max - min) / mean of the undisturbed runs' final eval losses.
   rejoin_seconds    from a learner's restart to the syncer's first accepted push of it: {p50, max}, split
-                    at the learner's first finished round into `startup` (process start, imports, Join,
-                    compilation) and `rest` (target: at most one round of H steps), each {p50, max}.
+                    where its first step's call returned into `startup` (process start, imports, Join,
+                    restore, compilation or loading it from the learner's XLA cache) and `rest` (its
+                    first round of steps and the push; target: at most one round of H steps), each {p50, max}.
   syncer_recovery_seconds  from a syncer's restart to the first call it served (a heartbeat this
                     benchmark sends): {p50, max}; target 10 s. Split by the restarted syncer's
                     'syncer_start' record into `imports` (process start, imports), `restore` (model
@@ -29,12 +31,15 @@ with exactly the keys of issue 13:
 A log line before it gives what the targets are measured against: the undisturbed seed-0 run's
 median round (seconds between a learner's pushes), the pushes the restarted syncers replayed, the
 mean staleness of the pushed steps with and without chaos, and the machine's load average. Why the
-staleness: a learner down (its restart takes longer than a demo run's rest) leaves the other alone,
-whose pushes are never stale, and fresher outer steps make a lower loss at the same token budget.
+staleness: a learner down (its restart is a fifth to a third of a demo-size run) leaves the other
+alone, whose rounds then take half as long and whose pushes are never stale, and fresher outer steps
+make a lower loss at the same token budget (docs/service-durability.md#chaos-benchmark).
 """
 
 import collections
+import math
 import os
+import random
 import shutil
 import statistics
 import tempfile
@@ -56,10 +61,10 @@ _SIZE = flags.DEFINE_enum("size", "demo", ["demo", "tiny"], "Model and budget: t
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Undisturbed runs (config seeds 0..n-1) for the spread.")
 _PLAN = flags.DEFINE_list("plan", ["learner", "syncer", "learner"], "Kinds of the successive victims.")
 # launch_local's --workdir (where the runs go; each run's folder is replaced) and --chaos_seed (the
-# schedule's seed: which learner dies; default 0) apply too.
+# schedule's seed: the kill versions and which learner dies; default 0) apply too.
 flags.FLAGS.set_default("workdir", os.path.join(tempfile.gettempdir(), "dd_chaos"))
 
-# What users run with the service, at two sizes; kills start after 8 merges, `every` seconds apart.
+# What users run with the service, at two sizes.
 _COMMON = ("--config.mode=decoupled", "--config.learners.devices=(1,1)", "--config.outer.optimizer=delayed_nesterov",
            "--config.outer.buffer_size=2", "--config.syncer.quorum=1", "--config.policy.kind=dylu",
            "--config.policy.speed_source=measured",
@@ -68,12 +73,12 @@ _COMMON = ("--config.mode=decoupled", "--config.learners.devices=(1,1)", "--conf
 _SIZES = {
     "demo": {"overrides": ("--config.learners.batch_size=(16,16)",
                            "--config.outer_steps=12", "--config.inner_steps=20"),
-             "every": 10.0, "min_uptime": 30.0, "timeout": 900.0},
+             "timeout": 900.0},
     "tiny": {"overrides": ("--config.model.seq_len=16", "--config.model.d_model=32",
                            "--config.model.num_layers=1", "--config.model.num_heads=2", "--config.model.d_ff=64",
                            "--config.learners.batch_size=(4,4)", "--config.outer_steps=150",
                            "--config.inner_steps=20", "--config.data.synthetic.num_tokens=30000"),
-             "every": 2.0, "min_uptime": 5.0, "timeout": 600.0},
+             "timeout": 600.0},
 }
 
 
@@ -106,20 +111,46 @@ class TimedCluster(LocalCluster):
       probe.close()
 
 
-class AfterMerges(Chaos):
-  """Chaos whose clock starts once the syncer merged `merges` times: kills hit a run in progress, and a
-  killed syncer has checkpoints and a log to restore and replay (however slowly processes start)."""
+class ProgressChaos(Chaos):
+  """Chaos timed by the run's progress, not the clock: kill i comes once the syncer's version reached
+  `versions[i]` (seeded) and the previous victim is back (a learner: finished a round since its restart), so
+  one seed kills at the same points of training on an idle or a loaded machine, and recoveries never overlap."""
 
-  def __init__(self, *args, merges: int, **kwargs):
-    super().__init__(*args, **kwargs)
-    self.merges = merges
+  def __init__(self, seed: int, plan: tuple[str, ...], versions: list[int], delay: float):
+    super().__init__(seed, every=0.0, delay=delay, include_syncer=True, plan=plan)
+    self.versions = versions
+    self.back: list[tuple[str, float]] = []  # (victim, time.time() of its restart)
 
   def step(self, cluster: LocalCluster, now: float) -> None:
-    if self.next_kill is None:
-      path = os.path.join(cluster.workdir, "metrics.jsonl")
-      if not os.path.exists(path) or len(_records(path, "outer")) < self.merges:
-        return
+    down = set(self.down)
+    kills = sum(event == "kill" for _, event, _ in self.events)
+    self.next_kill = now if kills < len(self.versions) and self._due(cluster, kills) else math.inf
     super().step(cluster, now)
+    self.back += [(name, time.time()) for name in down - set(self.down)]
+
+  def _due(self, cluster: LocalCluster, kills: int) -> bool:
+    if self.down or syncer_version(cluster.workdir) < self.versions[kills]:
+      return False
+    if not self.back or self.back[-1][0] == "syncer":
+      return True
+    name, restarted = self.back[-1]
+    return any(r["unix_time"] > restarted
+               for r in _records(os.path.join(cluster.workdir, name, "metrics.jsonl"), "first_round"))
+
+
+def kill_versions(seed: int, kills: int, final_version: int) -> list[int]:
+  """Seeded, increasing syncer versions to kill at: after the first merges (so a restarted syncer restores a
+  checkpoint and replays its log) and before 60% of the undisturbed run's `final_version` (so a killed
+  learner is back well before the budget is spent and the run trains with both learners again)."""
+  low, high = max(4, final_version // 6), max(5, final_version * 3 // 5)
+  step = (high - low) / kills
+  rng = random.Random(seed)
+  return [int(low + step * (i + rng.random())) for i in range(kills)]
+
+
+def syncer_version(workdir: str) -> int:
+  """The newest version the syncer's 'outer' records reached (a restarted syncer rewrites what it replays)."""
+  return max((r["outer_step"] for r in _records(os.path.join(workdir, "metrics.jsonl"), "outer")), default=0)
 
 
 def _run(workdir: str, overrides: list[str], size: dict, chaos: Chaos | None) -> TimedCluster:
@@ -152,7 +183,8 @@ def _spread(values: list[float]) -> dict:
 
 
 def rejoin_seconds(cluster: TimedCluster) -> dict:
-  """From each learner restart to the syncer's first accepted push of it, split at its first finished round."""
+  """From each learner restart to the syncer's first accepted push of it, split where its first step was compiled
+  (or loaded from the XLA cache): start-up before, its first round of steps and push after."""
   checkpoints = os.path.join(cluster.workdir, "checkpoints")
   with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
     start_time = checkpointer.restore_metadata(checkpointer.latest_step())["start_time"]
@@ -164,8 +196,8 @@ def rejoin_seconds(cluster: TimedCluster) -> dict:
     learner = int(name.split("_")[1])
     accepted = [start_time + r["wall_time"] for r in pushes if r["learner"] == learner
                 and start_time + r["wall_time"] > began]
-    rounds = [r["unix_time"] for r in _records(os.path.join(cluster.workdir, name, "metrics.jsonl"), "first_round")
-              if r["unix_time"] > began]
+    rounds = [r["compiled_unix_time"] for r in _records(os.path.join(cluster.workdir, name, "metrics.jsonl"),
+                                                         "first_round") if r["unix_time"] > began]
     if accepted and rounds:  # Else restarted into a run that was over.
       total.append(min(accepted) - began)
       startup.append(min(rounds) - began)
@@ -213,8 +245,10 @@ def main(argv: list[str]) -> None:
     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
   losses = [_final_loss(_run(os.path.join(root, f"undisturbed_{seed}"), [f"--config.seed={seed}"], size,
                              None).workdir) for seed in range(_SEEDS.value)]
-  chaos = AfterMerges(flags.FLAGS.chaos_seed or 0, size["every"], delay=2.0, include_syncer=True,
-                      min_uptime=size["min_uptime"], plan=tuple(_PLAN.value), merges=8)
+  seed = flags.FLAGS.chaos_seed or 0
+  versions = kill_versions(seed, len(_PLAN.value), syncer_version(os.path.join(root, "undisturbed_0")))
+  logging.info("chaos plan: %s at syncer versions %s", _PLAN.value, versions)
+  chaos = ProgressChaos(seed, tuple(_PLAN.value), versions, delay=2.0)
   chaotic = _run(os.path.join(root, "chaos"), ["--config.seed=0"], size, chaos)
   kills = collections.Counter("syncer" if name == "syncer" else "learner" for _, event, name in chaos.events
                               if event == "kill")
