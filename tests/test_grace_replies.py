@@ -63,6 +63,9 @@ def test_a_service_pull_waits_for_the_merge_of_the_grace_window_its_push_is_in(t
   assert not waiter.is_alive()
   status, theta = replies[0]
   assert status["versions"] == [1] and theta is not None
+  for fragment in (-1, 1):  # A fragment the run does not have: refused as before, not waited on.
+    with pytest.raises(wire.WireError, match="is not in"):
+      core.pull(0, fragment, 0, now)
   core.close()
 
 

@@ -68,8 +68,8 @@ class GraceWaits:
   def wait(self, syncer: Syncer, learner: int, fragment: int, now: float, on_wait=None) -> None:
     """Returns once the learner's push in `fragment`'s open window is merged (at once if it is in none),
     or `slack_seconds` after the deadline (ticks close windows); `on_wait(seconds)` hears that bound first."""
-    if not syncer.in_window(learner, fragment):
-      return
+    if not (0 <= fragment < len(syncer.fragments) and syncer.in_window(learner, fragment)):
+      return  # (A fragment the run does not have is refused by the pull itself.)
     limit = max(syncer.fragments[fragment].deadline - now, 0.0) + self.slack_seconds
     if on_wait is not None:
       on_wait(limit)
