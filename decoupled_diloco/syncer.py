@@ -178,6 +178,19 @@ class Syncer:
     """Open grace windows' closing times (one per fragment that has one)."""
     return [f.deadline for f in self.fragments if f.deadline is not None]
 
+  def in_window(self, learner: int, fragment: int) -> bool:
+    """Whether a push of `learner` waits in fragment `fragment`'s open grace window.
+
+    Such a push is answered with that window's merge in every runtime (docs/syncer.md): the window
+    exists so that the learners in it receive a Θ_p that holds their own push.
+    """
+    state = self.fragments[fragment]
+    return state.deadline is not None and any(p.learner == learner for p in state.pending)
+
+  def holds(self, learner: int, fragment: int) -> bool:
+    """Whether a push of `learner` to `fragment` is accepted but not merged yet (a waiting learner's end)."""
+    return any(p.learner == learner for p in self.fragments[fragment].pending)
+
   @property
   def quorum(self) -> int:
     """Distinct learners needed for a merge (0 in the settings means all)."""

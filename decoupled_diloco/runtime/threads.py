@@ -9,8 +9,9 @@ The step budget has a lock of its own, never held across a merge, so a long merg
 stops anyone's next step. No learner holds either lock while it computes inner steps, its
 pseudo-gradient, a pull or an evaluation. `now` is `time.monotonic()` seconds since the start.
 
-Modes: 'decoupled' (a learner pushes and goes on from the newest Θ at once; merges follow
-config.syncer, and a timer thread closes grace windows on time) and 'diloco' (a learner
+Modes: 'decoupled' (a learner pushes and goes on from the newest Θ at once, or, if its push
+waits in a grace window, from that window's merge, as on the virtual clock with τ = 0; merges
+follow config.syncer, and a timer thread closes grace windows on time) and 'diloco' (a learner
 waits for the merge that includes its push; pushes are handed over in learner order, so
 the merge adds them up in the lockstep runtime's order and gives its numbers). DyLU sizes
 rounds from measured step times under policy.speed_source='measured' (inner steps are
@@ -69,7 +70,7 @@ class ThreadedRun:
     # Under the syncer lock: the syncer and the coordination below.
     self.lock = threading.Condition()
     self.pushed: set[int] = set()   # diloco: learners that handed their push over since the last merge.
-    self.waiting: set[int] = set()  # diloco: learners waiting for a merge.
+    self.waiting: set[int] = set()  # Learners waiting for a merge (diloco, or in a grace window).
     self.done: set[int] = set()
     self.eval_due = schedule.Every(self.plan.tokens_per_eval)
     self.syncer_seconds = 0.0  # Time the syncer spent receiving and merging (lock held).
@@ -138,11 +139,11 @@ class ThreadedRun:
         self.writer.write(record)
       if self.blocking:  # Hand over in learner order: the merge then sums as lockstep does.
         self._wait(m, lambda: all(k in self.pushed or k in self.done for k in range(m)))
-      before = self.syncer.versions[0]
-      if self._hand_over(m, push) and self.blocking:  # Wait for the merge that includes the push.
+      # Wait for the merge that includes the push: always in diloco, and in a grace window (docs/syncer.md).
+      if self._hand_over(m, push) and (self.blocking or self.syncer.in_window(m, 0)):
         self.waiting.add(m)
         self.lock.notify_all()
-        self._wait(m, lambda: self.syncer.versions[0] > before or self._no_merge_coming())
+        self._wait(m, lambda: not self.syncer.holds(m, 0) or self._no_merge_coming())
         self.waiting.discard(m)
       params, version = self.syncer.fragment_params(0), self.syncer.versions[0]
     learner.land(0, params, version)
@@ -198,7 +199,7 @@ class ThreadedRun:
     return accepted
 
   def _no_merge_coming(self) -> bool:
-    """diloco: the budget is spent and nobody will push again, so the quorum can no longer fill."""
+    """The budget is spent and nobody will push again: the quorum (diloco) or the window can no longer fill."""
     with self.budget:
       spent = self.steps_left == 0
     return spent and all(k in self.waiting or k in self.done for k in range(len(self.accounts)))

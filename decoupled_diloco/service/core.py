@@ -11,7 +11,7 @@ networked syncer needs, behind one lock (gRPC handlers run on a thread pool):
     lost and versions never go back. A failed log append stops the service (`Stopped`);
   * admission (`admission`, `limits`): known learners, bounded headers, and fencing: each Join
     starts a new incarnation of its learner, and pushes of older ones are refused;
-  * membership: the start barrier, and leases (silent for `lease_seconds`: out of the quorum until it calls);
+  * membership: start barrier, leases (silent `lease_seconds`: out of the quorum till it calls), grace waits;
   * the run's budget: outer_steps × inner_steps × M inner steps, each counted once (`admission.budget_share`);
   * streaming: pushes and pulls name their fragment (`pullcache`: Θ_p encoded once per version);
   * measured speeds: an EMA of each learner's steps per compute-second; every reply carries the
@@ -56,6 +56,7 @@ class SyncerCore(recovery.Recovery):
     self.emit = emit or (lambda record: None)  # Metric records (push, outer).
     self.on_merge = on_merge or (lambda version, params, now: None)
     self.lock = threading.RLock()
+    self.grace = membership.GraceWaits(self.lock)
     self.barrier = membership.StartBarrier(self.lock, min_learners_to_start, start_timeout_seconds)
     self.quorum_setting = syncer.settings.quorum
     self.acked = {m: -1 for m in range(num_learners)}
@@ -94,13 +95,9 @@ class SyncerCore(recovery.Recovery):
     return before
 
   def check_bounds(self, header: dict) -> None:
-    """Raises UnknownLearner or limits.OutOfBounds for a push header no honest learner sends.
-
-    The one bounds check of a push: the server runs it on the header before any payload byte
-    moves (Push and PushTicket alike; a data-channel push carries its ticket's checked header),
-    so `push` does not repeat it. The bounds only loosen as the run goes on (acked seqs grow),
-    except steps left, which the budget's own count handles.
-    """
+    """Raises UnknownLearner or limits.OutOfBounds for a push header no honest learner sends: the one bounds check
+    of a push, run by the server on its header before any payload byte moves (Push and PushTicket alike), so `push`
+    does not repeat it. The bounds only loosen as the run goes on (acked seqs grow), except steps left (budget)."""
     with self.lock:
       admission.require_known(header["learner"], self.num_learners)
       if self.limits is not None:
@@ -142,11 +139,13 @@ class SyncerCore(recovery.Recovery):
       self.incarnations[learner] = incarnation
       return self.status(learner), self.pulls.whole(self.syncer.params)
 
-  def pull(self, learner: int, fragment: int, have_version: int, now: float) -> tuple[dict, list | None]:
-    """(status, encoded Θ_fragment, or None when the learner already has its version)."""
+  def pull(self, learner: int, fragment: int, have_version: int, now: float, on_wait=None) -> tuple[dict, list | None]:
+    """(status, encoded Θ_fragment, or None when the learner already has its version). A learner whose push
+    waits in the fragment's grace window gets that window's merge (`membership.GraceWaits`; `on_wait` there)."""
     with self.lock:
       self.store.serving()
       self._check_learner(learner, now)
+      self.grace.wait(self.syncer, learner, fragment, now, on_wait)
       return self.status(learner), self.pulls.fragment(self.syncer, fragment, have_version)
 
   def heartbeat(self, learner: int, now: float) -> dict:
@@ -259,6 +258,7 @@ class SyncerCore(recovery.Recovery):
                  "replayed": int(replay)})
       if not replay:
         self.on_merge(report.version, self.syncer.params, now)
+        self.grace.merged()
     if not replay and self._merges_since_checkpoint >= self.checkpoint_every:
       self._checkpoint_due = True
 

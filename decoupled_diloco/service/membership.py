@@ -53,6 +53,35 @@ class StartBarrier:
             "timed_out": int(timed_out), "wall_time": time.time() - start_time}
 
 
+class GraceWaits:
+  """Pulls that wait for the merge of the grace window their learner's push is in (docs/syncer.md).
+
+  On the virtual clock such a learner receives that window's merge; here its pull (sent right after
+  the push) waits for it, the core's `lock` released meanwhile, so the three runtimes agree.
+  Callers hold `lock`; the core calls `merged()` after every merge.
+  """
+
+  def __init__(self, lock: threading.RLock, slack_seconds: float = 5.0):
+    self.slack_seconds = slack_seconds  # How late past its deadline a window's merge is still waited for.
+    self._condition = threading.Condition(lock)
+
+  def wait(self, syncer: Syncer, learner: int, fragment: int, now: float, on_wait=None) -> None:
+    """Returns once the learner's push in `fragment`'s open window is merged (at once if it is in none),
+    or `slack_seconds` after the deadline (ticks close windows); `on_wait(seconds)` hears that bound first."""
+    if not (0 <= fragment < len(syncer.fragments) and syncer.in_window(learner, fragment)):
+      return  # (A fragment the run does not have is refused by the pull itself.)
+    limit = max(syncer.fragments[fragment].deadline - now, 0.0) + self.slack_seconds
+    if on_wait is not None:
+      on_wait(limit)
+    if not self._condition.wait_for(lambda: not syncer.holds(learner, fragment), limit):
+      logging.warning("grace window of fragment %d not merged %.1fs after its deadline: sending the Θ there is",
+                      fragment, self.slack_seconds)
+
+  def merged(self) -> None:
+    """A merge happened: waiting pulls look again."""
+    self._condition.notify_all()
+
+
 def live_learners(learners, last_seen: dict[int, float], now: float, lease_seconds: float) -> list[int]:
   """The learners heard from within their lease (one never heard from counts as just seen)."""
   return sorted(m for m in learners if now - last_seen.get(m, now) <= lease_seconds)

@@ -294,13 +294,15 @@ class SyncerServer:
     del context
     header = wire.parse_header(request, PULL_SCHEMA)
     self._authorize(caller, header["learner"], read=True)
-    return self._sized(deadline, *self._read(header))
+    return self._sized(deadline, *self._read(header, deadline))
 
-  def _read(self, header: dict) -> tuple[dict, list | None]:
-    """A pull's (status, encoded Θ_fragment or None): a learner's, or the evaluator's (reader.py)."""
+  def _read(self, header: dict, deadline: _Deadline | None = None) -> tuple[dict, list | None]:
+    """A pull's (status, encoded Θ_fragment or None): a learner's, or the evaluator's (reader.py).
+    A pull that waits for a grace window's merge (core.pull) has its call's `deadline` moved by that wait."""
     if reader.is_reader(header["learner"]):
       return self.reader.pull(header["fragment"], header["have_version"])
-    return self.core.pull(header["learner"], header["fragment"], header["have_version"], time.time())
+    on_wait = (lambda seconds: deadline.set(datachannel.transfer_seconds(0) + seconds)) if deadline else None
+    return self.core.pull(header["learner"], header["fragment"], header["have_version"], time.time(), on_wait)
 
   def _sized(self, deadline: _Deadline, status: dict, parts: list | None):
     """The reply stream, with the call's deadline sized from the bytes it sends."""

@@ -61,8 +61,8 @@ class _DecodeOnlyCore:
     wire.decode(payload)
     return {"status": "applied", **self._status(header["seq"], header["incarnation"])}
 
-  def pull(self, learner: int, fragment: int, have_version: int, now: float) -> tuple[dict, list]:
-    del learner, fragment, have_version, now
+  def pull(self, learner: int, fragment: int, have_version: int, now: float, on_wait=None) -> tuple[dict, list]:
+    del learner, fragment, have_version, now, on_wait
     return self._status(-1, 0), self.theta
 
   @staticmethod
