@@ -23,7 +23,7 @@ The last line holds the issue's keys only (backend, mfu, ratio); the line before
 holds per-config ms/step and ratios on both clocks with their range over blocks (the noise), the
 compiled programs' FLOPs and bytes (framework / bare) and the FLOP-count check.
 
-  python -m experiments.benchmarks.mfu [--sizes=125m,350m] [--variants=xla/none,...] [--blocks=7]
+  python -m experiments.benchmarks.mfu [--sizes=125m,350m] [--variants=xla/none,...] [--blocks=11]
 """
 
 from experiments.benchmarks import common
@@ -208,7 +208,7 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", default=",".join(SIZES), help=f"some of {', '.join(SIZES)}")
   parser.add_argument("--variants", default=",".join(VARIANTS), help="attention/remat pairs")
-  parser.add_argument("--blocks", type=int, default=7, help="alternating timed blocks per side (median taken)")
+  parser.add_argument("--blocks", type=int, default=11, help="alternating timed blocks per side (median taken)")
   parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
   args = parser.parse_args(argv)
   sizes, variants = args.sizes.split(","), args.variants.split(",")
