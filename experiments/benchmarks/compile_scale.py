@@ -17,6 +17,7 @@ rematerialisation reliably, so both are reported. Targets: with scan, 32 layers 
 
 The run keeps to --budget_s: the measurements the target keys need come first, and once the
 budget is spent the rest are skipped (listed under `skipped`), so it always ends with its JSON line.
+That last line holds the issue's two keys only; the line before it, `context`, holds the rest.
 
   python -m experiments.benchmarks.compile_scale [--budget_s=1500] [--depths=4,8,16,32]
 """
@@ -28,6 +29,7 @@ common.use_virtual_devices()
 import argparse  # noqa: E402  pylint: disable=g-import-not-at-top,g-bad-import-order
 import contextlib  # noqa: E402
 import io  # noqa: E402
+import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
@@ -132,8 +134,8 @@ def _ratio(results: dict, top: str, bottom: str, key: str = "compile_s"):
   return round(results[top][key] / results[bottom][key], 3)
 
 
-def measure(depths: tuple[int, ...], remat_depth: int, width: int, budget_s: float) -> dict:
-  """Every measurement, most needed first, until the budget is spent; returns the JSON record."""
+def measure(depths: tuple[int, ...], remat_depth: int, width: int, budget_s: float) -> tuple[dict, dict]:
+  """Every measurement, most needed first, until the budget is spent; returns (context, the issue's keys)."""
   low, high = min(depths), max(depths)
   plan = [(f"scan_{d}", compile_step, model_config(d, True, width=width)) for d in (low, high)]
   plan += [(f"remat_{p}", compile_step, model_config(remat_depth, True, p, width)) for p in ("none", "full", "minimal")]
@@ -151,27 +153,27 @@ def measure(depths: tuple[int, ...], remat_depth: int, width: int, budget_s: flo
       results[name]["saved_residual_bytes"] = saved_residual_bytes(cfg)
     print(f"{name}: {results[name]}", flush=True)
   residuals = {k: v["saved_residual_bytes"] for k, v in results.items() if k.startswith("remat_")}
-  return {
+  context = {
       "backend": jax.default_backend(), "load_average": os.getloadavg(),
       "compile_seconds": "compiling process CPU seconds (compile_wall_s beside them)",
       "width": width, "depths": list(depths),
       "compile": {k: v for k, v in results.items() if k.startswith(("scan_", "loop_"))},
       "breakdown": {k: v for k, v in results.items() if k.startswith(("grads_", "convert_"))},
       f"remat_{remat_depth}_layers": {k[len("remat_"):]: v for k, v in results.items() if k.startswith("remat_")},
-      "compile_ratio_32_vs_4": _ratio(results, f"scan_{high}", f"scan_{low}"),
       "compile_ratio_32_vs_4_wall": _ratio(results, f"scan_{high}", f"scan_{low}", "compile_wall_s"),
       "compile_ratio_32_vs_4_loop": _ratio(results, f"loop_{high}", f"loop_{low}"),
       "compile_ratio_32_vs_4_grads_only": _ratio(results, f"grads_{high}", f"grads_{low}"),
       "compile_ratio_32_vs_4_conversions": _ratio(results, f"convert_{high}", f"convert_{low}"),
-      "remat_full_vs_none_bytes": (round(residuals["remat_full"] / residuals["remat_none"], 4)
-                                   if {"remat_full", "remat_none"} <= residuals.keys() else None),
       "remat_full_vs_none_xla_peak": _ratio(results, "remat_full", "remat_none", "xla_peak_bytes"),
       "skipped": skipped,
   }
+  return context, {"compile_ratio_32_vs_4": _ratio(results, f"scan_{high}", f"scan_{low}"),
+                   "remat_full_vs_none_bytes": (round(residuals["remat_full"] / residuals["remat_none"], 4)
+                                                if {"remat_full", "remat_none"} <= residuals.keys() else None)}
 
 
 def main(argv=None) -> None:
-  """Parses the sizes and budget, measures, and prints the one JSON line."""
+  """Parses the sizes and budget, measures, prints the context line and then the one JSON line."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--depths", default="4,8,16,32", help="layer counts; the ratio is largest over smallest")
   parser.add_argument("--remat_depth", type=int, default=REMAT_DEPTH)
@@ -179,7 +181,9 @@ def main(argv=None) -> None:
   parser.add_argument("--budget_s", type=float, default=1500.0, help="after the first, start no measurement past this")
   args = parser.parse_args(argv)
   depths = tuple(int(d) for d in args.depths.split(","))
-  common.emit(measure(depths, args.remat_depth, args.width, args.budget_s))
+  context, figures = measure(depths, args.remat_depth, args.width, args.budget_s)
+  print(json.dumps({"context": context}, sort_keys=True))
+  common.emit(figures)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ For ~125M and ~350M Llama-style configs (RoPE, SwiGLU, bf16, seq 2048) with atte
 variants, times the framework's compiled inner step (inner.build_inner_loop: sharded jit,
 activation constraints, donation, scanned layers held stacked) against a hand-written jax.jit +
 optax AdamW step of the same model, layout and devices (`runners`), both back to back in every
-block (`paired_ratio`: alternating order, median of the blocks' ratios). mfu = model FLOPs per
+block (`paired_ratios`: alternating order, median of the blocks' ratios; in CPU seconds on the
+CPU backend, where the devices are this process's threads, and in wall seconds elsewhere;
+both clocks are printed on the context line). mfu = model FLOPs per
 second / (devices x peak bf16 FLOP/s), where the device's peak is known (TPU, H100/H200), else
 null; model FLOPs are the analytic 6N + attention count (model.flops_per_token), so remat's
 recomputation is not counted as useful work.
@@ -17,8 +19,11 @@ On CPU there is no MFU to measure: the configs shrink to CPU-sized variants of t
 (a quarter of the depth, an eighth of the width, seq 128, vocab 1024; named `<size>-cpu`), and
 the figure that matters is `ratio` (framework / bare; target <= 1.03), the worst over configs.
 `auto` attention resolves per backend (xla on CPU, so it is timed as such and labelled so).
+The last line holds the issue's keys only (backend, mfu, ratio); the line before it, `context`,
+holds per-config ms/step and ratios on both clocks with their range over blocks (the noise), the
+compiled programs' FLOPs and bytes (framework / bare) and the FLOP-count check.
 
-  python -m experiments.benchmarks.mfu [--sizes=125m,350m] [--variants=xla/none,...] [--blocks=7]
+  python -m experiments.benchmarks.mfu [--sizes=125m,350m] [--variants=xla/none,...] [--blocks=11]
 """
 
 from experiments.benchmarks import common
@@ -26,6 +31,7 @@ from experiments.benchmarks import common
 common.use_virtual_devices()
 
 import argparse  # noqa: E402  pylint: disable=g-import-not-at-top,g-bad-import-order
+import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -78,7 +84,10 @@ def runners(cfg, devices, batch_size, steps):
   traced under the same mesh (so the model's activation constraints apply alike) with its state
   placed, laid out and pinned as the framework's (FSDP shardings in and out, scanned blocks
   stacked) and donated: left to propagation, its outputs' shardings could drift from its inputs';
-  what it leaves out is the framework itself (step counter, gradient norm, the InnerLoop).
+  what it leaves out is the framework itself (step counter, gradient norm, the InnerLoop). Both
+  steps are compiled once, ahead of time, and the blocks call those executables (one compile per
+  side: a jit call after `.lower().compile()` would compile again); both place each host batch
+  inside the timed loop.
   """
   model, params, axes = model_lib.build_model(cfg, seed=0)
   optimizer = inner.inner_optimizer(default.get_config().inner, 10_000)
@@ -87,12 +96,6 @@ def runners(cfg, devices, batch_size, steps):
   rng = np.random.default_rng(0)
   batches = [rng.integers(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), dtype=np.int32) for _ in range(steps)]
   framework = {"state": loop.init(params)}
-
-  def run_framework():
-    for batch in batches:
-      framework["state"], metrics = loop.step(framework["state"], loop.put_batch(batch))
-    jax.block_until_ready(metrics)
-
   bare = {"params": loop.to_step(loop.put_params(params))}
   bare["opt_state"] = jax.jit(optimizer.init)(bare["params"])
 
@@ -105,6 +108,14 @@ def runners(cfg, devices, batch_size, steps):
   shardings = (loop.state_shardings.params, loop.state_shardings.opt_state)
   bare_step = jax.jit(bare_step, in_shardings=(*shardings, loop.batch_sharding),
                       out_shardings=(*shardings, mesh.replicated(loop.mesh)), donate_argnums=(0, 1))
+  batch = loop.put_batch(batches[0])
+  framework_step = loop.step.lower(framework["state"], batch).compile()
+  bare_step = bare_step.lower(bare["params"], bare["opt_state"], batch).compile()
+
+  def run_framework():
+    for batch in batches:
+      framework["state"], metrics = framework_step(framework["state"], loop.put_batch(batch))
+    jax.block_until_ready(metrics)
 
   def run_bare():
     for batch in batches:
@@ -112,88 +123,101 @@ def runners(cfg, devices, batch_size, steps):
                                                           jax.device_put(batch, loop.batch_sharding))
     jax.block_until_ready(loss)
 
-  batch = loop.put_batch(batches[0])
-  framework_cost = _compiled_cost(loop.step, framework["state"], batch)
-  bare_cost = _compiled_cost(bare_step, bare["params"], bare["opt_state"], batch)
+  framework_cost, bare_cost = _cost(framework_step), _cost(bare_step)
   return run_framework, run_bare, {key: round(framework_cost[key] / bare_cost[key], 4) for key in _COST_KEYS}
 
 
 _COST_KEYS = ("flops", "bytes accessed")
 
 
-def _compiled_cost(jitted, *args) -> dict:
-  """XLA's cost analysis of `jitted` compiled for `args` (FLOPs and bytes accessed per step).
+def _cost(compiled) -> dict:
+  """XLA's cost analysis of a compiled step (FLOPs and bytes accessed per step).
 
   Why: on a loaded machine step times swing by tens of percent; the two compiled programs'
   own counts say, independently of the load, whether the framework's step does more work.
   """
-  cost = jitted.lower(*args).compile().cost_analysis()
+  cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   return {key: float(cost[key]) for key in _COST_KEYS}
 
 
-def paired_ratio(run_framework, run_bare, blocks: int) -> tuple[float, float]:
-  """(median framework seconds, median of the blocks' framework/bare ratios).
+def paired_ratios(run_framework, run_bare, blocks: int) -> dict:
+  """Median framework seconds and median framework/bare ratio of paired blocks, in CPU and wall seconds.
 
   Why pairs: on a shared machine the load drifts between blocks; a block times both sides back to
   back (in alternating order, so neither always runs first), and the median of those ratios is
-  robust to a slow stretch hitting one block, where a ratio of two medians is not.
+  robust to a slow stretch hitting one block, where a ratio of two medians is not. Why CPU seconds:
+  on the CPU backend the devices are this process's threads, so its CPU seconds are the step's
+  work (Python dispatch included) and leave out the time other jobs took; wall seconds beside them
+  count that time too (and would show a framework that waited idle, which CPU seconds would not).
   """
-  times = {"framework": [], "bare": []}
+  times = {(side, clock): [] for side in ("framework", "bare") for clock in ("cpu", "wall")}
   sides = [("framework", run_framework), ("bare", run_bare)]
   for block in range(blocks):
     for name, run in sides[::1 if block % 2 == 0 else -1]:
-      begin = time.perf_counter()
+      wall, cpu = time.perf_counter(), time.process_time()
       run()
-      times[name].append(time.perf_counter() - begin)
-  ratios = [f / b for f, b in zip(times["framework"], times["bare"])]
-  return statistics.median(times["framework"]), statistics.median(ratios)
+      times[name, "cpu"].append(time.process_time() - cpu)
+      times[name, "wall"].append(time.perf_counter() - wall)
+  figures = {}
+  for clock in ("cpu", "wall"):
+    ratios = sorted(f / b for f, b in zip(times["framework", clock], times["bare", clock]))
+    figures[clock] = {"framework_s": statistics.median(times["framework", clock]),
+                      "ratio": statistics.median(ratios), "ratio_range": (ratios[0], ratios[-1])}
+  return figures
 
 
-def measure(sizes, variants, blocks: int, steps: int) -> dict:
-  """Times every size x variant; returns the JSON record (per-config figures and the worst ratio)."""
+def measure(sizes, variants, blocks: int, steps: int) -> tuple[dict, dict]:
+  """Times every size x variant; returns (context, the issue's figures: backend, mfu, the worst ratio).
+
+  `ratio` is in CPU seconds on the CPU backend and in wall seconds elsewhere (`paired_ratios`
+  says why); the context holds both clocks per config.
+  """
   backend = jax.default_backend()
   on_cpu = backend == "cpu"
+  clock = "cpu" if on_cpu else "wall"
   devices = jax.devices()[:4] if on_cpu else jax.devices()
   peak = next((p for prefix, p in _PEAKS.items() if devices[0].device_kind.startswith(prefix)), None)
   batch_size = 8 if on_cpu else 8 * len(devices)
-  mfu, ratios, ms, costs = {}, {}, {}, {}
+  mfu, timed, costs = {}, {}, {}
   for size in sizes:
     for variant in variants:
       cfg = model_config(size, variant, on_cpu)
       kind, remat = variant.split("/")
       name = f"{size}{'-cpu' if on_cpu else ''}/{attention.resolve_implementation(kind, backend)}/{remat}"
-      if name in ratios:
+      if name in timed:
         continue  # `auto` resolved to a kernel already timed with the same remat.
       run_framework, run_bare, costs[name] = runners(cfg, devices, batch_size, steps)
       run_framework(), run_bare()  # compile and warm up
-      framework_s, ratio = paired_ratio(run_framework, run_bare, blocks)
-      step = framework_s / steps
+      timed[name] = {c: {"ms_per_step": round(f["framework_s"] / steps * 1e3, 2), "ratio": round(f["ratio"], 4),
+                         "ratio_range": [round(r, 4) for r in f["ratio_range"]]}
+                     for c, f in paired_ratios(run_framework, run_bare, blocks).items()}
       flops = model_lib.flops_per_token(cfg) * batch_size * cfg.seq_len
-      mfu[name] = None if peak is None else round(flops / step / (peak * len(devices)), 4)
-      ratios[name] = round(ratio, 4)
-      ms[name] = round(step * 1e3, 2)
-      print(f"{name}: {ms[name]} ms/step, ratio {ratios[name]}, mfu {mfu[name]}, compiled {costs[name]}", flush=True)
-  return {"backend": backend, "device": devices[0].device_kind, "load_average": os.getloadavg(),
-          "devices": len(devices), "batch_size": batch_size,
-          "mfu": mfu, "ratio": max(ratios.values()), "ratios": ratios, "framework_ms_per_step": ms,
-          "compiled_framework_vs_bare": costs,
-          "flops_xla_vs_analytic": {size: xla_vs_analytic_flops(size) for size in sizes}}
+      step_s = timed[name]["wall"]["ms_per_step"] / 1e3
+      mfu[name] = None if peak is None else round(flops / step_s / (peak * len(devices)), 4)
+      print(f"{name}: {timed[name]}, mfu {mfu[name]}, compiled {costs[name]}", flush=True)
+  context = {"device": devices[0].device_kind, "load_average": os.getloadavg(), "devices": len(devices),
+             "batch_size": batch_size, "steps_per_block": steps, "blocks": blocks, "ratio_clock": clock,
+             "timed": timed, "compiled_framework_vs_bare": costs,
+             "flops_xla_vs_analytic": {size: xla_vs_analytic_flops(size) for size in sizes}}
+  return context, {"backend": backend, "mfu": mfu, "ratio": max(t[clock]["ratio"] for t in timed.values())}
 
 
 def main(argv=None) -> None:
-  """Parses which configs to time, measures them, and prints the one JSON line."""
+  """Parses which configs to time, measures them, prints the context line and then the one JSON line."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", default=",".join(SIZES), help=f"some of {', '.join(SIZES)}")
   parser.add_argument("--variants", default=",".join(VARIANTS), help="attention/remat pairs")
-  parser.add_argument("--blocks", type=int, default=7, help="alternating timed blocks per side (median taken)")
+  parser.add_argument("--blocks", type=int, default=11, help="alternating timed blocks per side (median taken)")
   parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
   args = parser.parse_args(argv)
   sizes, variants = args.sizes.split(","), args.variants.split(",")
   unknown = [s for s in sizes if s not in SIZES] + [v for v in variants if v.count("/") != 1]
   if unknown:
     parser.error(f"unknown sizes or variants {unknown}: sizes are {list(SIZES)}, variants attention/remat pairs")
-  common.emit(measure(sizes, variants, args.blocks, args.steps))
+  context, figures = measure(sizes, variants, args.blocks, args.steps)
+  print(json.dumps({"context": context}, sort_keys=True))
+  common.emit(figures)
 
 
 if __name__ == "__main__":
