@@ -65,9 +65,12 @@ def test_the_fast_learner_takes_more_local_steps_and_never_waits_for_the_slow_on
   assert set(fast_rounds[:-1]) == {H}
   # (Two rounds are enough to see it; how many fit before the budget is spent depends on load.)
   assert slow_rounds[0] == H and len(slow_rounds) >= 2 and max(slow_rounds[1:]) <= H // 2
-  # Its only waits were for the syncer's own work (the lock it holds to receive and merge),
-  # never for the slow learner's compute.
-  assert fast["blocked_seconds"] <= summary["syncer_seconds"] + 0.05
+  # Its only waits were for the syncer's own work (the lock it holds to receive and merge) and for
+  # the grace windows its pushes joined, each closed by the timer after ξ_grace ≤ γ·τ·ξ_step (docs/syncer.md;
+  # γ = 0.5, τ = H, ξ_step at most the slow learner's step): half a slow round, never a whole one.
+  windows = sum(1 for o in _kind(records, "outer") if o["trigger"] == "deadline" and 1 in o["learners"])
+  window_bound = windows * 0.5 * H * slow["busy_seconds"] / slow["steps"]
+  assert fast["blocked_seconds"] <= summary["syncer_seconds"] + window_bound + 0.05
   # Merges went on while it worked: its pushes were based on versions already superseded.
   # (DyLU evens out round times, so by how many depends on scheduling: 1 or 2 here.)
   assert max(int(s) for s in slow["staleness_histogram"]) >= 1
