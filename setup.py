@@ -33,8 +33,7 @@ setuptools.setup(
         # (decoupled_diloco/storage.py, docs/storage.md).
         "gcsfs>=2024.2",
         # Report plots (experiments.report, notebooks); 3.10 and 3.11 tested.
-        "matplotlib>=3.10,<3.12",
-    ],
+        "matplotlib>=3.10,<3.12",],
     extras_require={
         # TFDS needs TensorFlow to *prepare* a dataset (not to read one).
         # importlib_resources: imported by TFDS's dataset builders but not declared by it.
@@ -54,7 +53,5 @@ setuptools.setup(
             "ipykernel>=6.29,<8",
             "matplotlib>=3.10,<3.12",
             # tests/test_format.py and `bash .ci/format`: pinned, since each version formats a little differently.
-            "yapf==0.43.0",
-        ],
-    },
+            "yapf==0.43.0",],},
 )

@@ -49,5 +49,4 @@ def get_sweep():
       {"syncer.staleness": "constant"},
       {"syncer.staleness": "polynomial", "syncer.staleness_a": 0.5},
       {"syncer.staleness": "hinge", "syncer.staleness_a": 1.0, "syncer.staleness_b": 2.0},
-      {"syncer.staleness": "exponential", "syncer.staleness_a": 0.69},
-  ]
+      {"syncer.staleness": "exponential", "syncer.staleness_a": 0.69},]

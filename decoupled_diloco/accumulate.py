@@ -17,8 +17,9 @@ from decoupled_diloco import merge, outer
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
 def _jit_accumulate(rda, sums, radii, deltas, scale):
-  folded = [merge.accumulate_leaf(total, radius, delta, scale, flag)
-            for flag, total, radius, delta in zip(rda, sums, radii, deltas, strict=True)]
+  folded = [
+      merge.accumulate_leaf(total, radius, delta, scale, flag)
+      for flag, total, radius, delta in zip(rda, sums, radii, deltas, strict=True)]
   return [total for total, _ in folded], [radius for _, radius in folded]
 
 
@@ -41,8 +42,9 @@ def fold(rda: tuple, sums, radii, leaves, scale, one_at_a_time: bool) -> tuple[l
 
 @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=1)
 def _jit_merged(rda, sums, radii, inverse_total, dtypes):
-  return [merge.merged_leaf(total, radius, inverse_total, flag, dtype)
-          for total, radius, flag, dtype in zip(sums, radii, rda, dtypes, strict=True)]
+  return [
+      merge.merged_leaf(total, radius, inverse_total, flag, dtype)
+      for total, radius, flag, dtype in zip(sums, radii, rda, dtypes, strict=True)]
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))

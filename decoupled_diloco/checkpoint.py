@@ -91,15 +91,11 @@ def _check_abstract_leaf(name: str, path, leaf) -> None:
   where = f"{name}{jax.tree_util.keystr(path)}"
   if isinstance(leaf, jax.ShapeDtypeStruct):
     if leaf.sharding is None:
-      raise ValueError(
-          f"abstract leaf {where} is a ShapeDtypeStruct without a sharding: attach the "
-          "learner's NamedSharding, or pass a numpy array to restore it on the host"
-      )
+      raise ValueError(f"abstract leaf {where} is a ShapeDtypeStruct without a sharding: attach the "
+                       "learner's NamedSharding, or pass a numpy array to restore it on the host")
   elif not isinstance(leaf, (jax.Array, np.ndarray)):
-    raise ValueError(
-        f"abstract leaf {where} has type {type(leaf).__name__}: use a sharded "
-        "jax.ShapeDtypeStruct (device) or a numpy array (host)"
-    )
+    raise ValueError(f"abstract leaf {where} has type {type(leaf).__name__}: use a sharded "
+                     "jax.ShapeDtypeStruct (device) or a numpy array (host)")
 
 
 def _check_names(names) -> None:
@@ -191,9 +187,7 @@ class Checkpointer:
   def restore_metadata(self, step: int) -> dict:
     """Only the metadata of `step`, e.g. to read the config before building state."""
     self._check_step(step)
-    restored = self._manager.restore(
-        step, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
-    )
+    restored = self._manager.restore(step, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()}))
     return {k: v for k, v in restored[METADATA_ITEM].items() if k != CHECKSUMS_KEY}
 
   def quarantine(self, step: int) -> str:
@@ -211,10 +205,8 @@ class Checkpointer:
   def _check_step(self, step: int) -> None:
     """Names the available steps instead of surfacing a deep orbax path error."""
     if step not in self._manager.all_steps():
-      raise ValueError(
-          f"no finished checkpoint for step {step} in {self.directory}: "
-          f"available steps are {self.all_steps()}"
-      )
+      raise ValueError(f"no finished checkpoint for step {step} in {self.directory}: "
+                       f"available steps are {self.all_steps()}")
 
   def close(self) -> None:
     """Waits for pending orbax work (e.g. pruning) and releases its threads."""

@@ -57,8 +57,8 @@ class Codec:
     if self.format not in FORMATS:
       raise ConfigError(f"compression.format={self.format!r} is unknown: set --config.compression.format "
                         f"to one of {FORMATS}")
-    if (not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 2
-        or self.block_size % 2):
+    if (not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 2 or
+        self.block_size % 2):
       raise ConfigError(f"compression.block_size={self.block_size!r} must be an even int >= 2 (two 4-bit codes "
                         f"share a byte): set --config.compression.block_size, e.g. 64")
     if not 0 < self.topk_fraction <= 1:
@@ -97,9 +97,8 @@ class Compressed(NamedTuple):
     return sum(int(array.nbytes) for payload in self.leaves for array in payload.values())
 
 
-jax.tree_util.register_pytree_node(
-    Compressed, lambda c: (c.leaves, (c.format, c.shapes)),
-    lambda static, leaves: Compressed(static[0], static[1], tuple(leaves)))
+jax.tree_util.register_pytree_node(Compressed, lambda c: (c.leaves, (c.format, c.shapes)),
+                                   lambda static, leaves: Compressed(static[0], static[1], tuple(leaves)))
 
 
 def topk_count(fraction: float, size: int) -> int:
@@ -125,8 +124,9 @@ def _payload_spec(codec: Codec, shape: tuple[int, ...]) -> dict[str, tuple[tuple
 
 def wire_bytes(codec: Codec, shapes) -> int:
   """Bytes `encode` would send for tensors of these shapes; arithmetic only, so 12B params are free."""
-  return sum(math.prod(shape) * dtype.itemsize
-             for shape_ in shapes for shape, dtype in _payload_spec(codec, tuple(shape_)).values())
+  return sum(
+      math.prod(shape) * dtype.itemsize for shape_ in shapes
+      for shape, dtype in _payload_spec(codec, tuple(shape_)).values())
 
 
 def _blocks(x, block_size):
@@ -207,8 +207,7 @@ def _quantize(x, scales, fmt, block_size):
   if fmt == "int8":  # The low byte of q's two's complement is q as int8.
     return _rounded_bits(blocks * (inverse * levels), 0).astype(jnp.uint8).reshape(-1).view(jnp.int8)
   bits = _PACKED_BITS[fmt]
-  return _pack(blocks, lambda values: _rounded_bits(values * (inverse * levels), levels) & np.uint32(2**bits - 1),
-               bits)
+  return _pack(blocks, lambda values: _rounded_bits(values * (inverse * levels), levels) & np.uint32(2**bits - 1), bits)
 
 
 def _encode_blockwise(x, fmt, block_size):

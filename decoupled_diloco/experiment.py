@@ -33,13 +33,13 @@ RUNTIMES = ("lockstep", "sim", "service", "threads")  # service: experiments.tra
 class Experiment:
   """A ready-to-run experiment; runtimes mutate its learners and syncer as it trains."""
   config: Any
-  plan: schedule.RunPlan          # Budget, cadence, schedules and speeds, derived once from the config.
+  plan: schedule.RunPlan  # Budget, cadence, schedules and speeds, derived once from the config.
   model: model_lib.LanguageModel
   corpus: sources.Corpus
   learners: list[Learner]
-  syncer: Syncer | None           # None in ddp mode: one group, no outer loop.
-  evals: evaluator.EvalSet        # Held-out batches Θ is evaluated on.
-  byte_scale: float               # Simulated / real parameter count: real payload bytes -> simulated bytes.
+  syncer: Syncer | None  # None in ddp mode: one group, no outer loop.
+  evals: evaluator.EvalSet  # Held-out batches Θ is evaluated on.
+  byte_scale: float  # Simulated / real parameter count: real payload bytes -> simulated bytes.
   assignment: tuple[int, ...] = ()  # Fragment id of every param leaf (streaming); all 0 when P = 1.
 
   @property
@@ -59,8 +59,9 @@ def with_overrides(config, overrides: dict):
     node = config
     *parents, leaf = key.split(".")
     for name in (*parents, leaf):
-      _require(hasattr(node, "keys") and name in node, f"unknown config key {key!r}: every field is one of "
-               "configs/default.py's; fix the spelling")
+      _require(
+          hasattr(node, "keys") and name in node, f"unknown config key {key!r}: every field is one of "
+          "configs/default.py's; fix the spelling")
       if name != leaf:
         node = node[name]
     node[leaf] = value
@@ -85,13 +86,15 @@ def validate(config) -> settings_lib.Groups:
   inner_settings = inner.Settings.from_config(config.inner)
   layouts = mesh.layouts_from_config(config.learners)
   for group, (layout, batch) in enumerate(zip(layouts, config.learners.batch_size)):
-    _require(batch >= 1 and batch % layout.batch_shards == 0,
-             f"learner group {group}: batch_size {batch} is not divisible by its {layout.batch_shards} batch shards "
-             f"(data × fsdp of {layout}): make each learners.batch_size a positive multiple of them")
+    _require(
+        batch >= 1 and batch % layout.batch_shards == 0,
+        f"learner group {group}: batch_size {batch} is not divisible by its {layout.batch_shards} batch shards "
+        f"(data × fsdp of {layout}): make each learners.batch_size a positive multiple of them")
     inner.validate_microbatches(inner_settings.microbatches, batch, layout.batch_shards, group)
-  _require(config.eval_batch_size % layouts[0].batch_shards == 0,
-           f"eval_batch_size {config.eval_batch_size} is not divisible by group 0's {layouts[0].batch_shards} batch "
-           "shards (data × fsdp): make it a multiple")
+  _require(
+      config.eval_batch_size % layouts[0].batch_shards == 0,
+      f"eval_batch_size {config.eval_batch_size} is not divisible by group 0's {layouts[0].batch_shards} batch "
+      "shards (data × fsdp): make it a multiple")
   outer_settings = syncer = streaming = codec = None
   _require(config.mode != "ddp" or config.service.shards == 1,
            f"mode='ddp' has no syncer to shard but service.shards={config.service.shards}: leave it at 1")
@@ -117,32 +120,37 @@ def _validate_run_shape(config) -> None:
     _require(config[name] >= 1, f"{name} = {config[name]} must be >= 1: set --config.{name}=N")
   devices, batch_sizes = tuple(config.learners.devices), tuple(config.learners.batch_size)
   _require(len(devices) >= 1, "learners.devices is empty: list one device count per learner group")
-  _require(len(devices) == len(batch_sizes),
-           f"learners.devices has {len(devices)} groups but learners.batch_size has {len(batch_sizes)}: "
-           "give one batch size per group")
+  _require(
+      len(devices) == len(batch_sizes),
+      f"learners.devices has {len(devices)} groups but learners.batch_size has {len(batch_sizes)}: "
+      "give one batch size per group")
   _require(all(count >= 1 for count in devices), f"learners.devices={devices} has a group with < 1 device: "
            "give every group at least 1")
   _require(config.mode != "ddp" or len(devices) == 1,
            f"mode='ddp' trains one group but learners.devices={devices}: use one group, e.g. (8,)")
   slowdown = tuple(config.learners.slowdown)
-  _require(len(slowdown) in (0, len(devices)),
-           f"learners.slowdown has {len(slowdown)} entries for {len(devices)} learner groups: give one factor per "
-           "group (0 = full speed) or () for none")
+  _require(
+      len(slowdown) in (0, len(devices)),
+      f"learners.slowdown has {len(slowdown)} entries for {len(devices)} learner groups: give one factor per "
+      "group (0 = full speed) or () for none")
   _require(all(f >= 0 for f in slowdown), f"learners.slowdown={slowdown} has a negative factor: use factors >= 0")
 
 
 def _syncer_group(config) -> Settings:
   """The merge policy, and the syncer's start rules, against the number of learners."""
-  settings_lib.refuse_unknown(config.syncer, "syncer", (*(f.name for f in dataclasses.fields(Settings)),
-                                                        "min_learners_to_start", "start_timeout_seconds"))
+  settings_lib.refuse_unknown(
+      config.syncer, "syncer",
+      (*(f.name for f in dataclasses.fields(Settings)), "min_learners_to_start", "start_timeout_seconds"))
   settings = Settings.from_config(config.syncer)
   learners = len(config.learners.devices)
-  _require(settings.quorum <= learners,
-           f"syncer.quorum={settings.quorum} exceeds the {learners} learners: it could never be met; "
-           "lower --config.syncer.quorum (0 = all learners)")
-  _require(0 <= config.syncer.min_learners_to_start <= learners,
-           f"syncer.min_learners_to_start={config.syncer.min_learners_to_start} must be in [0, {learners}] "
-           "(0 = all learners)")
+  _require(
+      settings.quorum <= learners,
+      f"syncer.quorum={settings.quorum} exceeds the {learners} learners: it could never be met; "
+      "lower --config.syncer.quorum (0 = all learners)")
+  _require(
+      0 <= config.syncer.min_learners_to_start <= learners,
+      f"syncer.min_learners_to_start={config.syncer.min_learners_to_start} must be in [0, {learners}] "
+      "(0 = all learners)")
   _require(config.syncer.start_timeout_seconds > 0,
            f"syncer.start_timeout_seconds={config.syncer.start_timeout_seconds} must be > 0")
   return settings
@@ -154,21 +162,25 @@ def _streaming_groups(config) -> tuple[fragments.Streaming, compression.Codec]:
   codec = compression.Codec.from_config(config.compression)
   fragments.partition(model_lib.abstract_params(config.model)[1], streaming.num_fragments, streaming.strategy)
   shards.check_count(config.service.shards, streaming.num_fragments)
-  _require(0 <= streaming.overlap_steps < config.inner_steps,
-           f"streaming.overlap_steps (tau) = {streaming.overlap_steps} must be in [0, inner_steps={config.inner_steps}): "
-           "a merged fragment must land before the same fragment syncs again")
-  _require(config.runtime in ("sim", "service") or not streaming.streams,
-           "streaming (num_fragments > 1 or overlap_steps > 0) needs a clock: add --config.runtime=sim, or run "
-           "the syncer and learners as processes (--role)")
+  _require(
+      0 <= streaming.overlap_steps < config.inner_steps,
+      f"streaming.overlap_steps (tau) = {streaming.overlap_steps} must be in [0, inner_steps={config.inner_steps}): "
+      "a merged fragment must land before the same fragment syncs again")
+  _require(
+      config.runtime in ("sim", "service") or not streaming.streams,
+      "streaming (num_fragments > 1 or overlap_steps > 0) needs a clock: add --config.runtime=sim, or run "
+      "the syncer and learners as processes (--role)")
   _require(streaming.num_fragments == 1 or config.policy.kind != "time_budget",
            "streaming schedules fragments over H steps: use policy.kind 'fixed' or 'dylu' with num_fragments > 1")
   sim = config.sim
   for name in ("learner_link_gbps", "learner_link_latency_seconds"):
-    _require(len(sim[name]) in (0, len(config.learners.devices)),
-             f"sim.{name} has {len(sim[name])} entries for {len(config.learners.devices)} learner groups: "
-             "give one per group or none")
-  _require(min((sim.link_gbps, sim.link_latency_seconds, *sim.learner_link_gbps, *sim.learner_link_latency_seconds)) >= 0,
-           "sim link bandwidths and latencies must be >= 0 (bandwidth 0 = unlimited)")
+    _require(
+        len(sim[name]) in (0, len(config.learners.devices)),
+        f"sim.{name} has {len(sim[name])} entries for {len(config.learners.devices)} learner groups: "
+        "give one per group or none")
+  _require(
+      min((sim.link_gbps, sim.link_latency_seconds, *sim.learner_link_gbps, *sim.learner_link_latency_seconds)) >= 0,
+      "sim link bandwidths and latencies must be >= 0 (bandwidth 0 = unlimited)")
   return streaming, codec
 
 
@@ -185,8 +197,9 @@ def syncer_settings(config) -> Settings:
   if config.mode == "decoupled":
     return settings
   if settings.quorum not in (0, len(config.learners.devices)):
-    logging.warning("mode='diloco' merges once all %d learners reported: syncer.quorum=%d (and its grace window) "
-                    "applies to mode='decoupled' only", len(config.learners.devices), settings.quorum)
+    logging.warning(
+        "mode='diloco' merges once all %d learners reported: syncer.quorum=%d (and its grace window) "
+        "applies to mode='decoupled' only", len(config.learners.devices), settings.quorum)
   return dataclasses.replace(settings, quorum=0)
 
 
@@ -235,8 +248,9 @@ def build(config, devices=None) -> Experiment:
   corpus = sources.load_corpus(config.data, config.model.seq_len)
   model, params, param_axes = model_lib.build_model(config.model, config.seed)
   num_params = config.sim.simulated_params or model_lib.count_params(params)
-  learners = [build_learner(config, plan, index, group, corpus, model, params, param_axes)
-              for index, group in enumerate(groups)]
+  learners = [
+      build_learner(config, plan, index, group, corpus, model, params, param_axes) for index, group in enumerate(groups)
+  ]
   syncer = build_syncer(config, params)
   return Experiment(config, plan, model, corpus, learners, syncer, evaluator.EvalSet.from_corpus(config, corpus),
                     num_params / model_lib.count_params(params), learners[0].assignment if syncer else ())

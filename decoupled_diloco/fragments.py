@@ -26,10 +26,10 @@ _BLOCK = re.compile(r"block_(\d+)")
 @dataclasses.dataclass(frozen=True)
 class Streaming:
   """`config.streaming`, validated on its own; `partition` checks P against the model's tensors."""
-  num_fragments: int = 1   # P: fragments, each synced once per H steps.
+  num_fragments: int = 1  # P: fragments, each synced once per H steps.
   strategy: str = "strided"
-  overlap_steps: int = 0   # τ: inner steps a learner trains before the merged fragment must be in (< H).
-  alpha: float = 0.0       # θ_p ← α θ_p + (1 − α) Θ_p.
+  overlap_steps: int = 0  # τ: inner steps a learner trains before the merged fragment must be in (< H).
+  alpha: float = 0.0  # θ_p ← α θ_p + (1 − α) Θ_p.
 
   def __post_init__(self):
     settings_lib.check((

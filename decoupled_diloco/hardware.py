@@ -15,16 +15,15 @@ import numpy as np
 from decoupled_diloco.errors import ConfigError
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Accelerator:
   """Public per-chip specs: what the step-time model and the memory plan measure a chip against."""
   peak_bf16_flops: float  # Dense bf16 peak FLOP/s of one chip (one JAX device).
-  hbm_bytes: float        # High-bandwidth memory of one chip, in bytes (GB = 1e9 as vendors quote).
-  backend: str = "tpu"    # JAX backend it runs under: picks attention='auto''s kernel in the plan.
-  tpu_type: str = ""      # Cloud TPU accelerator-type prefix (gcloud's v5p in 'v5p-128'); '' = not a Cloud TPU.
+  hbm_bytes: float  # High-bandwidth memory of one chip, in bytes (GB = 1e9 as vendors quote).
+  backend: str = "tpu"  # JAX backend it runs under: picks attention='auto''s kernel in the plan.
+  tpu_type: str = ""  # Cloud TPU accelerator-type prefix (gcloud's v5p in 'v5p-128'); '' = not a Cloud TPU.
   runtime_version: str = ""  # Cloud TPU VM software version that runs JAX on it (gcloud --version).
-  cores_per_chip: int = 1    # What a Cloud TPU size counts per chip: TensorCores on v4/v5p (v5p-128 = 64 chips).
+  cores_per_chip: int = 1  # What a Cloud TPU size counts per chip: TensorCores on v4/v5p (v5p-128 = 64 chips).
 
 
 # One table for every reader (simulated clock, experiments.plan, launchers): TPU chips and GPUs.
@@ -33,7 +32,7 @@ ACCELERATORS = {
     "v5e": Accelerator(197e12, 16e9, tpu_type="v5litepod", runtime_version="v2-alpha-tpuv5-lite"),
     "v5p": Accelerator(459e12, 95e9, tpu_type="v5p", runtime_version="v2-alpha-tpuv5", cores_per_chip=2),
     "v6e": Accelerator(918e12, 32e9, tpu_type="v6e", runtime_version="v2-alpha-tpuv6e"),
-    "h100": Accelerator(989e12, 80e9, "gpu"),   # H100 SXM, dense bf16.
+    "h100": Accelerator(989e12, 80e9, "gpu"),  # H100 SXM, dense bf16.
     "h200": Accelerator(989e12, 141e9, "gpu"),  # H200 SXM: H100's compute, more and faster HBM.
 }
 CHIP_PEAK_FLOPS = {name: spec.peak_bf16_flops for name, spec in ACCELERATORS.items()}
@@ -43,11 +42,11 @@ RELATIVE = "relative"
 @dataclasses.dataclass(frozen=True)
 class HardwareProfile:
   """One learner group's simulated hardware."""
-  chip: str             # A key of CHIP_PEAK_FLOPS, or 'relative' for a plain speed.
-  chips: int            # Chips in the slice (TPU profiles).
-  mfu: float            # Model FLOPs utilisation the slice achieves (TPU profiles).
-  speed: float          # Relative speed (relative profiles): 2.0 steps twice as fast as 1.0.
-  jitter: float = 0.0   # Log-std of the per-step time noise; 0 = deterministic steps.
+  chip: str  # A key of CHIP_PEAK_FLOPS, or 'relative' for a plain speed.
+  chips: int  # Chips in the slice (TPU profiles).
+  mfu: float  # Model FLOPs utilisation the slice achieves (TPU profiles).
+  speed: float  # Relative speed (relative profiles): 2.0 steps twice as fast as 1.0.
+  jitter: float = 0.0  # Log-std of the per-step time noise; 0 = deterministic steps.
   reference_step_seconds: float = 1.0  # Step time at speed 1.0 (relative profiles).
 
   def mean_step_seconds(self, flops_per_step: float) -> float:
@@ -61,7 +60,7 @@ class HardwareProfile:
     mean = self.mean_step_seconds(flops_per_step)
     if self.jitter == 0:
       return mean
-    return mean * math.exp(self.jitter * rng.standard_normal() - self.jitter ** 2 / 2)
+    return mean * math.exp(self.jitter * rng.standard_normal() - self.jitter**2 / 2)
 
 
 def _per_group(value, count: int, name: str):
@@ -90,6 +89,7 @@ def profiles_from_config(learners_cfg, reference_step_seconds: float) -> list[Ha
     if n < 1 or speed <= 0 or not 0 < learners_cfg.mfu <= 1 or learners_cfg.jitter < 0:
       raise ConfigError(f"learner group {group}: chips={n}, speed={speed}, mfu={learners_cfg.mfu}, "
                         f"jitter={learners_cfg.jitter}: need chips >= 1, speed > 0, 0 < mfu <= 1, jitter >= 0")
-    profiles.append(HardwareProfile(chip, int(n), float(learners_cfg.mfu), float(speed),
-                                    float(learners_cfg.jitter), reference_step_seconds))
+    profiles.append(
+        HardwareProfile(chip, int(n), float(learners_cfg.mfu), float(speed), float(learners_cfg.jitter),
+                        reference_step_seconds))
   return profiles

@@ -65,14 +65,16 @@ def inner_optimizer(inner_cfg, total_steps: int) -> optax.GradientTransformation
   Weight decay skips vectors (norm scales, biases), as is standard for Transformers; a leaf of
   stacked blocks (scan_layers) counts its leading layer axis out.
   """
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=inner_cfg.lr, warmup_steps=min(inner_cfg.warmup_steps, total_steps),
-      decay_steps=max(total_steps, inner_cfg.warmup_steps + 1), end_value=inner_cfg.lr * inner_cfg.final_lr_fraction)
+  schedule = optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=inner_cfg.lr,
+                                                warmup_steps=min(inner_cfg.warmup_steps, total_steps),
+                                                decay_steps=max(total_steps, inner_cfg.warmup_steps + 1),
+                                                end_value=inner_cfg.lr * inner_cfg.final_lr_fraction)
   return optax.chain(
       optax.clip_by_global_norm(inner_cfg.clip_norm),
-      optax.adamw(schedule, b1=inner_cfg.b1, b2=inner_cfg.b2, weight_decay=inner_cfg.weight_decay,
-                  mask=lambda params: jax.tree_util.tree_map_with_path(
-                      lambda path, p: p.ndim - model_lib.layer_axes(path) > 1, params)))
+      optax.adamw(
+          schedule, b1=inner_cfg.b1, b2=inner_cfg.b2,
+          weight_decay=inner_cfg.weight_decay, mask=lambda params: jax.tree_util.tree_map_with_path(
+              lambda path, p: p.ndim - model_lib.layer_axes(path) > 1, params)))
 
 
 def validate_microbatches(microbatches, batch_size: int, devices: int, group: int) -> None:
@@ -127,8 +129,8 @@ class InnerLoop:
   `from_step` / `to_step` convert where the two meet. Without scan_layers both are the identity.
   """
   mesh: Mesh
-  param_shardings: Any          # of the params tree (block_0 .. block_{L-1})
-  state_shardings: TrainState   # of the state in the step's layout
+  param_shardings: Any  # of the params tree (block_0 .. block_{L-1})
+  state_shardings: TrainState  # of the state in the step's layout
   batch_sharding: jax.sharding.NamedSharding
   init: Any  # params tree (any placement) -> TrainState in the step's layout on this mesh
   step: Any  # (TrainState, batch) -> (TrainState, metrics); donates the state
@@ -179,8 +181,8 @@ class InnerLoop:
     return jax.make_array_from_process_local_data(self.batch_sharding, rows)
 
 
-def build_inner_loop(model: LanguageModel, optimizer: optax.GradientTransformation, mesh: Mesh,
-                     params_shape, param_axes, microbatches: int = 1) -> InnerLoop:
+def build_inner_loop(model: LanguageModel, optimizer: optax.GradientTransformation, mesh: Mesh, params_shape,
+                     param_axes, microbatches: int = 1) -> InnerLoop:
   """Compiles a group's init/train/eval steps with explicit shardings on its mesh (its layout).
 
   The steps trace under the mesh (as an abstract mesh), so the model's activation constraints
@@ -202,21 +204,24 @@ def build_inner_loop(model: LanguageModel, optimizer: optax.GradientTransformati
                                _opt_state_shardings(optimizer, step_params_shape, step_param_shardings, scalar))
 
   jit_init = jax.jit(init, in_shardings=(param_shardings,), out_shardings=state_shardings)
+
   def under_mesh(fn):
+
     def traced(*args):
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         return fn(*args)
+
     return traced
 
   jit_step = jax.jit(under_mesh(lambda s, b: train_step(model, optimizer, s, b, microbatches)),
-                     in_shardings=(state_shardings, batch), out_shardings=(state_shardings, scalar),
-                     donate_argnums=0)
+                     in_shardings=(state_shardings, batch), out_shardings=(state_shardings, scalar), donate_argnums=0)
   jit_loss = jax.jit(under_mesh(model.loss), in_shardings=(param_shardings, batch), out_shardings=scalar)
   converters = {}
   if layers:
-    tree_shardings = {"params": (param_shardings, step_param_shardings),
-                      "state": (TrainState(scalar, param_shardings, _opt_state_shardings(
-                          optimizer, params_shape, param_shardings, scalar)), state_shardings)}
+    tree_shardings = {
+        "params": (param_shardings, step_param_shardings),
+        "state": (TrainState(scalar, param_shardings,
+                             _opt_state_shardings(optimizer, params_shape, param_shardings, scalar)), state_shardings)}
     converters = _converters(layers, params_shape, step_params_shape, tree_shardings)
   loop = InnerLoop(mesh, param_shardings, state_shardings, batch, None, jit_step, jit_loss, converters)
   return dataclasses.replace(loop, init=lambda params: jit_init(loop.put_params(params)))
@@ -236,9 +241,9 @@ def _converters(layers: int, params_shape, step_params_shape, tree_shardings: di
   def from_step(tree):
     return _map_params_like(lambda p: model_lib.unstack_blocks(p, layers), tree, stacked_def)
 
-  return {key: jax.jit(fn, out_shardings=shardings[index])
-          for kind, shardings in tree_shardings.items()
-          for key, fn, index in ((("to_step", kind), to_step, 1), (("from_step", kind), from_step, 0))}
+  return {
+      key: jax.jit(fn, out_shardings=shardings[index]) for kind, shardings in tree_shardings.items()
+      for key, fn, index in ((("to_step", kind), to_step, 1), (("from_step", kind), from_step, 0))}
 
 
 def abstract_inputs(loop: InnerLoop, optimizer: optax.GradientTransformation, params_shape, batch_size: int,
@@ -250,8 +255,8 @@ def abstract_inputs(loop: InnerLoop, optimizer: optax.GradientTransformation, pa
   """
   shapes = jax.eval_shape(lambda p: TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)), params_shape)
   shapes = jax.eval_shape(loop.to_step, shapes)
-  state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                       shapes, loop.state_shardings)
+  state = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes,
+                       loop.state_shardings)
   return state, jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32, sharding=loop.batch_sharding)
 
 

@@ -28,21 +28,21 @@ class Learner:
   """
   index: int
   loop: InnerLoop
-  batches: Any                  # data.batches.LearnerBatches or data.pipeline.PackedBatches: batch(step).
+  batches: Any  # data.batches.LearnerBatches or data.pipeline.PackedBatches: batch(step).
   state: TrainState
-  assignment: tuple = ()        # Fragment id of every param leaf; () = a single fragment.
+  assignment: tuple = ()  # Fragment id of every param leaf; () = a single fragment.
   codec: compression.Codec = compression.Codec()
-  alpha: float = 0.0            # Share of its own params a learner keeps when a merged fragment lands.
+  alpha: float = 0.0  # Share of its own params a learner keeps when a merged fragment lands.
   to_host: Any = jax.device_get  # θ off the group's devices (a multi-process group gathers from all its hosts).
-  keep_pushed: bool = False     # Keep θ_p as pushed, to anchor on when no new Θ_p comes back (learner processes).
-  forms_delta: bool = True      # False on a multi-process group's followers: only the leader's Δ is sent.
-  steps: int = 0                # Host mirror of state.step: picks the next batch without a device sync.
-  anchors: list = dataclasses.field(default_factory=list)      # Θ_p last received (host); None after a push.
+  keep_pushed: bool = False  # Keep θ_p as pushed, to anchor on when no new Θ_p comes back (learner processes).
+  forms_delta: bool = True  # False on a multi-process group's followers: only the leader's Δ is sent.
+  steps: int = 0  # Host mirror of state.step: picks the next batch without a device sync.
+  anchors: list = dataclasses.field(default_factory=list)  # Θ_p last received (host); None after a push.
   base_versions: list = dataclasses.field(default_factory=list)
   tokens_since_push: list = dataclasses.field(default_factory=list)
   steps_since_push: list = dataclasses.field(default_factory=list)
-  residuals: list = dataclasses.field(default_factory=list)    # Error feedback: what compression has not sent yet.
-  pushed: dict = dataclasses.field(default_factory=dict)       # fragment -> θ_p as pushed (keep_pushed).
+  residuals: list = dataclasses.field(default_factory=list)  # Error feedback: what compression has not sent yet.
+  pushed: dict = dataclasses.field(default_factory=dict)  # fragment -> θ_p as pushed (keep_pushed).
   _pending_losses: list = dataclasses.field(default_factory=list)
 
   def __post_init__(self):

@@ -61,7 +61,7 @@ def staleness_weight(staleness: int, kind: str, a: float, b: float) -> float:
     raise ValueError(f"hinge b={b} is negative: use b >= 0, the staleness tolerated at full weight")
   s = float(staleness)
   if kind == "polynomial":
-    return (1.0 + s) ** -a
+    return (1.0 + s)**-a
   if kind == "hinge":
     return 1.0 if s <= b else 1.0 / (a * (s - b) + 1.0)
   if kind == "exponential":

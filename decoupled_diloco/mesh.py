@@ -98,9 +98,8 @@ def partition_devices(devices: Sequence[jax.Device], counts: Sequence[int]) -> l
   if any(c < 1 for c in counts):
     raise ConfigError(f"learners.devices={tuple(counts)} has a group with < 1 device: give every group at least 1")
   if needed > len(devices):
-    raise ConfigError(
-        f"learners.devices={tuple(counts)} needs {needed} devices but {len(devices)} are available: "
-        "shrink learners.devices or run on more devices")
+    raise ConfigError(f"learners.devices={tuple(counts)} needs {needed} devices but {len(devices)} are available: "
+                      "shrink learners.devices or run on more devices")
   groups, start = [], 0
   for count in counts:
     groups.append(list(devices[start:start + count]))
@@ -164,8 +163,7 @@ ACTIVATION_RULES = {
     "heads": (TENSOR_AXIS,),
     "kv": (),
     "mlp": (TENSOR_AXIS,),
-    "vocab": (TENSOR_AXIS,),
-}
+    "vocab": (TENSOR_AXIS,),}
 
 
 def activation_spec(shape: Sequence[int], logical_axes: Sequence[str | None], mesh_shape: dict) -> PartitionSpec:

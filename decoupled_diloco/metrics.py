@@ -69,10 +69,8 @@ def _x_axis(record: dict) -> int:
 def _scalar_tags(record: dict) -> dict[str, float]:
   """TensorBoard tag -> value for every numeric, non-index field of `record`."""
   return {
-      f"{record['kind']}/{name}": float(value)
-      for name, value in record.items()
-      if name not in _INDEX_FIELDS and _is_scalar(value)
-  }
+      f"{record['kind']}/{name}": float(value) for name, value in record.items()
+      if name not in _INDEX_FIELDS and _is_scalar(value)}
 
 
 def _tensorboard_run(record: dict) -> str:
@@ -87,11 +85,11 @@ def _integer_histogram(counts: collections.Counter) -> dict:
   from them), so a single value still shows as a bar one unit wide.
   """
   low, high = min(counts), max(counts)
-  return {"min": low - 0.5, "max": high + 0.5, "num": sum(counts.values()),
-          "sum": sum(s * n for s, n in counts.items()),
-          "sum_squares": sum(s * s * n for s, n in counts.items()),
-          "bucket_limits": [s + 0.5 for s in range(low, high + 1)],
-          "bucket_counts": [counts.get(s, 0) for s in range(low, high + 1)]}
+  return {
+      "min": low - 0.5, "max": high + 0.5, "num": sum(counts.values()), "sum": sum(s * n for s, n in counts.items()),
+      "sum_squares": sum(s * s * n for s, n in counts.items()),
+      "bucket_limits": [s + 0.5 for s in range(low, high + 1)],
+      "bucket_counts": [counts.get(s, 0) for s in range(low, high + 1)]}
 
 
 def read_metrics(path) -> list[dict]:
@@ -129,8 +127,8 @@ def _kept_records(path, last_outer_step: int | None, keep_records: int | None, t
   records = _parse(whole, path)
   kept = records
   if truncating:
-    kept = records[:keep_records] if keep_records is not None else [r for r in records
-                                                                      if r["outer_step"] <= last_outer_step]
+    kept = records[:keep_records] if keep_records is not None else [
+        r for r in records if r["outer_step"] <= last_outer_step]
   if len(whole) != len(text) or len(kept) != len(records):
     storage.replace_text(path, "".join(json.dumps(record, sort_keys=True) + "\n" for record in kept))
   return kept

@@ -36,7 +36,7 @@ def _adam(cfg):
 class DelayedNesterovState(NamedTuple):
   """Arrivals so far, the momentum buffer m and the pseudo-gradients summed since m last moved."""
   count: jax.Array  # int32 scalar t: pseudo-gradients applied so far.
-  momentum: Any     # m, same structure as params.
+  momentum: Any  # m, same structure as params.
   accumulated: Any  # Δ = Σ g since the last momentum update.
 
 
@@ -75,11 +75,11 @@ def delayed_nesterov(learning_rate: float, momentum: float, buffer_size: int,
     del params
     boundary = (state.count + 1) % n == 0
     accumulated = jax.tree.map(lambda acc, g: acc + g, state.accumulated, updates)
-    new_momentum = jax.tree.map(lambda m, acc: jnp.where(boundary, momentum * m + acc / n, m),
-                                state.momentum, accumulated)
+    new_momentum = jax.tree.map(lambda m, acc: jnp.where(boundary, momentum * m + acc / n, m), state.momentum,
+                                accumulated)
     share = jnp.where(boundary, 1 - activation * n + activation, activation)
-    updates = jax.tree.map(lambda m, g: (-learning_rate * (share * momentum * m + g / n)).astype(g.dtype),
-                           new_momentum, updates)
+    updates = jax.tree.map(lambda m, g: (-learning_rate * (share * momentum * m + g / n)).astype(g.dtype), new_momentum,
+                           updates)
     accumulated = jax.tree.map(lambda acc: jnp.where(boundary, jnp.zeros_like(acc), acc), accumulated)
     return updates, DelayedNesterovState(optax.safe_int32_increment(state.count), new_momentum, accumulated)
 
@@ -99,25 +99,25 @@ class Settings:
   """`config.outer`, validated: which optax transform the syncer applies to merged pseudo-gradients."""
   optimizer: str
   lr: float
-  momentum: float           # SGD's momentum, Adam's b1, Delayed Nesterov's m.
+  momentum: float  # SGD's momentum, Adam's b1, Delayed Nesterov's m.
   nesterov: bool
-  buffer_size: int = 1      # Delayed Nesterov: N arrivals per momentum update.
-  activation: float = 0.0   # Delayed Nesterov: c in [0, 1/N].
+  buffer_size: int = 1  # Delayed Nesterov: N arrivals per momentum update.
+  activation: float = 0.0  # Delayed Nesterov: c in [0, 1/N].
 
   def __post_init__(self):
     settings_lib.check((
-        (self.optimizer in OUTER_OPTIMIZERS,
-         f"outer.optimizer={self.optimizer!r} is unknown: use one of {sorted(OUTER_OPTIMIZERS)}"),
+        (self.optimizer
+         in OUTER_OPTIMIZERS, f"outer.optimizer={self.optimizer!r} is unknown: use one of {sorted(OUTER_OPTIMIZERS)}"),
         (self.lr > 0, f"outer.lr={self.lr} must be > 0: set --config.outer.lr to a positive value"),
         (0 <= self.momentum < 1, f"outer.momentum={self.momentum} must be in [0, 1): set --config.outer.momentum, "
          "e.g. 0.9"),
         (settings_lib.is_int(self.buffer_size) and self.buffer_size >= 1,
          f"outer.buffer_size={self.buffer_size!r} must be an int >= 1: set --config.outer.buffer_size"),
     ))
-    settings_lib.check((
-        (0 <= self.activation <= 1 / self.buffer_size,
-         f"outer.activation={self.activation} must be in [0, 1/outer.buffer_size = {1 / self.buffer_size:g}] "
-         "(Liu et al., Alg. 3): set --config.outer.activation in that range"),))
+    settings_lib.check(
+        ((0 <= self.activation <= 1 / self.buffer_size,
+          f"outer.activation={self.activation} must be in [0, 1/outer.buffer_size = {1 / self.buffer_size:g}] "
+          "(Liu et al., Alg. 3): set --config.outer.activation in that range"),))
 
   @classmethod
   def from_config(cls, outer_cfg) -> "Settings":

@@ -39,8 +39,8 @@ class MemoryPlan:
   params: int
   optimizer: int
   gradients: int
-  activations: int      # Saved residuals + the recompute working set of one layer under remat.
-  hbm: float            # The chip's HBM.
+  activations: int  # Saved residuals + the recompute working set of one layer under remat.
+  hbm: float  # The chip's HBM.
 
   @property
   def peak(self) -> int:
@@ -56,13 +56,13 @@ class MemoryPlan:
 @dataclasses.dataclass(frozen=True)
 class CommPlan:
   """One group's exchange with the syncer, per fragment, against the compute that can hide it."""
-  push_bytes: int             # Largest fragment's compressed pseudo-gradient.
-  pull_bytes: int             # Largest fragment's Θ_p in the downlink format.
-  transfer_seconds: float     # Push + pull of that fragment, latency included.
+  push_bytes: int  # Largest fragment's compressed pseudo-gradient.
+  pull_bytes: int  # Largest fragment's Θ_p in the downlink format.
+  transfer_seconds: float  # Push + pull of that fragment, latency included.
   step_seconds: float
-  inner_steps: int            # H.
-  num_fragments: int          # P.
-  overlap_steps: int          # τ.
+  inner_steps: int  # H.
+  num_fragments: int  # P.
+  overlap_steps: int  # τ.
 
   @property
   def compute_seconds(self) -> float:
@@ -72,8 +72,8 @@ class CommPlan:
   @property
   def hides(self) -> bool:
     """The exchange lands within τ steps, and the link carries all P fragments within H steps."""
-    return (self.transfer_seconds <= self.overlap_steps * self.step_seconds
-            and self.num_fragments * self.transfer_seconds <= self.compute_seconds)
+    return (self.transfer_seconds <= self.overlap_steps * self.step_seconds and
+            self.num_fragments * self.transfer_seconds <= self.compute_seconds)
 
   @property
   def overlap_needed(self) -> int:
@@ -84,8 +84,9 @@ class CommPlan:
 def state_bytes(params_shape, param_axes, layout: mesh.Layout) -> int:
   """float32 bytes one chip holds of one params-shaped tree under `layout`."""
   sizes = dict(zip(mesh.MESH_AXES, layout.shape))
-  return sum(mesh.shard_bytes(p.shape, mesh.param_spec(p.shape, axes, sizes), sizes, 4)
-             for p, axes in zip(jax.tree.leaves(params_shape), _axes_leaves(param_axes)))
+  return sum(
+      mesh.shard_bytes(p.shape, mesh.param_spec(p.shape, axes, sizes), sizes, 4)
+      for p, axes in zip(jax.tree.leaves(params_shape), _axes_leaves(param_axes)))
 
 
 def _axes_leaves(param_axes):
@@ -205,8 +206,8 @@ def comm_plan(config, group: int, fmt: str | None = None, num_fragments: int | N
   largest = max(range(p), key=lambda f: pushes[f] + pulls[f])
   gbps, latency = link(config, group)
   wire = (pushes[largest] + pulls[largest]) * 8 / (gbps * 1e9) if gbps else 0.0
-  return CommPlan(pushes[largest], pulls[largest], wire + 2 * latency, step_seconds(config, group),
-                  config.inner_steps, p, config.streaming.overlap_steps)
+  return CommPlan(pushes[largest], pulls[largest], wire + 2 * latency, step_seconds(config, group), config.inner_steps,
+                  p, config.streaming.overlap_steps)
 
 
 def hiding_format(config, group: int) -> str | None:
@@ -218,8 +219,9 @@ def hiding_fragments(config, group: int) -> int | None:
   """The fewest fragments P (>= the configured one) that hide the exchange at the chosen format."""
   _, params_shape, _ = model_lib.abstract_params(config.model)
   most = config.model.num_layers if config.streaming.strategy == "strided" else len(jax.tree.leaves(params_shape))
-  return next((p for p in range(config.streaming.num_fragments, most + 1)
-               if comm_plan(config, group, num_fragments=p).hides), None)
+  return next(
+      (p for p in range(config.streaming.num_fragments, most + 1) if comm_plan(config, group, num_fragments=p).hides),
+      None)
 
 
 def syncer_bytes(config) -> int:
@@ -241,8 +243,8 @@ def compile_group(config, group: int) -> dict:
     model_cfg.attention = "xla"  # Pallas TPU kernels do not compile for CPU; XLA's figure then holds [T, T] scores.
   model, params_shape, param_axes = model_lib.abstract_params(model_cfg)
   optimizer = inner.inner_optimizer(config.inner, config.outer_steps * config.inner_steps)
-  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:layout.devices], layout),
-                                params_shape, param_axes, config.inner.microbatches)
+  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:layout.devices], layout), params_shape,
+                                param_axes, config.inner.microbatches)
   state, batch = inner.abstract_inputs(loop, optimizer, params_shape, config.learners.batch_size[group],
                                        config.model.seq_len)
   begin = time.perf_counter()
@@ -251,7 +253,8 @@ def compile_group(config, group: int) -> dict:
   stats = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
-  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-          - stats.alias_size_in_bytes)
-  return {"peak_bytes": int(peak), "temp_bytes": int(stats.temp_size_in_bytes), "flops": float(cost.get("flops", 0)),
-          "compile_seconds": seconds}
+  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes -
+          stats.alias_size_in_bytes)
+  return {
+      "peak_bytes": int(peak), "temp_bytes": int(stats.temp_size_in_bytes), "flops": float(cost.get("flops", 0)),
+      "compile_seconds": seconds}

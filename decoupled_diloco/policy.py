@@ -25,10 +25,10 @@ class Settings:
   def __post_init__(self):
     settings_lib.check((
         (self.kind in POLICIES, f"policy.kind={self.kind!r} is unknown: use one of {POLICIES}"),
-        (self.speed_source in SPEED_SOURCES,
-         f"policy.speed_source={self.speed_source!r} is unknown: use one of {SPEED_SOURCES}"),
-        (self.kind != "time_budget" or self.round_seconds > 0,
-         f"policy.round_seconds={self.round_seconds} must be > 0 for a time budget"),
+        (self.speed_source
+         in SPEED_SOURCES, f"policy.speed_source={self.speed_source!r} is unknown: use one of {SPEED_SOURCES}"),
+        (self.kind != "time_budget" or
+         self.round_seconds > 0, f"policy.round_seconds={self.round_seconds} must be > 0 for a time budget"),
     ))
 
   @classmethod
@@ -51,8 +51,8 @@ def target_steps(policy_cfg, inner_steps: int, speed: float, max_speed: float) -
   return None
 
 
-def measured_round_steps(policy_cfg, inner_steps: int, own_speed: float, others_max_speed: float,
-                         declared_speed: float, declared_max_speed: float) -> int:
+def measured_round_steps(policy_cfg, inner_steps: int, own_speed: float, others_max_speed: float, declared_speed: float,
+                         declared_max_speed: float) -> int:
   """A round's length decided up front from wall-clock speeds (steps per second; 0 = not measured yet).
 
   Why up front: a learner process (or a multi-host group, which must agree) fixes its round

@@ -24,21 +24,21 @@ class PushRejected(ValueError):
 class Push:
   """What a learner hands the syncer at the end of its local work."""
   learner: int
-  delta: Any             # Pseudo-gradient Θ_base − θ of the fragment, or its compression.Compressed.
-  base_version: int      # Syncer version the learner started from.
-  tokens: int            # Tokens processed since that pull.
-  local_steps: int       # Inner steps since that pull.
+  delta: Any  # Pseudo-gradient Θ_base − θ of the fragment, or its compression.Compressed.
+  base_version: int  # Syncer version the learner started from.
+  tokens: int  # Tokens processed since that pull.
+  local_steps: int  # Inner steps since that pull.
   compute_seconds: float = 0.0  # Time those steps took (feeds the grace window's step EMA).
-  fragment: int = 0      # Which parameter fragment `delta` covers (streaming); 0 when P = 1.
-  wire_bytes: int = 0    # Exact bytes of the payload as sent (compressed or not).
+  fragment: int = 0  # Which parameter fragment `delta` covers (streaming); 0 when P = 1.
+  wire_bytes: int = 0  # Exact bytes of the payload as sent (compressed or not).
   host_views: bool = False  # Set by Syncer.check: its delta is device views of host memory (`release`).
 
 
 def delta_leaves(push: Push, codec: compression.Codec) -> Iterator:
   """The push's float tensors in leaf order, a compressed one decoded one tensor at a time (never whole)."""
   if isinstance(push.delta, compression.Compressed):
-    return (compression.decode_leaf(codec, shape, payload) for shape, payload in zip(push.delta.shapes,
-                                                                                      push.delta.leaves))
+    return (
+        compression.decode_leaf(codec, shape, payload) for shape, payload in zip(push.delta.shapes, push.delta.leaves))
   return iter(jax.tree.leaves(push.delta))
 
 
@@ -127,10 +127,9 @@ def validate(push: Push, learners: Sequence[int], fragments: Sequence, codec: co
     raise PushRejected(f"{who} rejected: pseudo-gradient tree structure differs from fragment "
                        f"{push.fragment}'s params")
   else:
-    specs = [(tuple(np.shape(leaf)), np.dtype(getattr(leaf, "dtype", type(leaf)))) for leaf in
-             jax.tree.leaves(push.delta)]
-  for (path, _), got, (shape, dtype) in zip(jax.tree_util.tree_leaves_with_path(fragment_params), specs,
-                                            leaf_specs):
+    specs = [
+        (tuple(np.shape(leaf)), np.dtype(getattr(leaf, "dtype", type(leaf)))) for leaf in jax.tree.leaves(push.delta)]
+  for (path, _), got, (shape, dtype) in zip(jax.tree_util.tree_leaves_with_path(fragment_params), specs, leaf_specs):
     if got != (shape, dtype):
       raise PushRejected(f"{who} rejected: {jax.tree_util.keystr(path)} is {got[1]}{list(got[0])}, "
                          f"expected {dtype}{list(shape)}")
@@ -154,8 +153,8 @@ def all_finite(tree) -> bool:
   Other dtypes take the exact Σ x·0 pass in XLA.
   """
   others = [leaf for leaf in jax.tree.leaves(tree) if np.dtype(leaf.dtype) != np.float32]
-  return (all(_float32_finite(leaf) for leaf in jax.tree.leaves(tree) if np.dtype(leaf.dtype) == np.float32)
-          and (not others or bool(_others_finite(others))))
+  return (all(_float32_finite(leaf) for leaf in jax.tree.leaves(tree) if np.dtype(leaf.dtype) == np.float32) and
+          (not others or bool(_others_finite(others))))
 
 
 def _float32_finite(leaf, chunk: int = 1 << 20) -> bool:

@@ -39,8 +39,9 @@ def from_config(cls, cfg, group: str, extra_keys=()):
     return cfg
   names = [f.name for f in dataclasses.fields(cls) if f.init]
   refuse_unknown(cfg, group, (*names, *extra_keys))
-  missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in cfg
-             and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+  missing = [
+      f.name for f in dataclasses.fields(cls)
+      if f.init and f.name not in cfg and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
   if missing:
     raise ConfigError(f"config.{group} lacks {group}.{missing[0]}: start the config from configs/default.py, "
                       "which sets every field")
@@ -65,10 +66,10 @@ class Groups:
   model: Any
   data: Any
   inner: Any
-  outer: Any | None         # None in mode 'ddp' (no outer loop).
-  syncer: Any | None        # None in mode 'ddp'.
-  streaming: Any | None     # None in mode 'ddp'.
-  compression: Any | None   # None in mode 'ddp'.
+  outer: Any | None  # None in mode 'ddp' (no outer loop).
+  syncer: Any | None  # None in mode 'ddp'.
+  streaming: Any | None  # None in mode 'ddp'.
+  compression: Any | None  # None in mode 'ddp'.
   policy: Any
-  failures: Any | None      # None when failures are off.
-  service: Any | None       # None unless runtime='service'.
+  failures: Any | None  # None when failures are off.
+  service: Any | None  # None unless runtime='service'.

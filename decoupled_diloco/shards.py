@@ -71,7 +71,6 @@ class ShardMap:
     part = jax.tree.unflatten(treedef, [leaf if f in owned else None for f, leaf in zip(assignment, leaves)])
     return part, tuple(owned.index(f) for f in assignment if f in owned)
 
-
   @classmethod
   def of(cls, params, assignment: Sequence[int], num_shards: int) -> "ShardMap":
     """The run's map: its fragments (by `assignment`) dealt to `num_shards` shards by bytes."""
@@ -89,8 +88,8 @@ def build(make_syncer, params, assignment: Sequence[int], num_shards: int, shard
   shard_map = ShardMap.of(params, assignment, num_shards)
   if shard is not None:
     return make_syncer(*shard_map.subtree(params, assignment, shard))
-  return ShardedSyncer([make_syncer(*shard_map.subtree(params, assignment, s)) for s in range(num_shards)],
-                       shard_map, assignment)
+  return ShardedSyncer([make_syncer(*shard_map.subtree(params, assignment, s)) for s in range(num_shards)], shard_map,
+                       assignment)
 
 
 class ShardedSyncer(syncer_lib.Syncer):
@@ -150,8 +149,9 @@ class ShardedSyncer(syncer_lib.Syncer):
     for s, shard in enumerate(self.shards):
       owned = self.map.owned(s)
       part = self.map.subtree(state.params, self.assignment, s)[0]
-      shard.restore(syncer_lib.SyncerState(part, tuple(state.opt_state[p] for p in owned),
-                                           tuple(state.version[p] for p in owned)))
+      shard.restore(
+          syncer_lib.SyncerState(part, tuple(state.opt_state[p] for p in owned),
+                                 tuple(state.version[p] for p in owned)))
 
   def warm_up(self) -> None:
     """Every shard compiles its own folds and merges."""
@@ -166,8 +166,8 @@ class ShardedSyncer(syncer_lib.Syncer):
   def restore_estimates(self, estimates: dict[str, float]) -> None:
     """Takes `estimates` (as `estimates` wrote them) back into every shard."""
     for s, shard in enumerate(self.shards):
-      shard.restore_estimates({key.split(":", 1)[1]: value for key, value in estimates.items()
-                               if key.split(":", 1)[0] == str(s)})
+      shard.restore_estimates({
+          key.split(":", 1)[1]: value for key, value in estimates.items() if key.split(":", 1)[0] == str(s)})
 
   def observe_sync_seconds(self, seconds: float) -> None:
     """A merge + broadcast's duration, seen by every shard (their learners share the links)."""

@@ -48,16 +48,16 @@ class MergeReport:
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """Merge policy, from `config.syncer`."""
-  quorum: int = 0                  # Distinct learners needed to merge; 0 = all of them.
-  staleness: str = "constant"      # One of merge.STALENESS_FUNCTIONS.
+  quorum: int = 0  # Distinct learners needed to merge; 0 = all of them.
+  staleness: str = "constant"  # One of merge.STALENESS_FUNCTIONS.
   staleness_a: float = 0.5
   staleness_b: float = 0.0
-  max_staleness: int = -1          # Drop pushes staler than this; -1 = never drop.
+  max_staleness: int = -1  # Drop pushes staler than this; -1 = never drop.
   token_weighting: str = "tokens"  # One of merge.TOKEN_WEIGHTINGS.
-  merge_rule: str = "mean"         # One of merge.MERGE_RULES.
-  grace_gamma: float = 0.0         # γ of the grace window; 0 = merge as soon as the quorum is met.
+  merge_rule: str = "mean"  # One of merge.MERGE_RULES.
+  grace_gamma: float = 0.0  # γ of the grace window; 0 = merge as soon as the quorum is met.
   grace_overlap_steps: float = 0.0  # τ: steps of slack learners have before they need Θ.
-  ema: float = 0.3                 # Weight of the newest duration in the ξ EMAs.
+  ema: float = 0.3  # Weight of the newest duration in the ξ EMAs.
 
   @classmethod
   def from_config(cls, syncer_cfg) -> "Settings":
@@ -93,10 +93,10 @@ def host_device() -> jax.Device:
 @dataclasses.dataclass
 class _Fragment:
   """One fragment's share of the syncer: its slice of Θ, outer state, version and open pushes."""
-  params: Any                 # Θ_p: the params' tree with None where other fragments own leaves.
+  params: Any  # Θ_p: the params' tree with None where other fragments own leaves.
   opt_state: Any
-  rda: tuple                  # Static per-leaf flags: merged by RDA (else by the weighted mean).
-  leaf_specs: list            # (shape, dtype) every pushed leaf must have.
+  rda: tuple  # Static per-leaf flags: merged by RDA (else by the weighted mean).
+  leaf_specs: list  # (shape, dtype) every pushed leaf must have.
   version: int = 0
   pending: list = dataclasses.field(default_factory=list)  # Accepted pushes' headers (delta None).
   accumulator: merge.Accumulator | None = None  # Their running sums; None while no push is open.
@@ -123,13 +123,14 @@ class Syncer:
                         "it could never be met; lower --config.syncer.quorum")
     params = jax.device_put(params, self.device)
     self.assignment = tuple(assignment) if assignment is not None else (0,) * len(jax.tree.leaves(params))
-    self.fragments = [self._new_fragment(fragments.select(params, self.assignment, p))
-                      for p in range(max(self.assignment) + 1)]
+    self.fragments = [
+        self._new_fragment(fragments.select(params, self.assignment, p)) for p in range(max(self.assignment) + 1)]
     self.counts = {"accepted": 0, "dropped": 0, "rejected": 0, "merges": 0}
     self._xi = {"step": 0.0, "quorum": 0.0, "sync": 0.0}
 
   def _new_fragment(self, params) -> _Fragment:
-    return _Fragment(params, jax.jit(self.optimizer.init)(params),
+    return _Fragment(params,
+                     jax.jit(self.optimizer.init)(params),
                      merge.rda_leaves(self.settings.merge_rule, jax.tree.leaves(merge.embedding_mask(params))),
                      [(x.shape, np.dtype(x.dtype)) for x in jax.tree.leaves(params)])
 
@@ -265,8 +266,9 @@ class Syncer:
 
   def on_deadline(self, now: float) -> list[MergeReport]:
     """Grace windows closed by `now`: merge what each of those fragments has received."""
-    return [self.merge(now, p) for p, f in enumerate(self.fragments)
-            if f.deadline is not None and now >= f.deadline and f.pending]
+    return [
+        self.merge(now, p) for p, f in enumerate(self.fragments)
+        if f.deadline is not None and now >= f.deadline and f.pending]
 
   def flush(self, now: float) -> list[MergeReport]:
     """Merges every fragment that holds pushes (the end of a run: no update is left behind)."""
@@ -288,8 +290,9 @@ class Syncer:
       for _ in range(2):  # The first fold and later ones, the way this codec's pushes are folded.
         sums, radii = accumulate.fold(state.rda, sums, radii, jax.tree.leaves(zeros), np.float32(1),
                                       one_at_a_time=self.codec.format != "fp32" or self.codec.error_feedback)
-      jax.block_until_ready(accumulate.merge_and_step(self.optimizer, state.rda, zeros, zeros_like(state.opt_state),
-                                                      merge.Accumulator(sums, radii, 2.0, 1.0), np.float32(0.5)))
+      jax.block_until_ready(
+          accumulate.merge_and_step(self.optimizer, state.rda, zeros, zeros_like(state.opt_state),
+                                    merge.Accumulator(sums, radii, 2.0, 1.0), np.float32(0.5)))
 
   @property
   def estimates(self) -> dict[str, float]:
@@ -341,8 +344,8 @@ class Syncer:
     weights = (merge.normalized_weights(weights) * np.asarray(damping)).astype(np.float32)
     staleness = tuple(state.version - p.base_version for p in state.pending)
     accumulator, state.accumulator = state.accumulator, None  # Donated to the merge.
-    state.params, state.opt_state = accumulate.merge_and_step(
-        self.optimizer, state.rda, state.params, state.opt_state, accumulator, np.float32(1.0 / accumulator.total))
+    state.params, state.opt_state = accumulate.merge_and_step(self.optimizer, state.rda, state.params, state.opt_state,
+                                                              accumulator, np.float32(1.0 / accumulator.total))
     state.version += 1
     report = MergeReport(self.version, tuple(p.learner for p in state.pending), staleness,
                          tuple(float(w) for w in weights), now, fragment)
@@ -353,4 +356,3 @@ class Syncer:
   def _xi_update(self, name: str, seconds: float) -> None:
     a = self.settings.ema
     self._xi[name] = seconds if self._xi[name] == 0 else (1 - a) * self._xi[name] + a * seconds
-

@@ -43,17 +43,16 @@ def write_credential(credential: str, out: str) -> None:
 
 
 def _key_pem(key) -> bytes:
-  return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                           serialization.NoEncryption())
+  return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
 
 
 def _certificate(subject: str, public_key, issuer: x509.Name, signer, *, ca: bool, host: str = "") -> x509.Certificate:
   now = datetime.datetime.now(datetime.timezone.utc)
-  builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-             .issuer_name(issuer).public_key(public_key).serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(minutes=5))
-             .not_valid_after(now + datetime.timedelta(VALID_DAYS))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True))
+  builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(
+      NameOID.COMMON_NAME, subject)])).issuer_name(issuer).public_key(public_key).serial_number(
+          x509.random_serial_number()).not_valid_before(now - datetime.timedelta(
+              minutes=5)).not_valid_after(now + datetime.timedelta(VALID_DAYS)).add_extension(
+                  x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True))
   if host:
     try:
       name = x509.IPAddress(ipaddress.ip_address(host))
@@ -109,8 +108,9 @@ def main(argv: list[str]) -> int:
     if len(secret) < security.MIN_TOKEN_CHARS or getattr(args, "learner", 0) < 0:
       sys.stderr.write(f"error: need a secret of at least {security.MIN_TOKEN_CHARS} characters and --learner >= 0\n")
       return 2
-    write_credential(security.learner_credential(secret, args.learner) if args.command == "learner"
-                     else security.evaluator_credential(secret), args.out)
+    write_credential(
+        security.learner_credential(secret, args.learner)
+        if args.command == "learner" else security.evaluator_credential(secret), args.out)
   else:
     if not args.host:
       sys.stderr.write("error: --host must name the syncer's IP address or DNS name\n")

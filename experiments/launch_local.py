@@ -54,10 +54,12 @@ _CHAOS_SYNCER = flags.DEFINE_bool("chaos_syncer", False, "Chaos may also kill (a
 _MIN_UPTIME = flags.DEFINE_float("min_uptime_seconds", 15.0, "Chaos kills only processes up at least this long.")
 _MAX_KILLS = flags.DEFINE_integer("max_kills", 0, "Chaos stops after this many kills (0 = no limit).")
 _TIMEOUT = flags.DEFINE_float("timeout_seconds", 3600.0, "Kill everything and fail after this long.")
-_PROCESSES_PER_GROUP = flags.DEFINE_integer("processes_per_group", 1, "JAX processes per learner group (each "
-                                            "gets an equal share of the group's devices).")
-_SYNCER_SHARDS = flags.DEFINE_integer("syncer_shards", None, "Syncer shards (processes syncer, syncer_1, ...): sets "
-                                      "--config.service.shards (docs/syncer-shards.md).")
+_PROCESSES_PER_GROUP = flags.DEFINE_integer(
+    "processes_per_group", 1, "JAX processes per learner group (each "
+    "gets an equal share of the group's devices).")
+_SYNCER_SHARDS = flags.DEFINE_integer(
+    "syncer_shards", None, "Syncer shards (processes syncer, syncer_1, ...): sets "
+    "--config.service.shards (docs/syncer-shards.md).")
 
 TOKEN_ENV = "DD_SYNCER_TOKEN"
 
@@ -65,9 +67,9 @@ TOKEN_ENV = "DD_SYNCER_TOKEN"
 class LocalCluster:
   """The syncer and learner processes of one run: start, kill, restart, wait."""
 
-  def __init__(self, config_path: str, workdir: str, overrides: list[str], num_learners: int,
-               env: dict | None = None, host: str = "127.0.0.1", port: int = 0,
-               group_processes: tuple[int, ...] = (), evaluator: bool = False, shards: int = 1):
+  def __init__(self, config_path: str, workdir: str, overrides: list[str], num_learners: int, env: dict | None = None,
+               host: str = "127.0.0.1", port: int = 0, group_processes: tuple[int, ...] = (), evaluator: bool = False,
+               shards: int = 1):
     self.config_path, self.workdir, self.overrides = config_path, os.path.abspath(workdir), list(overrides)
     self.shards = shards  # Syncer shards: processes 'syncer' (shard 0, which keeps the budget), 'syncer_<s>'.
     self.num_learners, self.host, self.port = num_learners, host, port
@@ -84,8 +86,9 @@ class LocalCluster:
     os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
 
   def _command(self, *args: str) -> list[str]:
-    return [sys.executable, "-m", "experiments.train", f"--config={self.config_path}", *self.overrides,
-            f"--workdir={self.workdir}", *args]
+    return [
+        sys.executable, "-m", "experiments.train", f"--config={self.config_path}", *self.overrides,
+        f"--workdir={self.workdir}", *args]
 
   def _spawn(self, name: str, command: list[str], env: dict | None = None) -> subprocess.Popen:
     self.starts[name] = self.starts.get(name, 0) + 1
@@ -141,9 +144,10 @@ class LocalCluster:
       return
     coordinator = f"127.0.0.1:{free_port('127.0.0.1')}"
     for k in range(count):
-      self._spawn(f"learner_{index}.p{k}", self._command(*args, f"--group_coordinator={coordinator}",
-                                                         f"--group_processes={count}", f"--group_process_id={k}"),
-                  env)
+      self._spawn(
+          f"learner_{index}.p{k}",
+          self._command(*args, f"--group_coordinator={coordinator}", f"--group_processes={count}",
+                        f"--group_process_id={k}"), env)
 
   def start_evaluator(self) -> None:
     """Starts (or restarts) the evaluator against the syncer, with its read-only credential."""
@@ -194,8 +198,10 @@ class LocalCluster:
         raise TimeoutError(f"the run did not finish within {timeout:.0f}s: see {self.workdir}/logs")
       if chaos is not None:
         chaos.step(self, time.monotonic())
-      failed = [n for n, p in self.processes.items() if p.poll() not in (None, 0) and n != "syncer"
-                and not (chaos and _unit(n) in set(chaos.down) | chaos.abandoned)]
+      failed = [
+          n for n, p in self.processes.items()
+          if p.poll() not in (None,
+                              0) and n != "syncer" and not (chaos and _unit(n) in set(chaos.down) | chaos.abandoned)]
       if failed:
         self.stop()
         raise RuntimeError(f"{', '.join(failed)} failed: see {self.workdir}/logs")

@@ -26,10 +26,12 @@ from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.run import schedule
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (a configs/*.py).", lock_config=True)
-_XLA = flags.DEFINE_bool("xla", True, "Also compile each group's inner step abstractly on virtual CPU devices "
-                         "and show XLA's memory analysis (minutes for 1B-8B models).")
-_COMPILE_GROUP = flags.DEFINE_integer("compile_group", None, "Internal: compile this group in this process "
-                                      "(started with enough virtual devices) and print its figures as JSON.")
+_XLA = flags.DEFINE_bool(
+    "xla", True, "Also compile each group's inner step abstractly on virtual CPU devices "
+    "and show XLA's memory analysis (minutes for 1B-8B models).")
+_COMPILE_GROUP = flags.DEFINE_integer(
+    "compile_group", None, "Internal: compile this group in this process "
+    "(started with enough virtual devices) and print its figures as JSON.")
 GB = 1e9
 
 

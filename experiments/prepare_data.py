@@ -38,9 +38,9 @@ class ShardWriter:
 
   def __init__(self, directory: pathlib.Path, split: str, num_shards: int):
     from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
-    self._writers = [array_record_module.ArrayRecordWriter(
-        str(directory / f"{split}-{i:05d}-of-{num_shards:05d}.array_record"), "group_size:1")
-                     for i in range(num_shards)]
+    self._writers = [
+        array_record_module.ArrayRecordWriter(str(directory / f"{split}-{i:05d}-of-{num_shards:05d}.array_record"),
+                                              "group_size:1") for i in range(num_shards)]
     self.records = self.bytes = 0
 
   def write(self, record: bytes) -> None:
@@ -74,8 +74,9 @@ def text_file_splits(path: str, chunk_bytes: int, eval_fraction: float) -> dict:
   from decoupled_diloco.data import documents  # pylint: disable=g-import-not-at-top
   size = os.path.getsize(path)
   cut = size - int(round(size * eval_fraction))
-  return {"train": _pieces(documents.FileDocuments(path, 0, cut, chunk_bytes)),
-          "eval": _pieces(documents.FileDocuments(path, cut, size, chunk_bytes))}
+  return {
+      "train": _pieces(documents.FileDocuments(path, 0, cut, chunk_bytes)),
+      "eval": _pieces(documents.FileDocuments(path, cut, size, chunk_bytes))}
 
 
 def tfds_splits(name: str, data_dir: str, key: str) -> dict:

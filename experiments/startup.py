@@ -24,8 +24,8 @@ def from_env(name: str, default):
   return type(default)(value) if value else default
 
 
-def process_devices(devices: tuple[int, ...], role: str, learner_id: int | None, coordinator: str,
-                    processes: int, evaluator_devices: int = 0) -> int:
+def process_devices(devices: tuple[int, ...], role: str, learner_id: int | None, coordinator: str, processes: int,
+                    evaluator_devices: int = 0) -> int:
   """Devices this process needs: all groups (local), one group or its share of one (learner), one (syncer),
   service.evaluator_devices or learner group 0's (evaluator). Sizes the virtual CPU backend, which must be set
   before JAX starts."""

@@ -34,28 +34,35 @@ from ml_collections import config_flags
 from experiments import cli
 from experiments import startup
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/demo.py", "Experiment config file (a configs/*.py with get_config()).", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where metrics.jsonl, TensorBoard events and checkpoints go: a "
-                                "local directory or gs://BUCKET/PATH (docs/storage.md).")
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py",
+                                          "Experiment config file (a configs/*.py with get_config()).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Where metrics.jsonl, TensorBoard events and checkpoints go: a "
+    "local directory or gs://BUCKET/PATH (docs/storage.md).")
 flags.mark_flag_as_required("workdir")
-_ROLE = flags.DEFINE_enum("role", "local", ["local", "syncer", "learner", "evaluator"],
-                          "local: the whole run in this process (config.runtime); syncer / learner / evaluator: "
-                          "one process of a networked run (runtime 'service'; evaluator: with "
-                          "service.evaluate_on='evaluator').")
+_ROLE = flags.DEFINE_enum(
+    "role", "local", ["local", "syncer", "learner", "evaluator"],
+    "local: the whole run in this process (config.runtime); syncer / learner / evaluator: "
+    "one process of a networked run (runtime 'service'; evaluator: with "
+    "service.evaluate_on='evaluator').")
 _LEARNER_ID = flags.DEFINE_integer("learner_id", None, "Learner group this process trains (--role=learner).")
-_SYNCER = flags.DEFINE_string("syncer", None, "host:port of the syncer service (--role=learner, --role=evaluator); "
-                              "with service.shards = S, S of them comma-separated, shard 0's first.")
-_SHARD = flags.DEFINE_integer("shard", None, "Syncer shard this process serves (--role=syncer with service.shards > 1).")
+_SYNCER = flags.DEFINE_string(
+    "syncer", None, "host:port of the syncer service (--role=learner, --role=evaluator); "
+    "with service.shards = S, S of them comma-separated, shard 0's first.")
+_SHARD = flags.DEFINE_integer("shard", None,
+                              "Syncer shard this process serves (--role=syncer with service.shards > 1).")
 _GROUP_COORDINATOR = flags.DEFINE_string(
     "group_coordinator", startup.from_env("coordinator", ""), "--role=learner in a multi-process group: HOST:PORT "
     "of the group's process 0 (JAX's coordinator), or 'auto' on Cloud TPU / GKE; '' = this process is the whole "
     "group. Default: $DD_GROUP_COORDINATOR.")
-_GROUP_PROCESSES = flags.DEFINE_integer("group_processes", startup.from_env("processes", 1), "Processes of this "
-                                        "learner group (with --group_coordinator=HOST:PORT); they split its devices "
-                                        "evenly. Default: $DD_GROUP_PROCESSES or 1.")
-_GROUP_PROCESS_ID = flags.DEFINE_integer("group_process_id", startup.from_env("process_id", 0), "This process's "
-                                         "index in its group, 0..N-1. Default: $DD_GROUP_PROCESS_ID or 0.")
+_GROUP_PROCESSES = flags.DEFINE_integer(
+    "group_processes", startup.from_env("processes", 1), "Processes of this "
+    "learner group (with --group_coordinator=HOST:PORT); they split its devices "
+    "evenly. Default: $DD_GROUP_PROCESSES or 1.")
+_GROUP_PROCESS_ID = flags.DEFINE_integer(
+    "group_process_id", startup.from_env("process_id", 0), "This process's "
+    "index in its group, 0..N-1. Default: $DD_GROUP_PROCESS_ID or 0.")
 
 
 def load_config():
@@ -82,9 +89,10 @@ def main(argv: list[str]) -> None:
   # Virtual CPU devices must be requested before JAX's CPU backend starts; on TPU
   # hosts this only sizes the (unused) CPU backend.
   try:
-    jax.config.update("jax_num_cpu_devices", startup.process_devices(
-        tuple(config.learners.devices), _ROLE.value, _LEARNER_ID.value, _GROUP_COORDINATOR.value,
-        _GROUP_PROCESSES.value, config.service.evaluator_devices))
+    jax.config.update(
+        "jax_num_cpu_devices",
+        startup.process_devices(tuple(config.learners.devices), _ROLE.value, _LEARNER_ID.value,
+                                _GROUP_COORDINATOR.value, _GROUP_PROCESSES.value, config.service.evaluator_devices))
   except ValueError as error:  # ConfigError: a group's devices that its processes do not split.
     cli.fail(error)
   # Imported here so that `--help` and flag errors stay fast.
@@ -102,8 +110,8 @@ def main(argv: list[str]) -> None:
   try:
     startup.check_devices(tuple(config.learners.devices), "local", None)
     exp = experiment.build(config)
-    logging.info("%s: %d learner group(s) on %s devices, data %s, tokenizer %s", config.mode,
-                 len(exp.learners), tuple(config.learners.devices), exp.corpus.name, exp.corpus.tokenizer.name)
+    logging.info("%s: %d learner group(s) on %s devices, data %s, tokenizer %s", config.mode, len(exp.learners),
+                 tuple(config.learners.devices), exp.corpus.name, exp.corpus.tokenizer.name)
     try:
       summary = {"lockstep": lockstep, "sim": sim, "threads": threads}[config.runtime].run(exp, _WORKDIR.value)
     finally:

@@ -31,9 +31,10 @@ os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
 def emulator_env(url: str) -> dict[str, str]:
   """The environment that points gcsfs, TensorStore and epath at the emulator at `url`."""
-  return {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "fake",
-          "FSSPEC_GCS_TOKEN": "anon", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "EPATH_USE_TF": "false",
-          "NO_GCE_CHECK": "true", "GCE_METADATA_HOST": "127.0.0.1:1", "GCE_METADATA_ROOT": "127.0.0.1:1"}
+  return {
+      "STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "fake",
+      "FSSPEC_GCS_TOKEN": "anon", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "EPATH_USE_TF": "false",
+      "NO_GCE_CHECK": "true", "GCE_METADATA_HOST": "127.0.0.1:1", "GCE_METADATA_ROOT": "127.0.0.1:1"}
 
 
 def _wait_until_serving(url: str, process: subprocess.Popen) -> None:
@@ -65,9 +66,9 @@ def fake_gcs():
   saved = {key: os.environ.get(key) for key in env}
   saved_conf = fsspec.config.conf.get("gcs")
   binary = _server._get_binary_path()  # pylint: disable=protected-access
-  server = subprocess.Popen([str(binary), "-scheme", "http", "-backend", "memory",
-                             "-host", "127.0.0.1", "-port", url.rsplit(":", 1)[1], "-log-level", "error"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  server = subprocess.Popen([
+      str(binary), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port",
+      url.rsplit(":", 1)[1], "-log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   try:
     _wait_until_serving(url, server)
     os.environ.update(env)

@@ -31,7 +31,7 @@ def _deltas(count: int, seed: int = 0) -> list:
   rng = np.random.default_rng(seed)
   deltas = []
   for i in range(count):
-    delta = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32) * 10.0 ** -(i % 3), _params())
+    delta = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32) * 10.0**-(i % 3), _params())
     if i == 1:
       delta["block_0"]["b"] = np.zeros_like(delta["block_0"]["b"])
     deltas.append(delta)
@@ -60,10 +60,11 @@ def _syncer(settings: Settings, learners: int, codec=compression.Codec(), optimi
 
 def _batch_merge(settings: Settings, deltas: list, pushes: list[Push], optimizer=optax.sgd(1.0)) -> tuple:
   """(new Θ, weights) as the batch merge computed them."""
-  shares = merge.normalized_weights([merge.token_weight(p.tokens, p.local_steps, settings.token_weighting)
-                                     for p in pushes])
-  damping = [merge.staleness_weight(_VERSION - p.base_version, settings.staleness, settings.staleness_a,
-                                    settings.staleness_b) for p in pushes]
+  shares = merge.normalized_weights([
+      merge.token_weight(p.tokens, p.local_steps, settings.token_weighting) for p in pushes])
+  damping = [
+      merge.staleness_weight(_VERSION - p.base_version, settings.staleness, settings.staleness_a, settings.staleness_b)
+      for p in pushes]
   weights = (shares * np.asarray(damping)).astype(np.float32)
   params, opt_state = _start(optimizer)
   mask = merge.embedding_mask(params)
@@ -90,11 +91,10 @@ def _assert_float32_close(got, want) -> None:
                                err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("rule, staleness, weighting", list(itertools.product(
-    merge.MERGE_RULES, merge.STALENESS_FUNCTIONS, merge.TOKEN_WEIGHTINGS)))
+@pytest.mark.parametrize("rule, staleness, weighting",
+                         list(itertools.product(merge.MERGE_RULES, merge.STALENESS_FUNCTIONS, merge.TOKEN_WEIGHTINGS)))
 def test_streaming_merge_equals_the_batch_merge(rule, staleness, weighting):
-  settings = Settings(merge_rule=rule, staleness=staleness, staleness_a=0.5, staleness_b=1.0,
-                      token_weighting=weighting)
+  settings = Settings(merge_rule=rule, staleness=staleness, staleness_a=0.5, staleness_b=1.0, token_weighting=weighting)
   deltas = _deltas(4)
   pushes = [Push(m, d, b, t, s) for m, (d, b, t, s) in enumerate(zip(deltas, _BASES, _TOKENS, _STEPS))]
   want, weights = _batch_merge(settings, deltas, pushes)

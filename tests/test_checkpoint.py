@@ -20,9 +20,7 @@ def _learner_state(seed: float):
   """AdamW state of a tiny model, sharded over a 2-device mesh (devices 2 and 3)."""
   mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[2:4])
   shardings = {"w": NamedSharding(mesh, P(None, "data")), "b": NamedSharding(mesh, P())}
-  params = jax.device_put(
-      {"w": jnp.full((4, 6), seed, jnp.float32), "b": jnp.arange(6, dtype=jnp.float32)}, shardings
-  )
+  params = jax.device_put({"w": jnp.full((4, 6), seed, jnp.float32), "b": jnp.arange(6, dtype=jnp.float32)}, shardings)
   optimizer = optax.adamw(1e-2)
   with jax.set_mesh(mesh):
     opt_state = jax.jit(optimizer.init)(params)
@@ -30,9 +28,7 @@ def _learner_state(seed: float):
     _, opt_state = jax.jit(optimizer.update)(grads, opt_state, params)
     abstract = jax.eval_shape(optimizer.init, params)
   # The abstract target a resuming trainer builds: eval_shape + the learner's shardings.
-  abstract = jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s.sharding), abstract, opt_state
-  )
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s.sharding), abstract, opt_state)
   return opt_state, abstract
 
 
@@ -40,8 +36,7 @@ def _host_state(seed: float):
   """Syncer-side global params and outer momentum as host numpy arrays."""
   return {
       "params": {"w": np.full((4, 6), seed, np.float32), "b": np.arange(6, dtype=np.float32)},
-      "momentum": (np.ones((3,), np.float32) * seed, np.array(7, np.int32)),
-  }
+      "momentum": (np.ones((3,), np.float32) * seed, np.array(7, np.int32)),}
 
 
 def _host_abstract():
@@ -158,9 +153,7 @@ def test_crash_mid_save_is_never_the_latest_step(tmp_path):
   directory = str(tmp_path / "ckpt")
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu")
-  result = subprocess.run(
-      [sys.executable, "-c", _CRASH_MID_SAVE, directory], env=env, capture_output=True, timeout=120
-  )
+  result = subprocess.run([sys.executable, "-c", _CRASH_MID_SAVE, directory], env=env, capture_output=True, timeout=120)
   assert result.returncode == 1, result.stderr.decode()[-2000:]
   leftovers = sorted(os.listdir(directory))
   assert "1" in leftovers and "2" not in leftovers

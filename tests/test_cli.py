@@ -21,8 +21,9 @@ REPO = pathlib.Path(__file__).parents[1]
 README = (REPO / "README.md").read_text()
 # The README first (its first command is the demo), then every docs page: each command a reader may copy.
 DOCS = "\n".join([README] + [page.read_text() for page in sorted((REPO / "docs").glob("*.md"))])
-SHORTEN = ["--config.outer_steps=2", "--config.inner_steps=3", "--config.checkpoint_every=1",
-           "--config.data.synthetic.num_tokens=50000", "--config.eval_batches=1", "--config.log_every=2"]
+SHORTEN = [
+    "--config.outer_steps=2", "--config.inner_steps=3", "--config.checkpoint_every=1",
+    "--config.data.synthetic.num_tokens=50000", "--config.eval_batches=1", "--config.log_every=2"]
 
 
 def _doc_commands(module: str) -> list[str]:
@@ -57,8 +58,9 @@ def _with_documented_tokenizer(command: str, tmp_path: pathlib.Path) -> str:
 def run_train(command: str, tmp_path: pathlib.Path, *extra: str) -> subprocess.CompletedProcess:
   """Runs a README command with its workdir moved under tmp_path and the run shortened."""
   args = shlex.split(command)[1:]
-  args = [f"--workdir={tmp_path / pathlib.Path(a.split('=', 1)[1]).name}" if a.startswith("--workdir=") else a
-          for a in args]
+  args = [
+      f"--workdir={tmp_path / pathlib.Path(a.split('=', 1)[1]).name}" if a.startswith("--workdir=") else a for a in args
+  ]
   return subprocess.run([sys.executable, *args, *SHORTEN, *extra], cwd=REPO, capture_output=True, text=True,
                         timeout=600)
 
@@ -96,8 +98,9 @@ def test_demo_command_trains_writes_outputs_and_resumes(tmp_path):
   assert [r["outer_step"] for r in records if r["kind"] == "eval"] == [1, 2, 3]
 
 
-@pytest.mark.parametrize("command", [c for c in readme_train_commands() if "configs/demo.py --workdir" not in c
-                                     and "resume=True" not in c and "--role=" not in c])
+@pytest.mark.parametrize("command", [
+    c for c in readme_train_commands()
+    if "configs/demo.py --workdir" not in c and "resume=True" not in c and "--role=" not in c])
 def test_other_readme_commands_run(command, tmp_path):
   if "tinyshakespeare" in command and not (REPO.parent / "shared" / "data" / "tinyshakespeare.txt").exists():
     pytest.skip("../shared/data is not beside the repository")
@@ -129,8 +132,8 @@ def test_readme_service_commands_run_as_written(tmp_path):
   """The README's syncer + learners shell block, run by bash with a free port, a tmp workdir, a short run."""
   block = _readme_block("service-commands")
   assert block.count("python -m experiments.train") == 2 and "--role=syncer" in block
-  shortened = (block.replace("/tmp/dd_svc", str(tmp_path / "svc")).replace("50051", str(free_port()))
-               .replace("--config.mode=decoupled", "--config.mode=decoupled " + " ".join(SHORTEN)))
+  shortened = (block.replace("/tmp/dd_svc", str(tmp_path / "svc")).replace("50051", str(free_port())).replace(
+      "--config.mode=decoupled", "--config.mode=decoupled " + " ".join(SHORTEN)))
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DD_SYNCER_TOKEN")}
   env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"  # `python` in the block is this interpreter.
   result = subprocess.run(["bash", "-c", shortened], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
@@ -157,8 +160,9 @@ def test_documented_launch_tpu_dry_runs_run(command, tmp_path):
   if "--config.data.tokenizer_path=" in command:
     text = tmp_path / "text.txt"
     text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog {i % 7}\n" for i in range(2000)))
-    made = subprocess.run([sys.executable, "-m", "experiments.train_tokenizer", f"--input={text}", "--vocab_size=300",
-                           f"--output={tmp_path / 'tok.model'}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    made = subprocess.run([
+        sys.executable, "-m", "experiments.train_tokenizer", f"--input={text}", "--vocab_size=300",
+        f"--output={tmp_path / 'tok.model'}"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr[-3000:]
     command = re.sub(r"--config\.data\.tokenizer_path=\S+", f"--config.data.tokenizer_path={tmp_path / 'tok.model'}",
                      command)
@@ -178,12 +182,12 @@ def test_documented_launch_tpu_dry_runs_run(command, tmp_path):
     ("--config.data.source=tfds", "data.tfds_name"),
     ("--config=configs/missing.py", "cannot load --config"),
     ("--config.inner.lr=-0.5", "inner.lr=-0.5 must be > 0"),
-    ("--config.data.eval_fraction=2.0", "data.eval_fraction=2.0 must be in (0, 1)"),
-])
+    ("--config.data.eval_fraction=2.0", "data.eval_fraction=2.0 must be in (0, 1)"),])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(flag, message, tmp_path):
   workdir = tmp_path / "run"
-  result = subprocess.run([sys.executable, "-m", "experiments.train", "--config=configs/demo.py",
-                           f"--workdir={workdir}", flag], cwd=REPO, capture_output=True, text=True, timeout=300)
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.train", "--config=configs/demo.py", f"--workdir={workdir}", flag], cwd=REPO,
+      capture_output=True, text=True, timeout=300)
   assert result.returncode == 2
   errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
@@ -205,24 +209,24 @@ def _assert_refused(result: subprocess.CompletedProcess, message: str, workdir: 
     ("def get_config():\n  raise ValueError('no such size')\n", "get_config() raised ValueError: no such size"),
     ("X = 1\n", "the file has no get_config()"),
     ("from configs import default\ndef get_config():\n  config = default.get_config()\n  config.inner.stpes = 3\n"
-     "  return config\n", "it sets 'stpes', which is not a config field"),
-])
+     "  return config\n", "it sets 'stpes', which is not a config field"),])
 @pytest.mark.parametrize("entry_point", ["train", "launch_local"])
 def test_a_config_file_that_does_not_load_is_one_line(entry_point, source, message, tmp_path):
   config = tmp_path / "broken.py"
   config.write_text(source)
   workdir = tmp_path / "run"
-  result = subprocess.run([sys.executable, "-m", f"experiments.{entry_point}", f"--config={config}",
-                           f"--workdir={workdir}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  result = subprocess.run(
+      [sys.executable, "-m", f"experiments.{entry_point}", f"--config={config}", f"--workdir={workdir}"], cwd=REPO,
+      capture_output=True, text=True, timeout=300)
   _assert_refused(result, message, workdir)
 
 
 def _syncer(workdir: pathlib.Path, *flags: str) -> subprocess.CompletedProcess:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["DD_SYNCER_TOKEN"] = "0123456789abcdef0123456789abcdef"
-  return subprocess.run([sys.executable, "-m", "experiments.train", "--config=configs/demo.py", "--role=syncer",
-                         "--config.mode=decoupled", f"--workdir={workdir}", *SHORTEN, *flags], cwd=REPO,
-                        capture_output=True, text=True, timeout=300, env=env)
+  return subprocess.run([
+      sys.executable, "-m", "experiments.train", "--config=configs/demo.py", "--role=syncer", "--config.mode=decoupled",
+      f"--workdir={workdir}", *SHORTEN, *flags], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_a_syncer_refused_for_an_impossible_quorum_writes_nothing(tmp_path):
@@ -232,8 +236,7 @@ def test_a_syncer_refused_for_an_impossible_quorum_writes_nothing(tmp_path):
 
 @pytest.mark.parametrize("flag, message", [
     ("--config.service.max_concurrent_rpcs=4", "service.max_concurrent_rpcs=4 is below the 16 calls"),
-    ("--config.service.keepalive_timeout_seconds=0", "service.keepalive_timeout_seconds=0.0 must be > 0"),
-])
+    ("--config.service.keepalive_timeout_seconds=0", "service.keepalive_timeout_seconds=0.0 must be > 0"),])
 def test_a_syncer_refuses_server_limits_that_cannot_work(flag, message, tmp_path):
   _assert_refused(_syncer(tmp_path / "svc", flag), message, tmp_path / "svc")
 
@@ -248,19 +251,19 @@ def test_a_syncer_on_a_busy_port_is_one_line_and_writes_nothing(which, tmp_path)
 
 
 def test_launch_local_refuses_a_bad_config_in_one_line_before_starting_anything(tmp_path):
-  result = subprocess.run([sys.executable, "-m", "experiments.launch_local", "--config=configs/demo.py",
-                           "--config.outer.momentum=-1", f"--workdir={tmp_path / 'local'}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+  result = subprocess.run([
+      sys.executable, "-m", "experiments.launch_local", "--config=configs/demo.py", "--config.outer.momentum=-1",
+      f"--workdir={tmp_path / 'local'}"], cwd=REPO, capture_output=True, text=True, timeout=300)
   _assert_refused(result, "outer.momentum=-1.0 must be in [0, 1)", tmp_path / "local")
 
 
 def test_launch_local_prints_what_a_failed_process_said(tmp_path):
   """A child that refuses its input (here: data missing) is named with its own error line, not just its code."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  result = subprocess.run([sys.executable, "-m", "experiments.launch_local", "--config=configs/demo.py",
-                           "--config.mode=decoupled", "--config.data.source=text_file",
-                           f"--config.data.path={tmp_path / 'missing.txt'}", f"--workdir={tmp_path / 'local'}",
-                           *SHORTEN], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+  result = subprocess.run([
+      sys.executable, "-m", "experiments.launch_local", "--config=configs/demo.py", "--config.mode=decoupled",
+      "--config.data.source=text_file", f"--config.data.path={tmp_path / 'missing.txt'}",
+      f"--workdir={tmp_path / 'local'}", *SHORTEN], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
   assert result.returncode == 1, result.stderr[-3000:]
   said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
   assert len(said) == 1 and "missing.txt' does not exist: point --config.data.path at a text file" in said[0], said

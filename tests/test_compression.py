@@ -109,9 +109,9 @@ def test_nbytes_is_what_wire_bytes_predicts_from_shapes(fmt, block_size):
 def test_byte_counts_follow_the_documented_formulas():
   n, block = 1000, 64
   blocks = math.ceil(n / block)  # 16: the tail block is padded to 64 values.
-  expected = {"fp32": 4 * n, "bf16": 2 * n, "int8": blocks * block + 4 * blocks,
-              "int4": blocks * block // 2 + 4 * blocks, "fp4": blocks * block // 2 + 4 * blocks,
-              "int2": blocks * block // 4 + 4 * blocks, "topk": 8 * 10}
+  expected = {
+      "fp32": 4 * n, "bf16": 2 * n, "int8": blocks * block + 4 * blocks, "int4": blocks * block // 2 + 4 * blocks,
+      "fp4": blocks * block // 2 + 4 * blocks, "int2": blocks * block // 4 + 4 * blocks, "topk": 8 * 10}
   for fmt, nbytes in expected.items():
     assert compression.wire_bytes(compression.Codec(format=fmt), [(10, 100)]) == nbytes, fmt
   # int2 packs each block on its own: 6 values take 2 bytes, so 10 values take 2 blocks = 4 bytes + 2 scales.
@@ -184,8 +184,7 @@ def test_malformed_payloads_raise_value_error():
       "wrong dtype": replace_leaf(sent, 4, codes=codes.astype(jnp.int8)),
       "wrong shape": replace_leaf(sent, 4, codes=codes[1:]),
       "not an array": replace_leaf(sent, 4, codes=codes.tolist()),
-      "not a dict": sent._replace(leaves=(None,) + sent.leaves[1:]),
-  }
+      "not a dict": sent._replace(leaves=(None,) + sent.leaves[1:]),}
   for name, payload in bad.items():
     with pytest.raises(ValueError):
       compression.decode(codec, payload)
@@ -222,8 +221,7 @@ def test_codec_from_default_config():
     ("topk_fraction", 0.0, r"topk_fraction=0.0 must be in \(0, 1\]"),
     ("topk_fraction", 1.5, "topk_fraction=1.5"),
     ("error_feedback_beta", 0.0, "error_feedback_beta=0.0"),
-    ("error_feedback_beta", 1.1, "error_feedback_beta=1.1"),
-])
+    ("error_feedback_beta", 1.1, "error_feedback_beta=1.1"),])
 def test_bad_configs_raise_one_line_config_errors(field, value, message):
   config = ml_collections.ConfigDict(compression_config().to_dict())
   config[field] = value
@@ -235,8 +233,8 @@ def test_bad_configs_raise_one_line_config_errors(field, value, message):
 @pytest.mark.slow
 def test_throughput_benchmark_runs_end_to_end():
   result = subprocess.run(
-      [sys.executable, "-m", "experiments.benchmarks.compress_throughput", "--size_mb=0.25", "--blocks=1"],
-      cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+      [sys.executable, "-m", "experiments.benchmarks.compress_throughput", "--size_mb=0.25", "--blocks=1"], cwd=REPO,
+      capture_output=True, text=True, timeout=120, check=True)
   figures = json.loads(result.stdout.strip().splitlines()[-1])
   assert figures["ratio"] > 0 and figures["ratio"] == figures["int4_ratio"]
   assert all(f"{fmt}_gbps" in figures for fmt in ("int4", "int8", "fp4", "bf16", "topk"))

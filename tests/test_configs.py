@@ -24,8 +24,9 @@ def test_config_validates_and_documents_its_command(name):
 def test_every_field_is_commented_where_it_is_defined():
   """configs/default.py defines every field; each definition carries its comment."""
   source = (CONFIG_DIR / "default.py").read_text()
-  bare = [line for line in source.splitlines() if line.strip().startswith("config.") and " = " in line
-          and "ConfigDict()" not in line and "#" not in line]
+  bare = [
+      line for line in source.splitlines()
+      if line.strip().startswith("config.") and " = " in line and "ConfigDict()" not in line and "#" not in line]
   assert not bare, f"uncommented fields in configs/default.py: {bare}"
 
 
@@ -55,8 +56,7 @@ def test_tpu_8b_config_is_about_eight_billion_parameters_with_a_subword_vocabula
     ("outer.momentum", -1.0, "outer.momentum=-1.0 must be in [0, 1)"),
     ("outer.momentum", 1.0, "outer.momentum=1.0 must be in [0, 1)"),
     ("data.eval_fraction", 2.0, "data.eval_fraction=2.0 must be in (0, 1)"),
-    ("syncer.quorum", 5, "syncer.quorum=5 exceeds the 4 learners"),
-])
+    ("syncer.quorum", 5, "syncer.quorum=5 exceeds the 4 learners"),])
 def test_out_of_range_settings_are_refused_before_anything_is_built(key, value, message):
   """Values optax or the syncer would take silently (a negative lr ascends the loss) are refused by validate."""
   config = importlib.import_module("configs.demo").get_config()

@@ -16,11 +16,10 @@ from tests.tfds_fixture import tiny_shakespeare_data_dir  # noqa: F401  (pytest 
 
 
 def data_config(**overrides) -> ml_collections.ConfigDict:
-  cfg = ml_collections.ConfigDict(dict(
-      source="synthetic", path="", tfds_name="tiny_shakespeare", tfds_data_dir="",
-      tfds_text_key="text", split="iid", eval_fraction=0.1, tokenizer="byte", tokenizer_path="",
-      chunk_bytes=4096, prefetch=2,
-      synthetic=dict(alphabet_size=16, order=2, concentration=0.5, num_tokens=50_000, seed=7)))
+  cfg = ml_collections.ConfigDict(
+      dict(source="synthetic", path="", tfds_name="tiny_shakespeare", tfds_data_dir="", tfds_text_key="text",
+           split="iid", eval_fraction=0.1, tokenizer="byte", tokenizer_path="", chunk_bytes=4096, prefetch=2,
+           synthetic=dict(alphabet_size=16, order=2, concentration=0.5, num_tokens=50_000, seed=7)))
   cfg.update(overrides)
   return cfg
 
@@ -39,6 +38,7 @@ def binary_entropy(p: float) -> float:
 
 # ----------------------------------------------------------------------------- tokenizer
 
+
 def test_tokenizer_round_trip():
   text = "First Citizen:\nBefore we proceed — ünïcödé ✓"
   ids = tokenizer.encode(text)
@@ -50,6 +50,7 @@ def test_tokenizer_round_trip():
 
 
 # ----------------------------------------------------------------------------- synthetic
+
 
 def test_two_symbol_order_one_chain_matches_hand_computation():
   transitions = np.array([[0.9, 0.1], [0.5, 0.5]])
@@ -95,8 +96,7 @@ def test_optimal_loss_matches_plug_in_estimate_on_aligned_windows():
   conditional entropy of target 1 given the window's first byte is optimal_loss(1)."""
   language = synthetic.MarkovLanguage.random(alphabet_size=4, order=2, concentration=0.3, seed=1)
   seq_len = 1
-  tokens = language.sample(1_000_000, np.random.default_rng(5),
-                           synthetic.aligned_chain_length(seq_len))
+  tokens = language.sample(1_000_000, np.random.default_rng(5), synthetic.aligned_chain_length(seq_len))
   windows = symbol_indices(language, batches.make_windows(tokens, seq_len))
   joint = np.bincount(windows[:, 0] * 4 + windows[:, 1], minlength=16) / windows.shape[0]
   marginal = joint.reshape(4, 4).sum(1)
@@ -116,6 +116,7 @@ def test_optimal_loss_bounds_and_monotonicity():
 
 
 def test_generation_is_deterministic_in_the_seed():
+
   def make(seed, rng_seed):
     language = synthetic.MarkovLanguage.random(16, 2, 0.5, seed)
     return language.sample(20_000, np.random.default_rng(rng_seed), 400)
@@ -142,6 +143,7 @@ def test_synthetic_corpus_is_seeded_and_knows_its_optimum():
 
 # ----------------------------------------------------------------------------- sources
 
+
 def test_text_file_source_splits_the_tail(tmp_path):
   path = tmp_path / "corpus.txt"
   text = ("To be, or not to be, that is the question.\n" * 200).encode()
@@ -156,9 +158,7 @@ def test_text_file_source_splits_the_tail(tmp_path):
     (dict(source="text_file", path="/nonexistent/x.txt"), "does not exist"),
     (dict(source="parquet"), "unknown"),
     (dict(eval_fraction=1.5), "eval_fraction"),
-    (dict(synthetic=dict(alphabet_size=500, order=1, concentration=0.5, num_tokens=10, seed=0)),
-     "alphabet_size"),
-])
+    (dict(synthetic=dict(alphabet_size=500, order=1, concentration=0.5, num_tokens=10, seed=0)), "alphabet_size"),])
 def test_config_errors(overrides, match):
   with pytest.raises(ConfigError, match=match):
     sources.load_corpus(data_config(**overrides), seq_len=16)
@@ -181,8 +181,7 @@ def test_unknown_tfds_name_fails_fast_without_network(tmp_path):
 
 @pytest.mark.slow  # Long: the fast subset leaves it to CI.
 def test_tfds_tiny_shakespeare_offline(tiny_shakespeare_data_dir):  # noqa: F811
-  cfg = data_config(source="tfds", tfds_name="tiny_shakespeare",
-                    tfds_data_dir=str(tiny_shakespeare_data_dir))
+  cfg = data_config(source="tfds", tfds_name="tiny_shakespeare", tfds_data_dir=str(tiny_shakespeare_data_dir))
   corpus = sources.load_corpus(cfg, seq_len=128)
   assert corpus.packed and corpus.optimal_loss is None
   # One document per split, dealt out in newline-aligned pieces that cover it exactly once.
@@ -202,11 +201,11 @@ def test_tfds_tiny_shakespeare_offline(tiny_shakespeare_data_dir):  # noqa: F811
 
 # ----------------------------------------------------------------------------- batches
 
+
 @pytest.mark.parametrize("split", ["iid", "noniid"])
 def test_shards_are_disjoint_and_cover_all_windows(split):
   num_windows, num_learners = 103, 4
-  shards = [batches.shard_indices(num_windows, m, num_learners, split, seed=3)
-            for m in range(num_learners)]
+  shards = [batches.shard_indices(num_windows, m, num_learners, split, seed=3) for m in range(num_learners)]
   together = np.concatenate(shards)
   assert together.size == num_windows
   np.testing.assert_array_equal(np.sort(together), np.arange(num_windows))
@@ -244,8 +243,7 @@ def test_batches_visit_own_shard_once_per_epoch(tokens):
   windows = batches.make_windows(tokens, 15)
   own = {windows[i].tobytes() for i in run.shard}
   for epoch in range(2):
-    seen = [row.astype(np.uint8).tobytes() for s in range(10 * epoch, 10 * epoch + 10)
-            for row in run.batch(s)]
+    seen = [row.astype(np.uint8).tobytes() for s in range(10 * epoch, 10 * epoch + 10) for row in run.batch(s)]
     assert len(seen) == len(set(seen)) == run.num_windows and set(seen) == own
   first_epoch = np.concatenate([run.batch(s) for s in range(10)])
   second_epoch = np.concatenate([run.batch(s) for s in range(10, 20)])
@@ -254,18 +252,18 @@ def test_batches_visit_own_shard_once_per_epoch(tokens):
 
 @pytest.mark.parametrize("split", ["iid", "noniid"])
 def test_learners_get_different_data(tokens, split):
-  rows = [{r.astype(np.uint8).tobytes() for s in range(5) for r in make_learner(
-      tokens, m, split=split).batch(s)} for m in range(3)]
+  rows = [{r.astype(np.uint8).tobytes() for s in range(5) for r in make_learner(tokens, m, split=split).batch(s)}
+          for m in range(3)]
   assert not rows[0] & rows[1] and not rows[1] & rows[2] and not rows[0] & rows[2]
 
 
 def test_shard_smaller_than_batch_wraps(tokens):
-  small = tokens[: 16 * 4]  # 4 windows, 2 learners: 2 windows each, batch of 5.
+  small = tokens[:16 * 4]  # 4 windows, 2 learners: 2 windows each, batch of 5.
   run = make_learner(small, num_learners=2, batch_size=5)
   batch = run.batch(7)
   assert batch.shape == (5, 16)
-  assert {r.astype(np.uint8).tobytes() for r in batch} == {
-      w.tobytes() for w in batches.make_windows(small, 15)[run.shard]}
+  assert {r.astype(np.uint8).tobytes() for r in batch
+         } == {w.tobytes() for w in batches.make_windows(small, 15)[run.shard]}
   with pytest.raises(ConfigError, match="fewer than the 5 learners"):
     make_learner(small, num_learners=5)
   with pytest.raises(ConfigError, match="data.split"):
@@ -273,8 +271,7 @@ def test_shard_smaller_than_batch_wraps(tokens):
 
 
 def test_eval_batches_are_fixed_and_wrap(tmp_path):
-  corpus = sources.Corpus(train=np.zeros(0, np.uint8), eval=np.arange(50, dtype=np.uint8),
-                          name="toy")
+  corpus = sources.Corpus(train=np.zeros(0, np.uint8), eval=np.arange(50, dtype=np.uint8), name="toy")
   evals = batches.eval_batches(corpus, seq_len=9, batch_size=4, num_batches=2)  # 5 windows.
   assert len(evals) == 2 and evals[0].shape == (4, 10) and evals[0].dtype == np.int32
   np.testing.assert_array_equal(evals[0][0], np.arange(10))
@@ -283,4 +280,3 @@ def test_eval_batches_are_fixed_and_wrap(tmp_path):
   assert all(np.array_equal(a, b) for a, b in zip(evals, again))
   with pytest.raises(ConfigError, match="fewer than one window"):
     batches.eval_batches(corpus, seq_len=63, batch_size=4, num_batches=1)
-

@@ -134,8 +134,10 @@ def test_prepare_data_text_file_to_array_record(tmp_path, sp_model):
   assert len(list(out.glob("train-*.array_record"))) == 2 and len(list(out.glob("eval-*.array_record"))) == 2
   again = _run("experiments.prepare_data", f"--input={text_file}", f"--output={out}")
   assert again.returncode == 2 and "not empty" in again.stderr
-  config = tiny_config(**{"data.source": "array_record", "data.path": str(out), "data.tokenizer": "sentencepiece",
-                          "data.tokenizer_path": sp_model})
+  config = tiny_config(
+      **{
+          "data.source": "array_record", "data.path": str(out), "data.tokenizer": "sentencepiece",
+          "data.tokenizer_path": sp_model})
   corpus = sources.load_corpus(config.data, 16)
   texts = [corpus.train_documents[i][0] for i in range(len(corpus.train_documents))]
   texts += [corpus.eval_documents[i][0] for i in range(len(corpus.eval_documents))]
@@ -155,9 +157,10 @@ def _records(workdir):
 def test_subword_run_resumes_exactly_and_reports_bits_per_byte(tmp_path, sp_model):
   text_file = tmp_path / "corpus.txt"
   text_file.write_text(TEXT, encoding="utf-8")
-  config = tiny_config(outer_steps=3, checkpoint_every=1, **{
-      "data.source": "text_file", "data.path": str(text_file), "data.tokenizer": "sentencepiece",
-      "data.tokenizer_path": sp_model, "data.chunk_bytes": 256})
+  config = tiny_config(
+      outer_steps=3, checkpoint_every=1, **{
+          "data.source": "text_file", "data.path": str(text_file), "data.tokenizer": "sentencepiece",
+          "data.tokenizer_path": sp_model, "data.chunk_bytes": 256})
   lockstep.run(experiment.build(config), str(tmp_path / "full"))
   lockstep.run(experiment.build(config), str(tmp_path / "cut"), stop_after=2)
   config.resume = True
@@ -198,8 +201,10 @@ def test_two_process_group_assembles_the_single_process_batch(tmp_path):
   import portpicker  # pylint: disable=g-import-not-at-top
   coordinator = f"127.0.0.1:{portpicker.pick_unused_port()}"
   env = {**os.environ, "PYTHONPATH": str(REPO)}
-  procs = [subprocess.Popen([sys.executable, "-c", _GROUP_SCRIPT, coordinator, str(k), str(tmp_path)], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for k in range(2)]
+  procs = [
+      subprocess.Popen([sys.executable, "-c", _GROUP_SCRIPT, coordinator,
+                        str(k), str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+      for k in range(2)]
   outputs = [p.communicate(timeout=300)[0].decode()[-3000:] for p in procs]
   assert [p.returncode for p in procs] == [0, 0], outputs
   single = _packed(learner_index=0, num_learners=2, batch_size=8)

@@ -45,8 +45,8 @@ def _client(address, learner, **options):
 def _ticket(address, header, token=TOKEN):
   """PushTicket called as a raw gRPC client would."""
   with grpc.insecure_channel(address) as channel:
-    reply = channel.unary_unary(f"/{server_lib.SERVICE}/PushTicket")(
-        wire.pack_header(header), timeout=10, metadata=((security.TOKEN_METADATA_KEY, token),))
+    reply = channel.unary_unary(f"/{server_lib.SERVICE}/PushTicket")(wire.pack_header(header), timeout=10,
+                                                                     metadata=((security.TOKEN_METADATA_KEY, token),))
   return wire.parse_header(reply, client_lib.TICKET_SCHEMA)
 
 
@@ -109,8 +109,8 @@ def test_data_channel_refuses_forged_reused_short_and_bad_pushes_untouched(param
       assert refused.value.code() == code
     assert core.syncer.version == 0 and core.acked == {0: -1, 1: -1} and core.counts["rejected"] == 1
     # The learner's own client still gets through.
-    assert _client(address, 0, data_channel=True).push(
-        0, _delta(params), base_version=0, tokens=64, local_steps=4, compute_seconds=0.1)["status"] == "applied"
+    assert _client(address, 0, data_channel=True).push(0, _delta(params), base_version=0, tokens=64, local_steps=4,
+                                                       compute_seconds=0.1)["status"] == "applied"
   core.close()
 
 
@@ -134,8 +134,9 @@ def test_a_syncer_without_data_channel_says_how_to_push(params, tmp_path):
 def test_data_channel_speaks_tls_when_grpc_does(params, tmp_path):
   cert_file, key_file = _self_signed(str(tmp_path))
   core = _core(params, tmp_path / "run")
-  tls = {"credentials": security.server_credentials(cert_file, key_file),
-         "data_tls": security.server_tls_context(cert_file, key_file)}
+  tls = {
+      "credentials": security.server_credentials(cert_file, key_file),
+      "data_tls": security.server_tls_context(cert_file, key_file)}
   with _serving(core, **tls) as (server, address):
     client = _client(address, 0, data_channel=True, credentials=security.channel_credentials(cert_file),
                      data_tls=security.client_tls_context(cert_file))

@@ -90,8 +90,7 @@ def test_resumed_run_writes_the_same_metrics_as_an_uninterrupted_one(tmp_path):
     ({"learners.devices": (4, 4, 4), "learners.batch_size": (4, 4, 4)}, "needs 12 devices"),
     ({"learners.batch_size": (4, 3)}, "not divisible"),
     ({"mode": "ddp"}, "one group"),
-    ({"data.split": "sorted"}, "data.split"),
-])
+    ({"data.split": "sorted"}, "data.split"),])
 def test_bad_configs_name_the_fix(overrides, message):
   with pytest.raises(ConfigError, match=message):
     experiment.build(tiny_config(**{k: v for k, v in overrides.items()}))

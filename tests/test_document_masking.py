@@ -20,8 +20,8 @@ EOD = 0
 
 
 def _cfg(**overrides) -> ml_collections.ConfigDict:
-  base = dict(vocab_size=64, seq_len=16, d_model=32, num_layers=2, num_heads=4, d_ff=64, position='rope',
-              mlp='swiglu', num_kv_heads=2, document_eod_id=EOD)
+  base = dict(vocab_size=64, seq_len=16, d_model=32, num_layers=2, num_heads=4, d_ff=64, position='rope', mlp='swiglu',
+              num_kv_heads=2, document_eod_id=EOD)
   base.update(overrides)
   return ml_collections.ConfigDict(base)
 
@@ -39,9 +39,11 @@ def test_each_end_of_document_token_opens_the_next_segment():
                                 [[0, 0, 1, 1, 1, 2, 2], [1, 1, 1, 1, 1, 1, 1]])
 
 
-@pytest.mark.parametrize('overrides', [dict(attention='xla'), dict(attention='dot_product'),
-                                       dict(attention='xla', scan_layers=True, remat='full', loss_chunk=4),
-                                       dict(attention='splash', seq_len=128, num_layers=1)])
+@pytest.mark.parametrize('overrides', [
+    dict(attention='xla'),
+    dict(attention='dot_product'),
+    dict(attention='xla', scan_layers=True, remat='full', loss_chunk=4),
+    dict(attention='splash', seq_len=128, num_layers=1)])
 def test_no_token_sees_the_previous_document(overrides):
   """Changing the first document changes nothing after its end-of-document token; without the mask it does."""
   config = _cfg(**overrides)
@@ -72,15 +74,16 @@ def test_a_window_without_documents_ends_is_unchanged():
 
 
 def test_the_option_follows_the_tokenizer_and_refuses_token_streams(tmp_path):
-  config = tiny_config(**{'data.source': 'array_record', 'data.path': str(tmp_path),
-                          'data.mask_document_boundaries': True})
+  config = tiny_config(
+      **{'data.source': 'array_record', 'data.path': str(tmp_path), 'data.mask_document_boundaries': True})
   tokenizer.resolve_model_vocab(config)
   tokenizer.resolve_model_vocab(config)  # Idempotent: every process resolves its own copy.
   assert config.model.document_eod_id == tokenizer.BYTE_EOD_ID
   for source in ('synthetic', 'text_file'):
     with pytest.raises(ConfigError, match='needs documents'):
-      experiment.validate(tiny_config(**{'data.source': source, 'data.path': str(tmp_path / 'x.txt'),
-                                         'data.mask_document_boundaries': True}))
+      experiment.validate(
+          tiny_config(
+              **{'data.source': source, 'data.path': str(tmp_path / 'x.txt'), 'data.mask_document_boundaries': True}))
   with pytest.raises(ConfigError, match='leave it at -1'):
     tokenizer.resolve_model_vocab(tiny_config(**{'model.document_eod_id': 3}))
   with pytest.raises(ConfigError, match='leave it at -1'):
@@ -89,8 +92,9 @@ def test_the_option_follows_the_tokenizer_and_refuses_token_streams(tmp_path):
 
 def test_a_masked_packed_run_trains(tmp_path):
   """Byte-level documents (end-of-document byte 0) from ArrayRecord shards, masked, through the lockstep runtime."""
-  config = tiny_config(outer_steps=2, **{'data.source': 'array_record', 'data.path': write_documents(tmp_path),
-                                         'data.mask_document_boundaries': True})
+  config = tiny_config(
+      outer_steps=2,
+      **{'data.source': 'array_record', 'data.path': write_documents(tmp_path), 'data.mask_document_boundaries': True})
   lockstep.run(experiment.build(config), str(tmp_path / 'run'))
   (tmp_path / 'train-00000-of-00001.array_record').unlink()  # The syncer's view opens the eval split only.
   assert len(sources.load_corpus(config.data, 16, train=False).eval_documents) == 20

@@ -180,9 +180,10 @@ def test_a_restart_builds_theta_as_zeros_of_its_shapes_and_a_fresh_start_from_th
 
 def _snapshot(directory):
   """Every file under `directory` (launcher logs aside) with its size and modification time."""
-  return {os.path.join(root, name): (os.stat(os.path.join(root, name)).st_size,
-                                     os.stat(os.path.join(root, name)).st_mtime_ns)
-          for root, _, names in os.walk(directory) if "logs" not in root for name in names}
+  return {
+      os.path.join(root, name):
+          (os.stat(os.path.join(root, name)).st_size, os.stat(os.path.join(root, name)).st_mtime_ns)
+      for root, _, names in os.walk(directory) if "logs" not in root for name in names}
 
 
 def _refused(cluster, *args) -> str:
@@ -233,8 +234,9 @@ def _checkpointed_core(params, directory):
 
 def _flip_params(directory, step):
   """Flips 64 bytes in the middle of the largest file holding checkpoint `step`'s params."""
-  files = [os.path.join(root, name) for root, _, names in os.walk(directory / "checkpoints" / str(step) / "params")
-           for name in names]
+  files = [
+      os.path.join(root, name) for root, _, names in os.walk(directory / "checkpoints" / str(step) / "params")
+      for name in names]
   target = max(files, key=os.path.getsize)
   with open(target, "r+b") as f:
     f.seek(os.path.getsize(target) // 2)
@@ -353,9 +355,9 @@ def test_a_stale_learner_incarnation_is_refused_once_a_newer_one_joined_and_afte
 def test_the_chaos_benchmark_loses_nothing_when_learners_and_the_syncer_are_killed(tmp_path):
   # Kills at seeded syncer versions within the undisturbed run's first 60%, each once the previous victim is back:
   # both kills happen however loaded the host is.
-  process = subprocess.run([sys.executable, "-m", "experiments.benchmarks.chaos", "--size=tiny", "--seeds=1",
-                            "--plan=syncer,learner", f"--workdir={tmp_path}"], capture_output=True, text=True,
-                           timeout=900,
+  process = subprocess.run([
+      sys.executable, "-m", "experiments.benchmarks.chaos", "--size=tiny", "--seeds=1", "--plan=syncer,learner",
+      f"--workdir={tmp_path}"], capture_output=True, text=True, timeout=900,
                            env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
   assert process.returncode == 0, process.stderr[-3000:]
   figures = json.loads(process.stdout.strip().splitlines()[-1])
@@ -363,7 +365,8 @@ def test_the_chaos_benchmark_loses_nothing_when_learners_and_the_syncer_are_kill
   assert figures["acked_lost"] == 0 and figures["applied_twice"] == 0, figures
   assert 0 < figures["syncer_recovery_seconds"]["max"] < 300, figures
   # A learner restarted near the budget's end may find the run over: then it has no rejoin time.
-  assert set(figures) == {"kills", "acked_lost", "applied_twice", "loss_ratio", "undisturbed_spread", "rejoin_seconds",
-                          "syncer_recovery_seconds"}, figures  # Exactly issue 13's keys.
+  assert set(figures) == {
+      "kills", "acked_lost", "applied_twice", "loss_ratio", "undisturbed_spread", "rejoin_seconds",
+      "syncer_recovery_seconds"}, figures  # Exactly issue 13's keys.
   rejoin = figures["rejoin_seconds"]
   assert rejoin.get("max", 1) > 0 and rejoin["startup"].get("max", 1) > 0 and rejoin["rest"].get("p50", 0) >= 0, figures

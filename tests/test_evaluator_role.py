@@ -47,8 +47,8 @@ def _served(tmp_path):
   port = server.start()
 
   def client(credential: str, learner: int) -> client_lib.SyncerClient:
-    return client_lib.SyncerClient(f"127.0.0.1:{port}", credential, learner, chunk_bytes=1 << 16,
-                                   timeout_seconds=10, retry_seconds=5, data_channel=True)
+    return client_lib.SyncerClient(f"127.0.0.1:{port}", credential, learner, chunk_bytes=1 << 16, timeout_seconds=10,
+                                   retry_seconds=5, data_channel=True)
 
   yield core, server, params, client
   server.stop(grace=0)
@@ -90,10 +90,9 @@ def test_the_evaluator_credential_reads_theta_and_nothing_else(served):
 @pytest.mark.slow
 def test_a_service_run_with_an_evaluator_writes_eval_records_tagged_with_theta_versions(tmp_path):
   workdir = str(tmp_path / "run")
-  cluster = LocalCluster("tests/service_config.py", workdir,
-                         ["--config.service.evaluate_on=evaluator", "--config.streaming.num_fragments=2",
-                          "--config.streaming.strategy=balanced"], 2, env=dict(os.environ, DD_SYNCER_TOKEN=TOKEN),
-                         evaluator=True)
+  cluster = LocalCluster("tests/service_config.py", workdir, [
+      "--config.service.evaluate_on=evaluator", "--config.streaming.num_fragments=2",
+      "--config.streaming.strategy=balanced"], 2, env=dict(os.environ, DD_SYNCER_TOKEN=TOKEN), evaluator=True)
   try:
     cluster.start()
     codes = cluster.wait(400.0)
@@ -119,12 +118,12 @@ def test_a_service_run_with_an_evaluator_writes_eval_records_tagged_with_theta_v
 def test_launch_tpu_places_the_evaluator_on_its_own_slice_with_its_own_credential(tmp_path):
   token = tmp_path / "token"
   token.write_text(TOKEN + "\n")
-  result = subprocess.run([sys.executable, "-m", "experiments.launch_tpu", "--config=configs/default.py",
-                           "--config.learners.devices=(16, 32)", "--config.learners.batch_size=(16, 32)",
-                           "--config.service.evaluate_on=evaluator", "--config.service.evaluator_devices=4",
-                           "--slices=v5p-32@us-east5-a,v6e-32@us-east1-d", "--project=proj", "--run_name=dd-t",
-                           f"--token_file={token}", "--dry_run"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+  result = subprocess.run([
+      sys.executable, "-m", "experiments.launch_tpu", "--config=configs/default.py",
+      "--config.learners.devices=(16, 32)", "--config.learners.batch_size=(16, 32)",
+      "--config.service.evaluate_on=evaluator", "--config.service.evaluator_devices=4",
+      "--slices=v5p-32@us-east5-a,v6e-32@us-east1-d", "--project=proj", "--run_name=dd-t", f"--token_file={token}",
+      "--dry_run"], cwd=REPO, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr
   commands = [shlex.split(line) for line in result.stdout.splitlines() if line and not line.startswith("#")]
   creates = [c[5:8] for c in commands if c[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "create"]]
@@ -166,8 +165,8 @@ def test_the_evaluator_reads_theta_again_until_it_holds_one_version(tmp_path, mo
     learner = client_lib.SyncerClient(target, security.learner_credential(TOKEN, 0), 0, chunk_bytes=1 << 16,
                                       timeout_seconds=10, retry_seconds=5)
     learner.join()
-    delta = fragments.select(jax.tree.map(lambda x: np.full(np.shape(x), 0.01, np.float32), params),
-                             process.assignment, 0)
+    delta = fragments.select(jax.tree.map(lambda x: np.full(np.shape(x), 0.01, np.float32), params), process.assignment,
+                             0)
     pulls, pull = [], process.client.pull
 
     def pull_then_merge(have_version, fragment):

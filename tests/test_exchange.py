@@ -32,8 +32,8 @@ def _core(params, directory, downlink_format, budget_steps=1000):
   """A one-learner core (quorum 1) sending Θ in `downlink_format`."""
   syncer = Syncer(outer.outer_optimizer(service_config.get_config().outer), params, range(1), Settings(quorum=1))
   core = core_lib.SyncerCore(syncer, 1, budget_steps=budget_steps, directory=str(directory),
-                             checkpoint_every_merges=100,
-                             lease_seconds=30.0, metadata={}, downlink_format=downlink_format)
+                             checkpoint_every_merges=100, lease_seconds=30.0, metadata={},
+                             downlink_format=downlink_format)
   core.start(time.time())
   return core
 
@@ -65,7 +65,7 @@ def test_a_pull_on_the_data_channel_honours_the_downlink_format(params, tmp_path
   assert model_bytes < full_bytes < model_bytes * 1.05 and 0.48 < half_bytes / full_bytes < 0.52
   for got, want in zip(jax.tree.leaves(half), jax.tree.leaves(fp32)):
     assert got.dtype == np.float32  # Widened back: the learner computes in fp32.
-    np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=0)
+    np.testing.assert_allclose(got, want, rtol=2**-8, atol=0)
   assert not _leaves_equal(half, fp32)  # Rounded: bf16 did travel.
 
 
@@ -110,7 +110,7 @@ def _shaped_transfer_seconds(link: link_lib.Link, nbytes: int) -> float:
   payload = memoryview(np.zeros(nbytes, np.uint8))
   begin = time.perf_counter()
   thread = threading.Thread(target=datachannel.send_parts, args=(sender, [payload[:nbytes // 3],
-                                                                            payload[nbytes // 3:]], link))
+                                                                          payload[nbytes // 3:]], link))
   thread.start()
   datachannel._receive(receiver, nbytes)  # pylint: disable=protected-access
   seconds = time.perf_counter() - begin
@@ -155,8 +155,7 @@ def test_both_directions_of_a_learner_are_shaped(params, tmp_path):
     ({"link_mbps": (10.0, -1.0)}, ">= 0"),
     ({"link_latency_ms": (5.0, float("nan"))}, "finite"),
     ({"link_latency_ms": (5.0, 2000.0)}, "1000 ms"),
-    ({"link_mbps": (10.0, 10.0), "data_port": -1}, "data_port"),
-])
+    ({"link_mbps": (10.0, 10.0), "data_port": -1}, "data_port"),])
 def test_bad_link_settings_are_refused_in_one_line(fields, message):
   config = service_config.get_config()
   for name, value in fields.items():

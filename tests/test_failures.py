@@ -15,9 +15,9 @@ from decoupled_diloco.costmodel import scale
 from decoupled_diloco.runtime import failures, sim
 from tests.helpers import tiny_config
 
-FAILING = {"runtime": "sim", "failures.enabled": True, "failures.mtbi_seconds": 30.0,
-           "failures.restart_seconds": 3.0, "failures.resize_seconds": 1.0, "failures.repair_seconds": 10.0,
-           "outer_steps": 6}
+FAILING = {
+    "runtime": "sim", "failures.enabled": True, "failures.mtbi_seconds": 30.0, "failures.restart_seconds": 3.0,
+    "failures.resize_seconds": 1.0, "failures.repair_seconds": 10.0, "outer_steps": 6}
 DDP = {"mode": "ddp", "learners.devices": (2,), "learners.batch_size": (8,)}
 
 
@@ -49,8 +49,7 @@ def test_the_schedule_is_seeded_and_scales_with_the_chips():
     ({"mode": "diloco"}, "modes"),
     ({"mode": "decoupled", "failures.elastic": True}, "drop --config.failures.elastic"),
     ({"mode": "decoupled", "failures.checkpoint_every": 0}, "checkpoint_every"),
-    ({"mode": "decoupled", "failures.mtbi_seconds": 0.0}, "mtbi_seconds"),
-])
+    ({"mode": "decoupled", "failures.mtbi_seconds": 0.0}, "mtbi_seconds"),])
 def test_failure_settings_that_cannot_be_honoured_are_refused(overrides, message):
   config = tiny_config(**{**FAILING, **overrides})
   with pytest.raises(ConfigError, match=message):
@@ -93,8 +92,11 @@ def test_decoupled_failures_are_deterministic_and_cost_goodput_not_tokens(tmp_pa
 
 def test_elastic_ddp_keeps_the_math_and_pays_in_time_while_a_restart_loses_work(tmp_path):
   clean = sim.run(experiment.build(tiny_config(**DDP, runtime="sim", outer_steps=6)), str(tmp_path / "clean"))
-  elastic = sim.run(experiment.build(tiny_config(**DDP, **FAILING, **{
-      "failures.elastic": True, "learners.chips": (8,), "failures.domain_chips": 2})), str(tmp_path / "elastic"))
+  elastic = sim.run(
+      experiment.build(
+          tiny_config(**DDP, **FAILING,
+                      **{"failures.elastic": True, "learners.chips": (8,), "failures.domain_chips": 2})),
+      str(tmp_path / "elastic"))
   restart = sim.run(experiment.build(tiny_config(**DDP, **FAILING)), str(tmp_path / "restart"))
   assert elastic["failures"] >= 1 and restart["failures"] >= 1
   assert elastic["eval_loss"] == clean["eval_loss"]  # Fewer chips, same batches, same steps.
@@ -109,9 +111,9 @@ def test_paper_benchmarks_run_end_to_end(benchmark, tmp_path):
   text = tmp_path / "text.txt"
   words = np.random.default_rng(0).choice(["to", "be", "or", "not", "that", "is", "the", "question"], 40_000)
   text.write_text(" ".join(words))
-  result = subprocess.run([sys.executable, "-m", f"experiments.benchmarks.{benchmark}", "--size=tiny",
-                           f"--data_path={text}"], cwd=pathlib.Path(__file__).parents[1], capture_output=True,
-                          text=True, timeout=900)
+  result = subprocess.run(
+      [sys.executable, "-m", f"experiments.benchmarks.{benchmark}", "--size=tiny", f"--data_path={text}"],
+      cwd=pathlib.Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
   assert result.returncode == 0, result.stderr[-3000:]
   figures = json.loads(result.stdout.splitlines()[-1])
   assert all(np.isfinite(v) for v in figures["eval_loss"].values())

@@ -30,8 +30,8 @@ def test_the_check_names_an_unformatted_file_and_the_formatter_fixes_it(tmp_path
   (tmp_path / "tests" / "good.py").write_text('def f(a, b):\n  return {"a": a, "b": b}\n')
   (tmp_path / "decoupled_diloco" / "bad.py").write_text('def f( a,b ):\n    return {"a":a,\n  "b":b}\n')
   result = run_format(tmp_path, "--check")
-  assert result.returncode == 1 and result.stdout.split() == ["not", "formatted", "(run:", "bash", ".ci/format):",
-                                                               "decoupled_diloco/bad.py"], result.stdout
+  assert result.returncode == 1 and result.stdout.split() == [
+      "not", "formatted", "(run:", "bash", ".ci/format):", "decoupled_diloco/bad.py"], result.stdout
   assert run_format(tmp_path).returncode == 0
   assert (tmp_path / "decoupled_diloco" / "bad.py").read_text() == 'def f(a, b):\n  return {"a": a, "b": b}\n'
   assert run_format(tmp_path, "--check").returncode == 0

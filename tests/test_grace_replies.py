@@ -25,8 +25,9 @@ CONFIG = "tests/service_config.py"
 # Quorum 1 with a window far longer than a round (γ·τ_g·ξ_step): the first push of a round opens it and
 # every merge waits for the second learner ("all M reported"), whatever the timing. So each merge holds
 # both learners and, if every learner receives the merge its push waited for, every push has staleness 0.
-HUGE_WINDOW = {"outer_steps": 3, "inner_steps": 4, "syncer.quorum": 1, "syncer.grace_gamma": 0.9,
-               "syncer.grace_overlap_steps": 1e6}
+HUGE_WINDOW = {
+    "outer_steps": 3, "inner_steps": 4, "syncer.quorum": 1, "syncer.grace_gamma": 0.9,
+    "syncer.grace_overlap_steps": 1e6}
 
 
 def _core(directory):
@@ -46,9 +47,9 @@ def test_a_service_pull_waits_for_the_merge_of_the_grace_window_its_push_is_in(t
   core, params = _core(tmp_path)
   now = time.time()
   payload = bytearray(b"".join(wire.encode(jax.tree.map(lambda x: np.full(x.shape, 0.01, np.float32), params))))
-  header = {"learner": 0, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 64, "local_steps": 4,
-            "budget_steps": 4, "budget_tokens": 64, "compute_seconds": 0.1, "payload_bytes": len(payload),
-            "incarnation": 0}
+  header = {
+      "learner": 0, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 64, "local_steps": 4, "budget_steps": 4,
+      "budget_tokens": 64, "compute_seconds": 0.1, "payload_bytes": len(payload), "incarnation": 0}
   assert core.push(header, payload, now)["status"] == "applied"
   assert core.syncer.fragments[0].deadline == pytest.approx(now + 1.0)
   replies, bounds = [], []

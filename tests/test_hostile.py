@@ -41,11 +41,9 @@ SECRET = "h" * 32
 def syncer(tmp_path_factory):
   """(address, log path, LocalCluster) of a real syncer process; stopped after the module."""
   workdir = str(tmp_path_factory.mktemp("hostile"))
-  cluster = LocalCluster(CONFIG, workdir, ["--config.compression.format=bf16",
-                                           "--config.compression.downlink_format=bf16",
-                                           "--config.service.data_port=0",
-                                           "--config.syncer.min_learners_to_start=1"], 2,
-                         env=dict(os.environ, DD_SYNCER_TOKEN=SECRET))
+  cluster = LocalCluster(CONFIG, workdir, [
+      "--config.compression.format=bf16", "--config.compression.downlink_format=bf16", "--config.service.data_port=0",
+      "--config.syncer.min_learners_to_start=1"], 2, env=dict(os.environ, DD_SYNCER_TOKEN=SECRET))
   address = cluster.start_syncer()
   yield address, os.path.join(workdir, "logs", "syncer.log"), cluster
   cluster.stop()
@@ -86,8 +84,7 @@ def _bf16_push(client, params, seq, base_version, steps=1):
   delta = jax.tree.leaves(_delta(params, 0.01))
   packed = compression.encode(compression.Codec("bf16"), delta)
   packed = packed._replace(leaves=jax.device_get(packed.leaves))
-  return client.push(seq, packed, base_version=base_version, tokens=64 * steps, local_steps=steps,
-                     compute_seconds=0.1)
+  return client.push(seq, packed, base_version=base_version, tokens=64 * steps, local_steps=steps, compute_seconds=0.1)
 
 
 def _next_seq(address, learner):
@@ -106,9 +103,8 @@ def test_bf16_pushes_apply_and_theta_comes_back_in_bf16(syncer, params):
   reply = _bf16_push(honest, params, _next_seq(address, 0), status["version"])
   assert reply["status"] == "applied" and reply["version"] == status["version"] + 1
   with grpc.insecure_channel(address, options=server_lib.message_options(64 << 10)) as channel:
-    replies = channel.unary_stream(f"/{server_lib.SERVICE}/Pull")(
-        wire.pack_header({"learner": 0, "fragment": 0, "have_version": -1}), timeout=20,
-        metadata=attacks.metadata(SECRET))
+    replies = channel.unary_stream(f"/{server_lib.SERVICE}/Pull")(wire.pack_header({
+        "learner": 0, "fragment": 0, "have_version": -1}), timeout=20, metadata=attacks.metadata(SECRET))
     header = wire.parse_header(next(replies), client_lib.STATUS_SCHEMA)
     theta = wire.decode(wire.assemble(replies, header["payload_bytes"], 1 << 30, 64 << 10))
   fp32_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
@@ -116,8 +112,7 @@ def test_bf16_pushes_apply_and_theta_comes_back_in_bf16(syncer, params):
   assert header["payload_bytes"] < 0.6 * fp32_bytes  # Half the bytes (plus the skeleton).
   _, widened = honest.pull(-1)
   assert all(x.dtype == np.float32 for x in jax.tree.leaves(widened))
-  assert all(np.array_equal(a.astype(np.float32), b) for a, b in zip(jax.tree.leaves(theta),
-                                                                    jax.tree.leaves(widened)))
+  assert all(np.array_equal(a.astype(np.float32), b) for a, b in zip(jax.tree.leaves(theta), jax.tree.leaves(widened)))
 
 
 def _refused(call, code, text=""):
@@ -137,8 +132,7 @@ def test_a_learner_credential_acts_for_its_learner_only(syncer, params):
   _refused(lambda: _bf16_push(as_zero, params, before[0][2] + 1, before[0][0]), grpc.StatusCode.PERMISSION_DENIED)
   data_as_zero = client_lib.SyncerClient(address, security.learner_credential(SECRET, 1), 0, chunk_bytes=64 << 10,
                                          timeout_seconds=20, retry_seconds=5, data_channel=True)
-  _refused(lambda: _bf16_push(data_as_zero, params, before[0][2] + 1, before[0][0]),
-           grpc.StatusCode.PERMISSION_DENIED)
+  _refused(lambda: _bf16_push(data_as_zero, params, before[0][2] + 1, before[0][0]), grpc.StatusCode.PERMISSION_DENIED)
   _refused(lambda: _client(address, 0, token="w" * 64).heartbeat(), grpc.StatusCode.UNAUTHENTICATED)
   assert mallory.heartbeat()["acked_seq"] == before[0][3]  # Its own calls still work.
   assert _same_state(before, _state(address))
@@ -160,8 +154,9 @@ def test_header_values_beyond_their_bounds_are_refused_before_anything_is_applie
   _refused(lambda: attacks.ticket(address, header, credential), grpc.StatusCode.INVALID_ARGUMENT, text)
   with grpc.insecure_channel(address) as channel:
     push = channel.stream_unary(f"/{server_lib.SERVICE}/Push")
-    _refused(lambda: push(iter([wire.pack_header(header), bytes(8)]), metadata=attacks.metadata(credential),
-                          timeout=20), grpc.StatusCode.INVALID_ARGUMENT, text)
+    _refused(
+        lambda: push(iter([wire.pack_header(header), bytes(8)]), metadata=attacks.metadata(credential), timeout=20),
+        grpc.StatusCode.INVALID_ARGUMENT, text)
   assert _same_state(before, _state(address))
   assert _refusals(log)["out_of_bounds"] - counted.get("out_of_bounds", 0) == 2
   # Learner 1's honest next push is applied, not taken for a duplicate.
@@ -175,9 +170,9 @@ def test_shapes_that_overflow_int64_are_invalid_argument_and_counted(syncer):
   header = attacks.push_header(0, len(payload), seq=before[0][2] + 1)
   with grpc.insecure_channel(address) as channel:
     push = channel.stream_unary(f"/{server_lib.SERVICE}/Push")
-    _refused(lambda: push(iter([wire.pack_header(header), payload]),
-                          metadata=attacks.metadata(security.learner_credential(SECRET, 0)), timeout=20),
-             grpc.StatusCode.INVALID_ARGUMENT, "needs")
+    _refused(
+        lambda: push(iter([wire.pack_header(header), payload]), metadata=attacks.metadata(
+            security.learner_credential(SECRET, 0)), timeout=20), grpc.StatusCode.INVALID_ARGUMENT, "needs")
   assert _refusals(log)["malformed"] - counted.get("malformed", 0) == 1
   assert _same_state(before, _state(address))
 
@@ -194,14 +189,23 @@ def test_floods_trickles_and_stalled_streams_leave_honest_pushes_and_heartbeats_
   def attack(name, function):
     results.setdefault(name, []).append(function())
 
-  threads = [threading.Thread(target=attack, args=("flood", lambda: attacks.reconnect_flood(host, data_port, stop)))
-             for _ in range(8)]
-  threads += [threading.Thread(target=attack, args=("idle", lambda: attacks.reconnect_flood(
-      host, data_port, stop, hold_seconds=30))) for _ in range(8)]
-  threads.append(threading.Thread(target=attack, args=("trickle", lambda: attacks.slow_sender(
-      address, data_port, credential, 1, stop, max_count=1))))
-  threads += [threading.Thread(target=attack, args=("stalled", lambda: attacks.stalled_push(
-      address, credential, 1, stop, payload_bytes=8 << 10, max_count=3))) for _ in range(6)]
+  threads = [
+      threading.Thread(target=attack, args=("flood", lambda: attacks.reconnect_flood(host, data_port, stop)))
+      for _ in range(8)]
+  threads += [
+      threading.Thread(target=attack,
+                       args=("idle", lambda: attacks.reconnect_flood(host, data_port, stop, hold_seconds=30)))
+      for _ in range(8)]
+  threads.append(
+      threading.Thread(
+          target=attack,
+          args=("trickle", lambda: attacks.slow_sender(address, data_port, credential, 1, stop, max_count=1))))
+  threads += [
+      threading.Thread(
+          target=attack,
+          args=("stalled",
+                lambda: attacks.stalled_push(address, credential, 1, stop, payload_bytes=8 << 10, max_count=3)))
+      for _ in range(6)]
   for thread in threads:
     thread.start()
   try:
@@ -319,8 +323,8 @@ def test_real_learners_with_their_own_credentials_finish_the_bf16_run_after_the_
       acks = [json.loads(line) for line in f if '"ack"' in line]
     assert acks and all(a["status"] != "refused" for a in acks), acks
   logged = _refusals(log)  # Each kind below was refused fewer than 20 times a minute: logged one by one.
-  assert {k: summary["refused_calls"].get(k, 0) for k in ("impersonation", "out_of_bounds", "malformed")} == {
-      k: logged.get(k, 0) for k in ("impersonation", "out_of_bounds", "malformed")}
+  assert {k: summary["refused_calls"].get(k, 0) for k in ("impersonation", "out_of_bounds", "malformed")
+         } == {k: logged.get(k, 0) for k in ("impersonation", "out_of_bounds", "malformed")}
 
 
 def test_push_limits_follow_each_learners_batch_and_the_round_policy():

@@ -20,8 +20,9 @@ OVERRIDES = ("--config.learners.devices=(16, 32)", "--config.learners.batch_size
 
 
 def _dry_run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-m", "experiments.launch_tpu", "--config=configs/default.py", *args,
-                         "--dry_run"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+  return subprocess.run(
+      [sys.executable, "-m", "experiments.launch_tpu", "--config=configs/default.py", *args, "--dry_run"], cwd=REPO,
+      capture_output=True, text=True, timeout=300, env=env)
 
 
 def _commands(stdout: str) -> list[list[str]]:
@@ -81,8 +82,8 @@ def test_dry_run_creates_each_slice_and_starts_the_syncer_and_one_learner_per_sl
   derived = [c for c in commands if c[1:4] == ["-m", "experiments.credentials", "learner"]]
   assert [c[5] for c in derived] == ["--learner=0", "--learner=1"]
   copies = [c for c in commands if c[4:5] == ["scp"] and c[6].endswith(":dd/dd-t/token")]
-  assert [(c[5], c[6]) for c in copies] == [(d[6][len("--out="):], f"dd-t-{i}:dd/dd-t/token")
-                                            for i, d in enumerate(derived)]
+  assert [(c[5], c[6]) for c in copies] == [
+      (d[6][len("--out="):], f"dd-t-{i}:dd/dd-t/token") for i, d in enumerate(derived)]
   # TLS by default: a certificate naming the looked-up IP, the CA to every host, the key to the syncer's.
   certs, = [c for c in commands if c[1:4] == ["-m", "experiments.credentials", "certs"]]
   assert certs[5] == "--host=SYNCER_IP" and commands.index(certs) > lookup
@@ -119,10 +120,12 @@ def test_credentials_and_certificates_work_for_the_real_service(tmp_path):
   server.load_cert_chain(paths["syncer.pem"], paths["syncer.key"])
   client = ssl.create_default_context(cadata=ca.decode())
   with socket.create_server(("127.0.0.1", 0)) as listener:
+
     def serve():
       connection, _ = listener.accept()
       with server.wrap_socket(connection, server_side=True) as tls:
         tls.sendall(tls.recv(5))
+
     thread = threading.Thread(target=serve)
     thread.start()
     with socket.create_connection(listener.getsockname()) as raw, client.wrap_socket(
@@ -138,8 +141,7 @@ def test_credentials_and_certificates_work_for_the_real_service(tmp_path):
     ("v7x-8@us-east5-a", "bad --slices entry 'v7x-8@us-east5-a'"),
     ("v5p-32", "bad --slices entry 'v5p-32'"),
     ("v5p-32@useast5", "bad zone 'useast5'"),
-    ("v5p-31@us-east5-a", "two per chip: use an even size"),
-])
+    ("v5p-31@us-east5-a", "two per chip: use an even size"),])
 def test_bad_slice_specs_name_the_expected_form(spec, message):
   with pytest.raises(ConfigError, match=message) as error:
     launch_tpu.parse_slices(spec)
@@ -192,9 +194,9 @@ def test_a_given_syncer_address_needs_no_lookup():
 
 def test_a_sharded_syncer_starts_one_process_per_shard_and_learners_and_the_evaluator_dial_every_shard():
   overrides = (*OVERRIDES, "--config.service.shards=2", "--config.service.evaluate_on=evaluator")
-  steps = launch_tpu.plan(_options(syncer_address="10.0.0.7", port=8470, reuse=True, syncer_shards=2,
-                                   overrides=overrides,
-                                   evaluator_slice=launch_tpu.parse_slices("v5p-8@us-east5-a")[0]))
+  steps = launch_tpu.plan(
+      _options(syncer_address="10.0.0.7", port=8470, reuse=True, syncer_shards=2, overrides=overrides,
+               evaluator_slice=launch_tpu.parse_slices("v5p-8@us-east5-a")[0]))
   syncers = [_remote(list(s.argv)) for s in steps if "--role=syncer" in " ".join(s.argv)]
   assert len(syncers) == 2
   for shard, command in enumerate(syncers):  # Shard s binds 8470 + s and its data channel 8472 + s.

@@ -67,9 +67,10 @@ def fake_gcloud(tmp_path):
 
 
 def _launch(verb: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-m", "experiments.launch_tpu", verb, "--config=configs/default.py",
-                         *OVERRIDES, f"--slices={SLICES}", "--project=proj", "--run_name=dd-t", *args],
-                        cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+  return subprocess.run([
+      sys.executable, "-m", "experiments.launch_tpu", verb, "--config=configs/default.py", *OVERRIDES,
+      f"--slices={SLICES}", "--project=proj", "--run_name=dd-t", *args], cwd=REPO, capture_output=True, text=True,
+                        timeout=300, env=env)
 
 
 def _calls(env: dict) -> list[list[str]]:
@@ -105,8 +106,8 @@ def test_watch_recreates_the_preempted_slice_and_restarts_its_learner_with_the_s
   assert [c[:5] for c in changes[:2]] == [["compute", "tpus", "tpu-vm", "delete", "dd-t-1"],
                                           ["compute", "tpus", "tpu-vm", "create", "dd-t-1"]]
   assert "--accelerator-type=v6e-32" in changes[1] and "--version=v2-alpha-tpuv6e" in changes[1]
-  assert all(c[:3] == ["compute", "tpus", "tpu-vm"] and (c[4] == "dd-t-1" or c[5].startswith("dd-t-1:"))
-             for c in changes)
+  assert all(
+      c[:3] == ["compute", "tpus", "tpu-vm"] and (c[4] == "dd-t-1" or c[5].startswith("dd-t-1:")) for c in changes)
   starts = [c for c in changes if c[3] == "ssh" and "--role=learner" in _remote(c)]
   assert len(starts) == 1 and "--worker=all" in starts[0]
   learner = _remote(starts[0])
@@ -124,8 +125,8 @@ def test_watch_counts_a_slice_as_gone_only_when_the_zone_does_not_list_it(fake_g
   env, token = fake_gcloud
   for name, value in env.items():
     monkeypatch.setenv(name, value)
-  options = launch_tpu.Options("configs/default.py", OVERRIDES, tuple(launch_tpu.parse_slices(SLICES)), "proj",
-                               "dd-t", token_file=str(token))
+  options = launch_tpu.Options("configs/default.py", OVERRIDES, tuple(launch_tpu.parse_slices(SLICES)), "proj", "dd-t",
+                               token_file=str(token))
   monkeypatch.setenv("FAKE_GCLOUD_FAIL", "dd-t-0")
   monkeypatch.setenv("FAKE_GCLOUD_LISTED", "dd-t-0,dd-t-1")  # describe failed, yet the slice is there: transient.
   assert watch.lost(options) == [(1, True)]  # Only the PREEMPTED one.
@@ -140,15 +141,18 @@ def test_watch_counts_a_slice_as_gone_only_when_the_zone_does_not_list_it(fake_g
 def test_status_shows_each_learners_steps_version_staleness_and_last_push(fake_gcloud):
   env, token = fake_gcloud
   push = {"kind": "push", "fragment": 0, "accepted": 1, "tokens": 64, "wire_bytes": 10, "replayed": 0}
-  records = [{"kind": "start", "outer_step": 0, "learners": [0, 1], "wall_time": 0.0},
-             {**push, "learner": 0, "seq": 0, "local_steps": 20, "outer_step": 1, "staleness": 0, "wall_time": 5.0},
-             {**push, "learner": 0, "seq": 1, "local_steps": 20, "outer_step": 3, "staleness": 1, "wall_time": 9.0},
-             {**push, "learner": 0, "seq": 1, "local_steps": 20, "outer_step": 3, "staleness": 1, "wall_time": 9.0,
-              "replayed": 1},  # A resumed syncer's replay of a push it had: counted once.
-             {**push, "learner": 0, "seq": 2, "local_steps": 20, "outer_step": 3, "staleness": 4, "wall_time": 11.0,
-              "accepted": 0}]
-  pathlib.Path(env["FAKE_GCLOUD_RECORDS"]).write_text(
-      "".join(json.dumps(r) + "\n" for r in records) + '{"kind": "pu')  # The tail of a file being written.
+  records = [
+      {"kind": "start", "outer_step": 0, "learners": [0, 1], "wall_time": 0.0},
+      {**push, "learner": 0, "seq": 0, "local_steps": 20, "outer_step": 1, "staleness": 0, "wall_time": 5.0},
+      {**push, "learner": 0, "seq": 1, "local_steps": 20, "outer_step": 3, "staleness": 1, "wall_time": 9.0},
+      {
+          **push, "learner": 0, "seq": 1, "local_steps": 20, "outer_step": 3, "staleness": 1, "wall_time": 9.0,
+          "replayed": 1},  # A resumed syncer's replay of a push it had: counted once.
+      {
+          **push, "learner": 0, "seq": 2, "local_steps": 20, "outer_step": 3, "staleness": 4, "wall_time": 11.0,
+          "accepted": 0}]
+  pathlib.Path(env["FAKE_GCLOUD_RECORDS"]).write_text("".join(json.dumps(r) + "\n" for r in records) +
+                                                      '{"kind": "pu')  # The tail of a file being written.
   result = _launch("status", f"--token_file={token}", env=env)
   assert result.returncode == 0, result.stderr
   rows = [line.split() for line in result.stdout.splitlines()[1:]]
@@ -166,19 +170,20 @@ def test_dry_run_of_up_and_start_for_v5p_and_v6e(tmp_path):
   assert up.returncode == 0 and start.returncode == 0, up.stderr + start.stderr
   assert SECRET not in up.stdout + start.stdout
   created = _commands(up.stdout)
-  assert [c[:6] for c in created] == [["gcloud", "storage", "buckets", "create", "gs://proj-decoupled-diloco",
-                                       "--project=proj"],
-                                      ["gcloud", "compute", "tpus", "tpu-vm", "create", "dd-t-0"],
-                                      ["gcloud", "compute", "tpus", "tpu-vm", "create", "dd-t-1"],
-                                      ["gcloud", "compute", "instances", "create", "dd-t-syncer", "--zone=us-east5-a"]]
+  assert [c[:6] for c in created
+         ] == [["gcloud", "storage", "buckets", "create", "gs://proj-decoupled-diloco", "--project=proj"],
+               ["gcloud", "compute", "tpus", "tpu-vm", "create", "dd-t-0"],
+               ["gcloud", "compute", "tpus", "tpu-vm", "create", "dd-t-1"],
+               ["gcloud", "compute", "instances", "create", "dd-t-syncer", "--zone=us-east5-a"]]
   assert all("--spot" in c for c in created[1:3]) and "--spot" not in created[3]  # Only the slices are Spot.
   assert created[3][6].startswith("--machine-type=n2-highmem-")  # The syncer's own CPU VM, no accelerator.
   commands = _commands(start.stdout)
   syncer, = [c for c in commands if "--role=syncer" in " ".join(c)]
   assert syncer[:4] == ["gcloud", "compute", "ssh", "dd-t-syncer"] and "JAX_PLATFORMS" not in _remote(syncer)
   assert not any("--role=learner" in _remote(c) for c in commands if c[:4] == syncer[:4])
-  lookup = commands.index(["gcloud", "compute", "instances", "describe", "dd-t-syncer", "--zone=us-east5-a",
-                           "--project=proj", "--format=value(networkInterfaces[0].networkIP)"])
+  lookup = commands.index([
+      "gcloud", "compute", "instances", "describe", "dd-t-syncer", "--zone=us-east5-a", "--project=proj",
+      "--format=value(networkInterfaces[0].networkIP)"])
   learners = [c for c in commands if "--role=learner" in " ".join(c)]
   assert [c[5] for c in learners] == ["dd-t-0", "dd-t-1"]
   for i, command in enumerate(learners):
@@ -191,19 +196,21 @@ def test_dry_run_of_up_and_start_for_v5p_and_v6e(tmp_path):
   # every slice; each slice its own learner credential, the run secret to the syncer only.
   certs, = [c for c in commands if c[1:4] == ["-m", "experiments.credentials", "certs"]]
   assert certs[5] == "--host=SYNCER_IP" and commands.index(certs) > lookup
-  copies = {tuple(next(a for a in c[3:] if ":" in a and not a.startswith("-")).split(":"))
-            for c in commands if "scp" in c[2:5]}
+  copies = {
+      tuple(next(a for a in c[3:] if ":" in a and not a.startswith("-")).split(":")) for c in commands
+      if "scp" in c[2:5]}
   assert {(h, f) for h, f in copies if f.split("/")[-1] in ("tls.crt", "tls.key", "secret")} == {
       ("dd-t-syncer", "dd/dd-t/tls.crt"), ("dd-t-syncer", "dd/dd-t/tls.key"), ("dd-t-syncer", "dd/dd-t/secret")}
-  assert {(h, f) for h, f in copies if f.endswith(("tls_ca.pem", "/token"))} == {
-      ("dd-t-0", "dd/dd-t/tls_ca.pem"), ("dd-t-1", "dd/dd-t/tls_ca.pem"), ("dd-t-0", "dd/dd-t/token"),
-      ("dd-t-1", "dd/dd-t/token")}
+  assert {(h, f) for h, f in copies if f.endswith(("tls_ca.pem", "/token"))} == {("dd-t-0", "dd/dd-t/tls_ca.pem"),
+                                                                                 ("dd-t-1", "dd/dd-t/tls_ca.pem"),
+                                                                                 ("dd-t-0", "dd/dd-t/token"),
+                                                                                 ("dd-t-1", "dd/dd-t/token")}
   assert '--config.service.tls_key="$D/tls.key"' in _remote(syncer)
 
 
 def test_queued_slices_wait_until_active_and_down_deletes_them(tmp_path):
-  options = launch_tpu.Options("configs/default.py", OVERRIDES, tuple(launch_tpu.parse_slices(SLICES)), "proj",
-                               "dd-t", queued=True, spot=True, token_file=str(tmp_path / "token"))
+  options = launch_tpu.Options("configs/default.py", OVERRIDES, tuple(launch_tpu.parse_slices(SLICES)), "proj", "dd-t",
+                               queued=True, spot=True, token_file=str(tmp_path / "token"))
   steps = provision.up(options)
   queued = [s for s in steps if s.argv[3:5] == ("queued-resources", "create")]
   assert [s.argv[5] for s in queued] == ["dd-t-0", "dd-t-1"] and all("--spot" in s.argv for s in queued)
@@ -237,12 +244,11 @@ def test_xpk_mode_runs_one_workload_per_slice_type_from_an_image_of_this_checkou
 
 @pytest.mark.parametrize("changes, message", [
     ({"slices": tuple(launch_tpu.parse_slices("v5p-32@us-east5-a,v5p-32@us-east5-b"))}, "one slice per TPU type"),
-    ({}, "needs --token_secret"),
-])
+    ({}, "needs --token_secret"),])
 def test_xpk_mode_refuses_what_it_cannot_run(changes, message):
   from experiments.launch import xpk  # pylint: disable=g-import-not-at-top
-  options = launch_tpu.Options("configs/default.py", OVERRIDES, tuple(launch_tpu.parse_slices(SLICES)), "proj",
-                               "dd-t", xpk_cluster="dd-gke", token_secret="" if not changes else "s")
+  options = launch_tpu.Options("configs/default.py", OVERRIDES, tuple(launch_tpu.parse_slices(SLICES)), "proj", "dd-t",
+                               xpk_cluster="dd-gke", token_secret="" if not changes else "s")
   with pytest.raises(ConfigError, match=message):
     xpk.check(launch_tpu.Options(**{**options.__dict__, **changes}))
 
@@ -274,8 +280,7 @@ def test_the_syncer_vm_is_sized_from_the_plans_host_bytes():
     ("watch", [["gcloud", "compute", "tpus", "tpu-vm", "describe", "dd-t-0"],
                ["gcloud", "compute", "tpus", "tpu-vm", "delete", "dd-t-0"]]),
     ("down", [["gcloud", "compute", "tpus", "tpu-vm", "delete", "dd-t-0"],
-              ["gcloud", "compute", "instances", "delete", "dd-t-syncer"]]),
-])
+              ["gcloud", "compute", "instances", "delete", "dd-t-syncer"]]),])
 def test_every_verb_has_a_dry_run_that_runs_nothing(tmp_path, verb, expected):
   # No gcloud on PATH and a HOME of its own: a dry run neither calls gcloud nor makes a token.
   env = dict(os.environ, PATH=str(tmp_path), HOME=str(tmp_path))

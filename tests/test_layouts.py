@@ -15,8 +15,10 @@ MIXED = ("fsdp=2,tensor=2", "data=4")  # A 4-device FSDP + tensor group and a 4-
 
 
 def _config(mode, layouts):
-  return tiny_config(**{"mode": mode, "runtime": "sim", "learners.devices": (4, 4), "learners.batch_size": (8, 8),
-                        "learners.layouts": layouts, "syncer.quorum": 1, "learners.speed": (1.0, 2.0)})
+  return tiny_config(
+      **{
+          "mode": mode, "runtime": "sim", "learners.devices": (4, 4), "learners.batch_size": (8, 8),
+          "learners.layouts": layouts, "syncer.quorum": 1, "learners.speed": (1.0, 2.0)})
 
 
 def _host(tree):
@@ -37,8 +39,7 @@ def test_rules_shard_embed_over_fsdp_and_heads_mlp_vocab_over_tensor():
     (("fsdp=2,tensor=2", "data=2"), False, "spans 2 devices but the group has 4"),
     (("fsdp=2,model=2", "data=4"), False, "bad entry 'model=2'"),
     (("fsdp=2,fsdp=2", "data=4"), False, "bad entry 'fsdp=2'"),
-    (MIXED, True, "say fsdp=N in each layout"),
-])
+    (MIXED, True, "say fsdp=N in each layout"),])
 def test_bad_layouts_are_refused_with_the_fix(layouts, fsdp, message):
   config = _config("diloco", layouts)
   config.learners.fsdp = fsdp

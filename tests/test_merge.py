@@ -24,8 +24,7 @@ from tests.helpers import tiny_config
     ("hinge", 0.5, 1.0, 5, 1 / 3),
     ("exponential", math.log(2), 0.0, 0, 1.0),
     ("exponential", math.log(2), 0.0, 1, 0.5),
-    ("exponential", math.log(2), 0.0, 3, 0.125),
-])
+    ("exponential", math.log(2), 0.0, 3, 0.125),])
 def test_staleness_weight(kind, a, b, staleness, expected):
   assert merge.staleness_weight(staleness, kind, a, b) == pytest.approx(expected, rel=1e-12)
 
@@ -44,8 +43,7 @@ def test_staleness_weight_rejects_bad_arguments():
     (1000, 10, "tokens", 1000.0),
     (1000, 10, "tokens_squared_per_step", 100_000.0),
     (1000, 100, "tokens_squared_per_step", 10_000.0),
-    (0, 5, "tokens_squared_per_step", 0.0),
-])
+    (0, 5, "tokens_squared_per_step", 0.0),])
 def test_token_weight(tokens, steps, kind, expected):
   assert merge.token_weight(tokens, steps, kind) == expected
 
@@ -102,8 +100,8 @@ def test_rda_of_identical_inputs_is_the_input():
 
 def test_rda_of_zero_and_opposite_inputs_is_zero_not_nan():
   zero = merge.radial_directional_average([{"v": jnp.zeros(3)}] * 2, np.array([0.5, 0.5]))["v"]
-  opposite = merge.radial_directional_average(
-      [{"v": jnp.array([1.0, 2.0])}, {"v": jnp.array([-1.0, -2.0])}], np.array([0.5, 0.5]))["v"]
+  opposite = merge.radial_directional_average([{"v": jnp.array([1.0, 2.0])}, {"v": jnp.array([-1.0, -2.0])}],
+                                              np.array([0.5, 0.5]))["v"]
   np.testing.assert_array_equal(zero, np.zeros(3))
   np.testing.assert_array_equal(opposite, np.zeros(2))
 

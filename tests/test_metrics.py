@@ -19,10 +19,12 @@ def _records(num_outer_steps: int, inner_steps: int = 2):
     for inner in range(inner_steps):
       step = (outer - 1) * inner_steps + inner + 1
       for learner in range(2):
-        records.append({"kind": "train", "outer_step": outer, "inner_step": step, "learner": learner,
-                        "loss": np.float32(3.0 - 0.1 * step - 0.01 * learner)})
-    records.append({"kind": "eval", "outer_step": outer, "inner_step": outer * inner_steps,
-                    "loss": 3.5 - 0.2 * outer, "tokens_per_sec": 1234})
+        records.append({
+            "kind": "train", "outer_step": outer, "inner_step": step, "learner": learner,
+            "loss": np.float32(3.0 - 0.1 * step - 0.01 * learner)})
+    records.append({
+        "kind": "eval", "outer_step": outer, "inner_step": outer * inner_steps, "loss": 3.5 - 0.2 * outer,
+        "tokens_per_sec": 1234})
   return records
 
 
@@ -51,8 +53,9 @@ def _read_events(logdir, run=""):
 
 def _runs(logdir):
   """TensorBoard's runs under logdir: every directory holding event files, relative to it ("" = logdir)."""
-  runs = {os.path.relpath(os.path.dirname(p), logdir)
-          for p in glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True)}
+  runs = {
+      os.path.relpath(os.path.dirname(p), logdir)
+      for p in glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True)}
   return sorted("" if run == "." else run for run in runs)
 
 
@@ -79,8 +82,7 @@ def test_records_round_trip(tmp_path):
   assert len(read) == len(records)
   for got, want in zip(read, records):
     assert got.keys() == want.keys()
-    assert got == pytest.approx({k: v.item() if isinstance(v, np.generic) else v
-                                 for k, v in want.items()})
+    assert got == pytest.approx({k: v.item() if isinstance(v, np.generic) else v for k, v in want.items()})
   assert type(read[0]["loss"]) is float
   first_line = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
   assert list(json.loads(first_line)) == sorted(json.loads(first_line))
@@ -111,8 +113,7 @@ def test_resume_keeps_exactly_records_up_to_the_checkpoint(tmp_path):
   with MetricsWriter(tmp_path / "uninterrupted") as writer:
     for record in crashed:
       writer.write(record)
-  assert read_metrics(tmp_path / "metrics.jsonl") == read_metrics(
-      tmp_path / "uninterrupted" / "metrics.jsonl")
+  assert read_metrics(tmp_path / "metrics.jsonl") == read_metrics(tmp_path / "uninterrupted" / "metrics.jsonl")
   assert not os.path.exists(tmp_path / "metrics.jsonl.tmp")
 
   # TensorBoard hides the crashed run's events from the first step after the checkpoint,
@@ -121,8 +122,7 @@ def test_resume_keeps_exactly_records_up_to_the_checkpoint(tmp_path):
   for run in _runs(tmp_path / "tensorboard"):
     assert [e[1] for e in _read_events(tmp_path / "tensorboard", run) if e[0] == "START"] == [7]
     assert len(glob.glob(str(tmp_path / "tensorboard" / run / "events.*"))) == 2
-  assert _visible_scalars(tmp_path / "tensorboard") == _visible_scalars(
-      tmp_path / "uninterrupted" / "tensorboard")
+  assert _visible_scalars(tmp_path / "tensorboard") == _visible_scalars(tmp_path / "uninterrupted" / "tensorboard")
 
 
 def test_read_metrics_ignores_only_a_torn_final_line(tmp_path):
@@ -138,8 +138,8 @@ def test_append_after_a_torn_write_starts_on_a_fresh_line(tmp_path):
   (tmp_path / "metrics.jsonl").write_text('{"kind": "eval", "outer_step": 1}\n{"kind": "ev')
   with MetricsWriter(tmp_path) as writer:
     writer.write({"kind": "eval", "outer_step": 2})
-  assert read_metrics(tmp_path / "metrics.jsonl") == [
-      {"kind": "eval", "outer_step": 1}, {"kind": "eval", "outer_step": 2}]
+  assert read_metrics(tmp_path / "metrics.jsonl") == [{"kind": "eval", "outer_step": 1},
+                                                      {"kind": "eval", "outer_step": 2}]
 
 
 def test_tensorboard_scalars_one_run_per_learner(tmp_path):
@@ -147,8 +147,9 @@ def test_tensorboard_scalars_one_run_per_learner(tmp_path):
     writer.write({"kind": "train", "outer_step": 3, "inner_step": 60, "learner": 0, "loss": 2.5})
     writer.write({"kind": "train", "outer_step": 3, "inner_step": 30, "learner": 1, "loss": 2.75})
     writer.write({"kind": "eval", "outer_step": 3, "loss": 2.25, "note": "text is not plotted"})
-  assert _visible_scalars(tmp_path / "tensorboard") == [
-      ("", "eval/loss", 3, 2.25), ("learner_0", "train/loss", 60, 2.5), ("learner_1", "train/loss", 30, 2.75)]
+  assert _visible_scalars(tmp_path / "tensorboard") == [("", "eval/loss", 3, 2.25),
+                                                        ("learner_0", "train/loss", 60, 2.5),
+                                                        ("learner_1", "train/loss", 30, 2.75)]
 
 
 def test_tensorboard_itself_reads_one_run_per_learner(tmp_path):
@@ -168,11 +169,12 @@ def test_tensorboard_staleness_histograms_count_every_push_so_far(tmp_path):
   pushes = [(0, 0), (1, 2), (0, 2), (1, 3)]  # (learner, staleness)
   with MetricsWriter(tmp_path) as writer:
     for step, (learner, staleness) in enumerate(pushes, 1):
-      writer.write({"kind": "push", "outer_step": step, "inner_step": step, "learner": learner,
-                    "staleness": staleness, "accepted": 1})
+      writer.write({
+          "kind": "push", "outer_step": step, "inner_step": step, "learner": learner, "staleness": staleness,
+          "accepted": 1})
   histograms = [e for e in _visible_scalars(tmp_path / "tensorboard") if e[1] == "push/staleness_distribution"]
-  assert [(run, step) for run, _, step, _ in histograms] == [
-      ("", 1), ("", 2), ("", 3), ("", 4), ("learner_0", 1), ("learner_0", 3), ("learner_1", 2), ("learner_1", 4)]
+  assert [(run, step) for run, _, step, _ in histograms] == [("", 1), ("", 2), ("", 3), ("", 4), ("learner_0", 1),
+                                                             ("learner_0", 3), ("learner_1", 2), ("learner_1", 4)]
   assert histograms[3][3] == {0.5: 1, 1.5: 0, 2.5: 2, 3.5: 1}  # All pushes, one bucket per staleness.
   assert histograms[5][3] == {0.5: 1, 1.5: 0, 2.5: 1}
   assert histograms[7][3] == {2.5: 1, 3.5: 1}
@@ -186,8 +188,8 @@ def test_tensorboard_staleness_histograms_count_every_push_so_far(tmp_path):
 
 
 def test_format_progress():
-  line = format_progress(outer_step=3, num_outer_steps=20, step=60, loss=2.31, eval_loss=2.402,
-                         optimum=1.95, tokens_per_sec=12_300, eta_seconds=80)
+  line = format_progress(outer_step=3, num_outer_steps=20, step=60, loss=2.31, eval_loss=2.402, optimum=1.95,
+                         tokens_per_sec=12_300, eta_seconds=80)
   assert line == ("outer 3/20 | step 60 | loss 2.310 | eval 2.402 (optimum 1.950, gap 0.452)"
                   " | 12.3k tok/s | eta 1m20s")
   assert format_progress(outer_step=1, num_outer_steps=2, step=5, loss=3.0,
@@ -197,5 +199,4 @@ def test_format_progress():
 
 
 def test_format_duration():
-  assert [format_duration(s) for s in (0, 59.4, 65, 3600, float("inf"))] == [
-      "0s", "59s", "1m05s", "1h00m", "?"]
+  assert [format_duration(s) for s in (0, 59.4, 65, 3600, float("inf"))] == ["0s", "59s", "1m05s", "1h00m", "?"]

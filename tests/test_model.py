@@ -16,15 +16,13 @@ AXIS_NAMES = {'vocab', 'embed', 'mlp', 'heads', 'kv', None}
 
 
 def tiny_cfg(**overrides) -> ml_collections.ConfigDict:
-  cfg = dict(vocab_size=256, seq_len=16, d_model=32, num_layers=2, num_heads=4, d_ff=64,
-             dtype='float32')
+  cfg = dict(vocab_size=256, seq_len=16, d_model=32, num_layers=2, num_heads=4, d_ff=64, dtype='float32')
   cfg.update(overrides)
   return ml_collections.ConfigDict(cfg)
 
 
 def one_billion_cfg() -> ml_collections.ConfigDict:
-  return tiny_cfg(seq_len=2048, d_model=2048, num_layers=16, num_heads=16, d_ff=8192,
-                  dtype='bfloat16')
+  return tiny_cfg(seq_len=2048, d_model=2048, num_layers=16, num_heads=16, d_ff=8192, dtype='bfloat16')
 
 
 def closed_form_count(cfg) -> int:
@@ -33,8 +31,7 @@ def closed_form_count(cfg) -> int:
 
 
 def random_batch(seed: int, cfg, batch_size: int = 4) -> jax.Array:
-  return jax.random.randint(jax.random.key(seed), (batch_size, cfg.seq_len + 1), 0,
-                            cfg.vocab_size, dtype=jnp.int32)
+  return jax.random.randint(jax.random.key(seed), (batch_size, cfg.seq_len + 1), 0, cfg.vocab_size, dtype=jnp.int32)
 
 
 @pytest.fixture(scope='module')
@@ -95,13 +92,14 @@ def test_param_count_matches_closed_form(tiny):
 
 def test_param_axes_match_params(tiny):
   _, _, params, axes = tiny
-  axes_structure = jax.tree.structure(
-      jax.tree.map(lambda _: 0, axes, is_leaf=model_lib.is_axes_leaf))
+  axes_structure = jax.tree.structure(jax.tree.map(lambda _: 0, axes, is_leaf=model_lib.is_axes_leaf))
   assert axes_structure == jax.tree.structure(params)
+
   # Params first: each leaf array is paired with its whole axes tuple.
   def check(array, names):
     assert isinstance(names, tuple) and len(names) == array.ndim
     assert set(names) <= AXIS_NAMES
+
   jax.tree.map(check, params, axes)
   assert axes['token_embed'] == ('vocab', 'embed')
   assert axes['block_1']['attn']['query']['kernel'] == ('embed', 'heads', 'kv')
@@ -112,8 +110,7 @@ def test_abstract_params_match_build_model(tiny):
   cfg, model, params, axes = tiny
   abstract_model, shapes, abstract_axes = model_lib.abstract_params(cfg)
   assert abstract_model == model and hash(abstract_model) == hash(model)
-  assert jax.tree.map(lambda a: (a.shape, a.dtype), params) == jax.tree.map(
-      lambda s: (s.shape, s.dtype), shapes)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), params) == jax.tree.map(lambda s: (s.shape, s.dtype), shapes)
   assert abstract_axes == axes
   # The abstract model applies to real params (this is how checkpoint restore uses it).
   np.testing.assert_array_equal(abstract_model.logits(params, jnp.zeros((1, 4), jnp.int32)),
@@ -127,8 +124,8 @@ def test_one_billion_config_is_sized_without_allocating():
   n = model_lib.count_params(shapes)
   assert n == closed_form_count(cfg)
   assert 0.7e9 < n < 1.3e9
-  assert jax.tree.structure(jax.tree.map(lambda _: 0, axes, is_leaf=model_lib.is_axes_leaf)) == (
-      jax.tree.structure(shapes))
+  assert jax.tree.structure(jax.tree.map(lambda _: 0, axes,
+                                         is_leaf=model_lib.is_axes_leaf)) == (jax.tree.structure(shapes))
 
 
 def test_flops_per_token_formula():
@@ -174,8 +171,7 @@ def test_bfloat16_compute_gives_finite_float32_loss():
     (dict(d_model=30, num_heads=4), 'num_heads'),
     (dict(num_layers=0), 'num_layers'),
     (dict(d_ff=-1), 'd_ff'),
-    (dict(dtype='float16'), 'dtype'),
-])
+    (dict(dtype='float16'), 'dtype'),])
 def test_bad_config_raises_config_error(overrides, match):
   cfg = tiny_cfg(**overrides)
   with pytest.raises(ConfigError, match=match):

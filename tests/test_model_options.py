@@ -33,17 +33,18 @@ def plain():
   return params, batch, loss_and_grads(config, params, batch)
 
 
-@pytest.mark.parametrize('overrides', [
-    dict(attention='dot_product'),
-    dict(attention='auto'),
-    dict(remat='full'),
-    dict(remat='dots_saveable'),
-    dict(remat='minimal'),
-    dict(remat='offload'),  # CPU devices have a pinned_host memory space.
-    dict(scan_layers=True),
-    dict(scan_layers=True, remat='full'),
-    dict(loss_chunk=4),
-])
+@pytest.mark.parametrize(
+    'overrides',
+    [
+        dict(attention='dot_product'),
+        dict(attention='auto'),
+        dict(remat='full'),
+        dict(remat='dots_saveable'),
+        dict(remat='minimal'),
+        dict(remat='offload'),  # CPU devices have a pinned_host memory space.
+        dict(scan_layers=True),
+        dict(scan_layers=True, remat='full'),
+        dict(loss_chunk=4),])
 def test_option_computes_the_plain_models_loss_and_grads(plain, overrides):
   params, batch, (loss, grads) = plain
   other_loss, other_grads = loss_and_grads(cfg(**overrides), params, batch)
@@ -65,8 +66,8 @@ def test_splash_kernel_in_interpret_mode_matches_xla_attention():
 
 
 def test_auto_picks_a_kernel_per_backend():
-  assert [attention.resolve_implementation('auto', b) for b in ('tpu', 'gpu', 'cpu')] == [
-      'splash', 'dot_product', 'xla']
+  assert [attention.resolve_implementation('auto', b) for b in ('tpu', 'gpu', 'cpu')
+         ] == ['splash', 'dot_product', 'xla']
   assert attention.resolve_implementation('xla', 'tpu') == 'xla'
 
 
@@ -96,8 +97,10 @@ def closed_form_count(c) -> int:
   return embeddings + (0 if c.get('tie_embeddings') else d * v) + d + c.num_layers * per_layer
 
 
-@pytest.mark.parametrize('overrides', [dict(), dict(tie_embeddings=True), dict(position='learned', mlp='gelu'),
-                                       dict(num_kv_heads=1)])
+@pytest.mark.parametrize(
+    'overrides', [dict(), dict(tie_embeddings=True),
+                  dict(position='learned', mlp='gelu'),
+                  dict(num_kv_heads=1)])
 def test_shapes_counts_and_flops(overrides):
   config = cfg(**overrides)
   model, params, axes = model_lib.build_model(config, seed=0)
@@ -105,8 +108,8 @@ def test_shapes_counts_and_flops(overrides):
   attn = params['block_0']['attn']
   kv = config.num_kv_heads
   assert attn['query']['kernel'].shape == (32, 4, 8) and attn['key']['kernel'].shape == (32, kv, 8)
-  assert attn['value']['kernel'].shape == (32, kv, 8) and axes['block_0']['attn']['key']['kernel'] == (
-      'embed', 'heads', 'kv')
+  assert attn['value']['kernel'].shape == (32, kv, 8) and axes['block_0']['attn']['key']['kernel'] == ('embed', 'heads',
+                                                                                                       'kv')
   assert ('wg' in params['block_0']['mlp']) == (config.mlp == 'swiglu')
   assert ('pos_embed' in params) == (config.position == 'learned')
   assert ('lm_head' in params) != bool(config.get('tie_embeddings'))
@@ -129,16 +132,18 @@ def test_tied_head_is_the_token_embedding():
   assert changed[7] and changed.sum() == 1
 
 
-@pytest.mark.parametrize('overrides, match', [
-    (dict(position='alibi'), 'position'),
-    (dict(mlp='relu'), 'mlp'),
-    (dict(num_kv_heads=3), 'num_kv_heads'),
-    (dict(remat='some'), 'remat'),
-    (dict(attention='flash'), 'attention'),
-    (dict(loss_chunk=5), 'loss_chunk'),
-    (dict(attention='splash'), 'multiple of 128'),
-    (dict(d_model=36, num_heads=4, d_ff=64), 'even head dim'),  # head dim 9 cannot be rotated in pairs.
-])
+@pytest.mark.parametrize(
+    'overrides, match',
+    [
+        (dict(position='alibi'), 'position'),
+        (dict(mlp='relu'), 'mlp'),
+        (dict(num_kv_heads=3), 'num_kv_heads'),
+        (dict(remat='some'), 'remat'),
+        (dict(attention='flash'), 'attention'),
+        (dict(loss_chunk=5), 'loss_chunk'),
+        (dict(attention='splash'), 'multiple of 128'),
+        (dict(d_model=36, num_heads=4, d_ff=64), 'even head dim'),  # head dim 9 cannot be rotated in pairs.
+    ])
 def test_bad_options_name_the_fix(overrides, match):
   with pytest.raises(ConfigError, match=match):
     model_lib.build_model(cfg(**overrides), seed=0)

@@ -32,9 +32,10 @@ def _kernel_manager(directory: pathlib.Path) -> KernelManager:
   """A kernel on this interpreter (sys.executable), whatever kernelspecs the machine has installed."""
   spec = directory / "kernels" / "dd_python"
   spec.mkdir(parents=True)
-  (spec / "kernel.json").write_text(json.dumps({
-      "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-      "display_name": "decoupled_diloco", "language": "python"}))
+  (spec / "kernel.json").write_text(
+      json.dumps({
+          "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+          "display_name": "decoupled_diloco", "language": "python"}))
   return KernelManager(kernel_name="dd_python", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)]))
 
 

@@ -67,10 +67,10 @@ def test_delayed_nesterov_with_activation_matches_the_hand_computed_steps():
   lr, beta, n, c = 0.5, 0.9, 2, 0.25
   # g = 2, 4 (window 1: m = 3), then 6, 8 (window 2: m = 0.9·3 + 7 = 9.7).
   expected = [
-      -lr * (c * beta * 0 + 2 / n),                      # -0.5
-      -lr * ((1 - c * n + c) * beta * 3.0 + 4 / n),      # -(0.75·2.7 + 2)/2 = -2.0125
-      -lr * (c * beta * 3.0 + 6 / n),                    # -(0.675 + 3)/2 = -1.8375
-      -lr * ((1 - c * n + c) * beta * 9.7 + 8 / n),      # -(0.75·8.73 + 4)/2 = -5.27375
+      -lr * (c * beta * 0 + 2 / n),  # -0.5
+      -lr * ((1 - c * n + c) * beta * 3.0 + 4 / n),  # -(0.75·2.7 + 2)/2 = -2.0125
+      -lr * (c * beta * 3.0 + 6 / n),  # -(0.675 + 3)/2 = -1.8375
+      -lr * ((1 - c * n + c) * beta * 9.7 + 8 / n),  # -(0.75·8.73 + 4)/2 = -5.27375
   ]
   updates = _scan_updates(outer.delayed_nesterov(lr, beta, n, activation=c), [[g, 0.0] for g in (2, 4, 6, 8)])
   np.testing.assert_allclose([u[0] for u in updates], expected, rtol=1e-6)
@@ -95,8 +95,9 @@ def test_delayed_nesterov_is_jittable_and_matches_eager():
 
 
 def test_delayed_nesterov_from_config():
-  cfg = ml_collections.ConfigDict({"optimizer": "delayed_nesterov", "lr": 0.7, "momentum": 0.9, "nesterov": True,
-                                   "buffer_size": 2, "activation": 0.0})
+  cfg = ml_collections.ConfigDict({
+      "optimizer": "delayed_nesterov", "lr": 0.7, "momentum": 0.9, "nesterov": True, "buffer_size": 2,
+      "activation": 0.0})
   optimizer = outer.outer_optimizer(cfg)
   params = {"x": jnp.zeros(())}
   opt_state = optimizer.init(params)
@@ -114,8 +115,9 @@ def test_delayed_nesterov_rejects_bad_arguments():
     outer.delayed_nesterov(0.7, 0.9, 0)
   with pytest.raises(ValueError, match="momentum=1.0 must be in"):
     outer.delayed_nesterov(0.7, 1.0, 2)
-  cfg = ml_collections.ConfigDict({"optimizer": "delayed_nesterov", "lr": 0.7, "momentum": 0.9, "nesterov": True,
-                                   "buffer_size": 0, "activation": 0.0})
+  cfg = ml_collections.ConfigDict({
+      "optimizer": "delayed_nesterov", "lr": 0.7, "momentum": 0.9, "nesterov": True, "buffer_size": 0,
+      "activation": 0.0})
   with pytest.raises(ConfigError, match="outer.buffer_size=0 must be an int >= 1"):
     outer.outer_optimizer(cfg)
 
@@ -126,8 +128,9 @@ def test_outer_adam_with_momentum_zero_has_no_first_moment():
   grads = [[1.0, -2.0], [3.0, 0.5], [-1.0, 4.0]]
   chex.assert_trees_all_close(_scan_updates(outer.outer_optimizer(cfg), grads),
                               _scan_updates(optax.adam(0.1, b1=0.0), grads))
-  assert not np.allclose(_scan_updates(optax.adam(0.1, b1=0.0), grads)[1],
-                         _scan_updates(optax.adam(0.1, b1=0.9), grads)[1])  # The two really differ.
+  assert not np.allclose(
+      _scan_updates(optax.adam(0.1, b1=0.0), grads)[1],
+      _scan_updates(optax.adam(0.1, b1=0.9), grads)[1])  # The two really differ.
   with pytest.raises(ConfigError, match=r"outer.momentum=1.5 must be in \[0, 1\)"):
     outer.outer_optimizer(ml_collections.ConfigDict({**cfg.to_dict(), "momentum": 1.5}))
 
@@ -137,8 +140,8 @@ def test_delayed_nesterov_refuses_an_activation_outside_zero_to_one_over_n(n, c)
   """Liu et al., Alg. 3: c in [0, 1/N]; c = 0.6, N = 4 would give the boundary a negative momentum share."""
   with pytest.raises(ValueError, match=r"activation=.* must be in \[0, 1/N"):
     outer.delayed_nesterov(0.7, 0.9, n, activation=c)
-  cfg = ml_collections.ConfigDict({"optimizer": "delayed_nesterov", "lr": 0.7, "momentum": 0.9, "nesterov": True,
-                                   "buffer_size": n, "activation": c})
+  cfg = ml_collections.ConfigDict({
+      "optimizer": "delayed_nesterov", "lr": 0.7, "momentum": 0.9, "nesterov": True, "buffer_size": n, "activation": c})
   with pytest.raises(ConfigError, match=r"outer.activation=.* must be in \[0, 1/outer.buffer_size"):
     outer.outer_optimizer(cfg)
   outer.delayed_nesterov(0.7, 0.9, n, activation=1 / n)  # The bound itself is allowed.

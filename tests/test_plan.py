@@ -15,10 +15,11 @@ GB = 1e9
 
 def _small(layouts, remat="none"):
   """A ~3M-param model whose activations dominate, so the comparison measures the residual count."""
-  return tiny_config(**{"model.d_model": 128, "model.num_layers": 2, "model.seq_len": 128, "model.num_heads": 4,
-                        "model.d_ff": 512, "model.attention": "xla", "model.remat": remat,
-                        "learners.devices": (4, 4), "learners.batch_size": (16, 16), "learners.layouts": layouts,
-                        "learners.hardware": ("v5p", "v6e")})
+  return tiny_config(
+      **{
+          "model.d_model": 128, "model.num_layers": 2, "model.seq_len": 128, "model.num_heads": 4, "model.d_ff": 512,
+          "model.attention": "xla", "model.remat": remat, "learners.devices": (4, 4), "learners.batch_size": (
+              16, 16), "learners.layouts": layouts, "learners.hardware": ("v5p", "v6e")})
 
 
 @pytest.mark.parametrize("group", [0, 1])
@@ -65,8 +66,8 @@ def test_shipped_tpu_configs_fit_every_group_analytically(name):
 
 
 def _run_plan(*flags):
-  return subprocess.run([sys.executable, "-m", "experiments.plan", *flags], capture_output=True, text=True,
-                        check=False, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  return subprocess.run([sys.executable, "-m", "experiments.plan", *flags], capture_output=True, text=True, check=False,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
 def test_a_group_that_does_not_fit_is_one_line_naming_group_shortfall_and_knob():

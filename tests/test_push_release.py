@@ -72,8 +72,9 @@ def test_a_folded_push_frees_its_receive_buffer_at_once():
 @pytest.mark.parametrize("fmt", ["int4", "bf16"])
 def test_a_compressed_push_frees_its_receive_buffer_at_once_and_merges_as_in_process(fmt):
   codec = compression.Codec(format=fmt, block_size=32)
-  syncers = [Syncer(optax.sgd(1.0), {n: jnp.zeros(s, jnp.float32) for n, s in _SHAPES.items()}, range(1),
-                    Settings(), codec=codec) for _ in range(2)]
+  syncers = [
+      Syncer(optax.sgd(1.0), {n: jnp.zeros(s, jnp.float32)
+                              for n, s in _SHAPES.items()}, range(1), Settings(), codec=codec) for _ in range(2)]
   rng = np.random.default_rng(0)
   encoded = compression.encode(codec, [rng.standard_normal(s).astype(np.float32) for s in _SHAPES.values()])
   syncers[0].receive(Push(0, encoded, 0, 100, 2), now=0.0)  # In process: device arrays, no views.
@@ -103,8 +104,7 @@ def test_dropped_and_refused_pushes_free_their_receive_buffers_at_once():
 def test_a_callers_own_device_arrays_are_left_alone():
   """In-process runtimes hand their Δ over as device arrays: only the syncer's own views are deleted."""
   syncer = _syncer()
-  delta = jax.device_put({name: jnp.full(shape, 1e-3, jnp.float32) for name, shape in _SHAPES.items()},
-                         syncer.device)
+  delta = jax.device_put({name: jnp.full(shape, 1e-3, jnp.float32) for name, shape in _SHAPES.items()}, syncer.device)
   syncer.receive(Push(0, delta, 0, 100, 2), now=0.0)
   assert float(delta["b"][0]) == pytest.approx(1e-3)
 
@@ -122,8 +122,9 @@ def test_finite_check_finds_every_nan_and_inf(bad, position):
 def test_finite_check_accepts_values_whose_squares_overflow(on_device):
   """The fast pass sums squares: 3e38² overflows though every value is finite; the exact pass decides."""
   put = jnp.asarray if on_device else np.asarray
-  huge = {"x": put(np.full(8, 3e38, np.float32)), "y": put(np.full(8, -3e38, np.float32)),
-          "empty": put(np.zeros(0, np.float32))}
+  huge = {
+      "x": put(np.full(8, 3e38, np.float32)), "y": put(np.full(8, -3e38, np.float32)),
+      "empty": put(np.zeros(0, np.float32))}
   assert all_finite(huge)
   huge["x"] = put(np.array([3e38] * 7 + [np.nan], np.float32))
   assert not all_finite(huge)

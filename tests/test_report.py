@@ -14,36 +14,42 @@ def _lockstep_records():
   """What a 2-round lockstep DiLoCo run writes: train, outer and eval records, no clock."""
   records = []
   for step in (1, 2):
-    records += [{"kind": "train", "outer_step": step, "inner_step": 3 * step, "learner": m, "loss": 3.0 - step,
-                 "tokens": 30 * step, "wall_time": 2.0 * step} for m in (0, 1)]
-    records.append({"kind": "eval", "outer_step": step, "inner_step": 3 * step, "tokens": 60 * step,
-                    "wall_time": 2.0 * step, "eval_loss": 2.5 - 0.5 * step, "optimal_loss": 1.0})
+    records += [{
+        "kind": "train", "outer_step": step, "inner_step": 3 * step, "learner": m, "loss": 3.0 - step,
+        "tokens": 30 * step, "wall_time": 2.0 * step} for m in (0, 1)]
+    records.append({
+        "kind": "eval", "outer_step": step, "inner_step": 3 * step, "tokens": 60 * step, "wall_time": 2.0 * step,
+        "eval_loss": 2.5 - 0.5 * step, "optimal_loss": 1.0})
   return records
 
 
 def _sim_records(with_pushes=True):
   """A decoupled run on the virtual clock: pushes, learner summaries and the summary."""
-  records = [{"kind": "eval", "outer_step": v, "inner_step": 4 * v, "tokens": 80 * v, "time": 10.0 * v,
-              "wall_time": 1.5 * v, "eval_loss": 2.4 - 0.4 * v, "optimal_loss": 1.0} for v in (1, 2)]
+  records = [{
+      "kind": "eval", "outer_step": v, "inner_step": 4 * v, "tokens": 80 * v, "time": 10.0 * v, "wall_time": 1.5 * v,
+      "eval_loss": 2.4 - 0.4 * v, "optimal_loss": 1.0} for v in (1, 2)]
   pushes = [(0, 0), (1, 1), (0, 1), (1, 3)]  # (learner, staleness)
   if with_pushes:
-    records += [{"kind": "push", "outer_step": i, "inner_step": 4 * i, "learner": m, "local_steps": 4, "tokens": 40,
-                 "staleness": s, "accepted": 1, "time": 5.0 * i, "wall_time": 1.0} for i, (m, s) in enumerate(pushes)]
+    records += [{
+        "kind": "push", "outer_step": i, "inner_step": 4 * i, "learner": m, "local_steps": 4, "tokens": 40,
+        "staleness": s, "accepted": 1, "time": 5.0 * i, "wall_time": 1.0} for i, (m, s) in enumerate(pushes)]
   clock = {"outer_step": 4, "inner_step": 8, "tokens": 120, "time": 20.0, "wall_time": 3.0}
   for m, busy, steps in ((0, 18.0, 8), (1, 16.0, 4)):  # Built as the runtimes build them: the one schema.
-    records.append(run_records.learner_summary(
-        clock, learner=m, busy_seconds=busy, idle_seconds=20 - busy, finished_early_seconds=0.0, steps=steps,
-        tokens=10 * steps, pushes=2, dropped=0, rejected=0,
-        staleness_histogram=dict(collections.Counter(str(s) for mm, s in pushes if mm == m))))
+    records.append(
+        run_records.learner_summary(
+            clock, learner=m, busy_seconds=busy, idle_seconds=20 - busy, finished_early_seconds=0.0, steps=steps,
+            tokens=10 * steps, pushes=2, dropped=0, rejected=0,
+            staleness_histogram=dict(collections.Counter(str(s) for mm, s in pushes if mm == m))))
   records.append(run_records.summary(clock, eval_loss=1.6, virtual_seconds=20.0, goodput=0.85, dropped_pushes=0))
   return records
 
 
 def test_summaries_hold_each_runs_figures():
   lockstep, decoupled = report.summarize_run(_lockstep_records()), report.summarize_run(_sim_records())
-  assert lockstep == {"eval_loss": 1.5, "optimal_loss": 1.0, "tokens": 120, "outer_updates": 2, "wall_seconds": 4.0,
-                      "virtual_seconds": None, "goodput": None, "idle_fraction": None, "pushes": None,
-                      "dropped": None, "mean_staleness": None}
+  assert lockstep == {
+      "eval_loss": 1.5, "optimal_loss": 1.0, "tokens": 120, "outer_updates": 2, "wall_seconds": 4.0,
+      "virtual_seconds": None, "goodput": None, "idle_fraction": None, "pushes": None, "dropped": None,
+      "mean_staleness": None}
   assert decoupled["virtual_seconds"] == 20.0 and decoupled["goodput"] == 0.85 and decoupled["pushes"] == 4
   assert decoupled["idle_fraction"] == pytest.approx((2 / 20 + 4 / 20) / 2)
   assert decoupled["mean_staleness"] == pytest.approx(5 / 4)

@@ -50,8 +50,9 @@ def test_sim_threads_and_service_write_learner_summaries_and_summaries_with_the_
   learner_summaries = {
       "sim": _of(tmp_path / "sim", "learner_summary"), "threads": _of(tmp_path / "threads", "learner_summary"),
       "service": [r for m in range(2) for r in _of(service / f"learner_{m}", "learner_summary")]}
-  summaries = {"sim": _of(tmp_path / "sim", "summary"), "threads": _of(tmp_path / "threads", "summary"),
-               "service": _of(service, "summary")}
+  summaries = {
+      "sim": _of(tmp_path / "sim", "summary"), "threads": _of(tmp_path / "threads", "summary"),
+      "service": _of(service, "summary")}
   learner_keys = {"kind", "outer_step", "inner_step", "time", "wall_time", *run_records.LEARNER_SUMMARY_FIELDS}
   summary_keys = {"kind", *run_records.CLOCK_FIELDS, *run_records.SUMMARY_FIELDS}
   for runtime in ("sim", "threads", "service"):

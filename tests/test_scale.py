@@ -94,8 +94,7 @@ def test_a_restart_loses_the_round_an_elastic_resize_only_the_step():
     ({"failure_model": FailureModel(restart_seconds=-1.0)}, "restart_seconds"),
     ({"failure_model": FailureModel(mtbi_seconds=0.0)}, "mtbi_seconds"),
     ({"failure_model": FailureModel(domain_chips=0)}, "domain_chips"),
-    ({"elastic": True, "failure_model": FailureModel(domain_chips=500)}, "smaller than one failure domain"),
-])
+    ({"elastic": True, "failure_model": FailureModel(domain_chips=500)}, "smaller than one failure domain"),])
 def test_bad_arguments_raise_config_error_naming_the_problem(kwargs, message):
   args = {"num_chips": 1000, "num_learners": 4, "elastic": False, "failure_model": NEVER, **kwargs}
   with pytest.raises(ConfigError, match=message):

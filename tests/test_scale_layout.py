@@ -28,8 +28,7 @@ def test_one_billion_widths_never_hold_the_global_batch_on_a_chip():
   config.model.num_layers = 2
   model, shapes, axes = model_lib.abstract_params(config.model)
   optimizer = inner.inner_optimizer(config.inner, 100)
-  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:8], mesh.Layout(fsdp=8)), shapes,
-                                axes)
+  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:8], mesh.Layout(fsdp=8)), shapes, axes)
   global_batch, seq_len = 24, config.model.seq_len
   compiled = loop.step.lower(*inner.abstract_inputs(loop, optimizer, shapes, global_batch, seq_len)).compile()
   text = compiled.as_text()
@@ -104,8 +103,9 @@ def _records(workdir):
   return records
 
 
-SCAN = {"model.num_layers": 2, "model.scan_layers": True, "model.remat": "full", "model.position": "rope",
-        "model.mlp": "swiglu"}
+SCAN = {
+    "model.num_layers": 2, "model.scan_layers": True, "model.remat": "full", "model.position": "rope",
+    "model.mlp": "swiglu"}
 
 
 def test_scan_layers_run_resumes_exactly_from_its_checkpoint(tmp_path):
@@ -120,8 +120,9 @@ def test_scan_layers_run_resumes_exactly_from_its_checkpoint(tmp_path):
 def test_scan_layers_streams_fragments_and_merges_with_rda_like_the_layer_loop(tmp_path):
   """Stacking happens at trace time, so the params tree, its strided fragments and the RDA merge
   are the loop model's: the same run with and without scan_layers gives the same losses."""
-  base = {"mode": "decoupled", "runtime": "sim", "outer_steps": 2, "inner_steps": 4, "streaming.num_fragments": 2,
-          "streaming.strategy": "strided", "syncer.merge_rule": "rda", **SCAN}
+  base = {
+      "mode": "decoupled", "runtime": "sim", "outer_steps": 2, "inner_steps": 4, "streaming.num_fragments": 2,
+      "streaming.strategy": "strided", "syncer.merge_rule": "rda", **SCAN}
   runs = {}
   for scan in (False, True):
     exp = experiment.build(tiny_config(**{**base, "model.scan_layers": scan}))
@@ -135,19 +136,24 @@ def test_scan_layers_streams_fragments_and_merges_with_rda_like_the_layer_loop(t
 @pytest.mark.parametrize("eod", [-1, 5])  # 5: attention segmented at the documents' ends (token 5).
 def test_splash_under_a_data_by_tensor_mesh_matches_xla_attention(eod):
   """shard_map runs one (interpreted) kernel per batch and head shard; q/k/v heads sit on 'tensor'."""
-  config = tiny_config(**{"model.seq_len": 128, "model.num_heads": 4, "model.num_kv_heads": 2,
-                          "model.position": "rope", "model.document_eod_id": eod}).model
+  config = tiny_config(
+      **{
+          "model.seq_len": 128, "model.num_heads": 4, "model.num_kv_heads": 2, "model.position": "rope",
+          "model.document_eod_id": eod}).model
   model, params, _ = model_lib.build_model(config, seed=0)
   splash_model, _, _ = model_lib.build_model(dict(config, attention="splash"), seed=0)
   group = jax.make_mesh((2, 2), ("data", "tensor"), devices=jax.devices()[:4],
                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  batch = jax.device_put(np.random.default_rng(0).integers(0, 16, (4, 129), dtype=np.int32),
-                         jax.sharding.NamedSharding(group, jax.sharding.PartitionSpec("data")))
+  batch = jax.device_put(
+      np.random.default_rng(0).integers(0, 16, (4, 129), dtype=np.int32),
+      jax.sharding.NamedSharding(group, jax.sharding.PartitionSpec("data")))
 
   def loss_and_grads(m):
+
     def under_mesh(p, b):
       with jax.sharding.use_abstract_mesh(group.abstract_mesh):
         return jax.value_and_grad(m.loss)(p, b)
+
     return jax.jit(under_mesh)(params, batch)
 
   (loss, grads), (splash_loss, splash_grads) = loss_and_grads(model), loss_and_grads(splash_model)
@@ -158,6 +164,7 @@ def test_splash_under_a_data_by_tensor_mesh_matches_xla_attention(eod):
 def test_a_scanned_step_compiles_to_the_same_program_at_any_depth():
   """The step's state holds scanned blocks stacked, so its inputs and kernels do not grow with the
   layers (a state of block_i's made it read, update and write L buffers per block param)."""
+
   def compiled(layers):
     config = tiny_config(**{"model.num_layers": layers, "model.scan_layers": True})
     model, shapes, axes = model_lib.abstract_params(config.model)

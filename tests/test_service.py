@@ -165,7 +165,8 @@ def test_a_killed_syncer_resumes_from_its_checkpoint_and_log_with_streamed_fragm
     steps = [(r["fragment"], r["local_steps"]) for r in pushes if r["learner"] == m]
     assert steps[:2] == [(0, 4), (1, 8)][:len(steps)] and {n for _, n in steps[2:-3]} <= {8}, steps
   assert sum(r["local_steps"] == 8 for r in pushes) >= 10
-  summary, = _syncer_records(run.workdir, "summary")  # Each step counted once, from budget_steps (admission.budget_share).
+  summary, = _syncer_records(run.workdir,
+                             "summary")  # Each step counted once, from budget_steps (admission.budget_share).
   assert summary["steps_done"] >= 10 * 8 * 2
   for m in range(2):  # Each learner heard the new syncer incarnation in a reply, and carried on.
     learner_summary, = _learner_records(run.workdir, m, "learner_summary")
@@ -193,15 +194,15 @@ def test_bad_inputs_from_a_raw_client_are_refused_and_the_run_continues(cluster)
   delta = jax.tree.map(lambda x: np.full(x.shape, 0.01, np.float32), params)
 
   def header(parts, **fields):
-    return {"learner": 0, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 64, "local_steps": 4,
-            "budget_steps": 4, "budget_tokens": 64, "compute_seconds": 0.1,
-            "payload_bytes": wire.encoded_size(parts), "incarnation": 0, **fields}
+    return {
+        "learner": 0, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 64, "local_steps": 4, "budget_steps": 4,
+        "budget_tokens": 64, "compute_seconds": 0.1, "payload_bytes": wire.encoded_size(parts), "incarnation": 0,
+        **fields}
 
   def refused(call, code, text):
     with pytest.raises(grpc.RpcError) as error:
       call()
-    assert error.value.code() == code and text in error.value.details(), (error.value.code(),
-                                                                         error.value.details())
+    assert error.value.code() == code and text in error.value.details(), (error.value.code(), error.value.details())
 
   parts = wire.encode(delta)
   nan = wire.encode(jax.tree.map(lambda x: np.where(np.arange(x.size).reshape(x.shape) == 0, np.nan, x), delta))
@@ -211,25 +212,23 @@ def test_bad_inputs_from_a_raw_client_are_refused_and_the_run_continues(cluster)
   hb = wire.pack_header({"learner": 0})
   cases = [
       (lambda: heartbeat(hb, timeout=30), grpc.StatusCode.UNAUTHENTICATED, "token"),
-      (lambda: _raw_push(push, header(parts), parts, (("x-dd-token", "w" * 32),)), grpc.StatusCode.UNAUTHENTICATED,
-       "token"),
+      (lambda: _raw_push(push, header(parts), parts,
+                         (("x-dd-token", "w" * 32),)), grpc.StatusCode.UNAUTHENTICATED, "token"),
       (lambda: push(iter([b"\x93\x01"]), metadata=good, timeout=30), grpc.StatusCode.INVALID_ARGUMENT, "header"),
       (lambda: _raw_push(push, header(parts, learner=7), parts, good), grpc.StatusCode.NOT_FOUND, "unknown learner"),
       (lambda: _raw_push(push, header(nan), nan, good), grpc.StatusCode.INVALID_ARGUMENT, "NaN"),
       (lambda: _raw_push(push, header(wide), wide, good), grpc.StatusCode.INVALID_ARGUMENT, "expected float32"),
       (lambda: _raw_push(push, header(doubles), doubles, good), grpc.StatusCode.INVALID_ARGUMENT, "float64"),
-      (lambda: _raw_push(push, header(parts, base_version=3), parts, good), grpc.StatusCode.INVALID_ARGUMENT,
-       "future"),
-      (lambda: _raw_push(push, header(parts, payload_bytes=1 << 40), parts, good),
-       grpc.StatusCode.RESOURCE_EXHAUSTED, "limit"),
+      (lambda: _raw_push(push, header(parts, base_version=3), parts, good), grpc.StatusCode.INVALID_ARGUMENT, "future"),
+      (lambda: _raw_push(push, header(parts, payload_bytes=1 << 40), parts, good), grpc.StatusCode.RESOURCE_EXHAUSTED,
+       "limit"),
       (lambda: _raw_push(push, header(parts, payload_bytes=wire.encoded_size(parts) + 5), parts, good),
        grpc.StatusCode.INVALID_ARGUMENT, "ended after"),
       (lambda: _raw_push(push, header(parts), parts, good, chunk=128 << 10), grpc.StatusCode.RESOURCE_EXHAUSTED,
        "chunk"),
       (lambda: _raw_push(push, header(garbage), garbage, good), grpc.StatusCode.INVALID_ARGUMENT, "skeleton"),
       (lambda: push(iter([b"x" * (1 << 20)]), metadata=good, timeout=30), grpc.StatusCode.RESOURCE_EXHAUSTED,
-       "larger than max"),
-  ]
+       "larger than max"),]
   for call, code, text in cases:
     refused(call, code, text)
   client = client_lib.SyncerClient(address, TOKEN, 0, chunk_bytes=64 << 10, timeout_seconds=30, retry_seconds=30)
@@ -272,8 +271,8 @@ def test_two_learner_processes_train_to_completion_and_a_chaos_run_ends_within_3
   kills = [name for _, event, name in chaos.events if event == "kill"]
   assert 3 <= len(kills) <= 4, chaos.events  # Seeded kills, within the budget.
   ended_by_chaos = chaos.abandoned | chaotic.stopped_after_end  # Killed near the end, or restarted into a finished run.
-  assert ended_by_chaos <= set(kills) and all(code == 0 for name, code in codes.items() if name not in ended_by_chaos), (
-      codes, ended_by_chaos)
+  assert ended_by_chaos <= set(kills) and all(
+      code == 0 for name, code in codes.items() if name not in ended_by_chaos), (codes, ended_by_chaos)
   _assert_exactly_once(chaotic.workdir)
   disturbed, = _syncer_records(chaotic.workdir, "summary")
   assert disturbed["steps_done"] >= reference["steps_done"] - 2 * 4  # The same budget, give or take the last round.

@@ -39,8 +39,9 @@ def test_a_restarted_learner_continues_its_packed_stream_exactly(tmp_path):
   (tmp_path / "data").mkdir()
   data = helpers.write_documents(tmp_path / "data")
   # A budget far beyond the test: it stops the run once the restarted learner has trained two periods.
-  overrides = ["--config.outer_steps=1000", "--config.data.source=array_record", f"--config.data.path={data}",
-               "--config.data.mask_document_boundaries=True", "--config.service.learner_checkpoint_every=1"]
+  overrides = [
+      "--config.outer_steps=1000", "--config.data.source=array_record", f"--config.data.path={data}",
+      "--config.data.mask_document_boundaries=True", "--config.service.learner_checkpoint_every=1"]
   cluster = LocalCluster("tests/service_config.py", str(tmp_path / "run"), overrides, 2,
                          env=dict(os.environ, DD_SYNCER_TOKEN="d" * 32))
   try:
@@ -62,8 +63,8 @@ def test_a_restarted_learner_continues_its_packed_stream_exactly(tmp_path):
       assert trained.setdefault(step, digest) == digest, f"step {step} trained on two different batches"
   assert max(trained) > starts[1] + 4 and sorted(trained) == list(range(max(trained) + 1))
   config = service_config.get_config()
-  corpus = sources.load_corpus(experiment.with_overrides(
-      config, {"data.source": "array_record", "data.path": data}).data, config.model.seq_len)
+  corpus = sources.load_corpus(
+      experiment.with_overrides(config, {"data.source": "array_record", "data.path": data}).data, config.model.seq_len)
   stream = batches.learner_batches(corpus, config.model.seq_len, learner_index=1, num_learners=2,
                                    batch_size=config.learners.batch_size[1], split=config.data.split, seed=config.seed)
   try:

@@ -34,8 +34,8 @@ def _cluster(workdir, *overrides):
 
 
 def _client(address, learner, retry_seconds=60.0):
-  return client_lib.SyncerClient(address, security.learner_credential(SECRET, learner), learner,
-                                 chunk_bytes=64 << 10, timeout_seconds=20, retry_seconds=retry_seconds)
+  return client_lib.SyncerClient(address, security.learner_credential(SECRET, learner), learner, chunk_bytes=64 << 10,
+                                 timeout_seconds=20, retry_seconds=retry_seconds)
 
 
 def _push(client, params, seq, base_version):
@@ -136,21 +136,20 @@ def test_calls_beyond_the_cap_are_refused_at_once_while_an_honest_learner_gets_t
   address = tight_syncer
   credential = security.learner_credential(SECRET, 1)
   # 16 threads of learner 1's credential, each keeping 32 heartbeats in flight, for 12 s.
-  attacker = _attacker(
-      "import grpc\nfrom decoupled_diloco.service import server, wire\n"
-      f"channel = grpc.insecure_channel({address!r})\n"
-      "beat = channel.unary_unary(f'/{server.SERVICE}/Heartbeat')\n"
-      "outcomes, lock, end = collections.Counter(), threading.Lock(), time.monotonic() + 12\n"
-      "def flood():\n"
-      "  while time.monotonic() < end:\n"
-      "    calls = [beat.future(wire.pack_header({'learner': 1}), timeout=20, "
-      f"metadata=attacks.metadata({credential!r})) for _ in range(32)]\n"
-      "    for call in calls:\n"
-      "      with lock:\n"
-      "        outcomes['OK' if call.exception() is None else call.exception().code().name] += 1\n"
-      "threads = [threading.Thread(target=flood) for _ in range(16)]\n"
-      "[t.start() for t in threads]\nprint('flooding', flush=True)\n[t.join() for t in threads]\n"
-      "print(json.dumps(outcomes), flush=True)\n")
+  attacker = _attacker("import grpc\nfrom decoupled_diloco.service import server, wire\n"
+                       f"channel = grpc.insecure_channel({address!r})\n"
+                       "beat = channel.unary_unary(f'/{server.SERVICE}/Heartbeat')\n"
+                       "outcomes, lock, end = collections.Counter(), threading.Lock(), time.monotonic() + 12\n"
+                       "def flood():\n"
+                       "  while time.monotonic() < end:\n"
+                       "    calls = [beat.future(wire.pack_header({'learner': 1}), timeout=20, "
+                       f"metadata=attacks.metadata({credential!r})) for _ in range(32)]\n"
+                       "    for call in calls:\n"
+                       "      with lock:\n"
+                       "        outcomes['OK' if call.exception() is None else call.exception().code().name] += 1\n"
+                       "threads = [threading.Thread(target=flood) for _ in range(16)]\n"
+                       "[t.start() for t in threads]\nprint('flooding', flush=True)\n[t.join() for t in threads]\n"
+                       "print(json.dumps(outcomes), flush=True)\n")
   try:
     assert attacker.stdout.readline().strip() == "flooding"
     honest = _client(address, 0)

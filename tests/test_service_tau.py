@@ -17,8 +17,8 @@ from experiments.launch_local import LocalCluster
 from tests import service_config
 
 CONFIG = "tests/service_config.py"
-ONE_LEARNER = {"learners.devices": (1,), "learners.batch_size": (4,), "outer_steps": 3, "inner_steps": 4,
-               "syncer.quorum": 1}
+ONE_LEARNER = {
+    "learners.devices": (1,), "learners.batch_size": (4,), "outer_steps": 3, "inner_steps": 4, "syncer.quorum": 1}
 
 
 def _pushes(path) -> list[tuple[int, int]]:
@@ -26,13 +26,16 @@ def _pushes(path) -> list[tuple[int, int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("num_fragments, tau, expected", [
-    (2, 1, [(0, 2), (1, 4), (0, 3), (1, 3), (0, 3), (1, 3), (0, 1)]),  # Offsets 2, 4; Θ_p lands a step later.
-    (1, 2, [(0, 4), (0, 2), (0, 2)]),  # Each landing drops the 2 steps after the push (α = 0).
-])
+@pytest.mark.parametrize(
+    "num_fragments, tau, expected",
+    [
+        (2, 1, [(0, 2), (1, 4), (0, 3), (1, 3), (0, 3), (1, 3), (0, 1)]),  # Offsets 2, 4; Θ_p lands a step later.
+        (1, 2, [(0, 4), (0, 2), (0, 2)]),  # Each landing drops the 2 steps after the push (α = 0).
+    ])
 def test_the_same_tau_gives_the_same_push_counts_on_the_sim_and_the_service(tmp_path, num_fragments, tau, expected):
-  settings = {**ONE_LEARNER, "streaming.num_fragments": num_fragments, "streaming.overlap_steps": tau,
-              "streaming.strategy": "balanced"}
+  settings = {
+      **ONE_LEARNER, "streaming.num_fragments": num_fragments, "streaming.overlap_steps": tau,
+      "streaming.strategy": "balanced"}
   config = service_config.get_config()
   config.update_from_flattened_dict(dict(settings, runtime="sim"))
   sim.run(experiment.build(config), str(tmp_path / "sim"))

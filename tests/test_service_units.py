@@ -33,14 +33,14 @@ def params():
 
 
 def _header(**fields):
-  base = {"learner": 0, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 64, "local_steps": 4,
-          "budget_steps": 4, "budget_tokens": 64, "compute_seconds": 0.1, "payload_bytes": 0, "incarnation": 0}
+  base = {
+      "learner": 0, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 64, "local_steps": 4, "budget_steps": 4,
+      "budget_tokens": 64, "compute_seconds": 0.1, "payload_bytes": 0, "incarnation": 0}
   return {**base, **fields}
 
 
 def _core(params, directory, quorum=2, lease=30.0, every=2, emit=None):
-  syncer = Syncer(outer.outer_optimizer(service_config.get_config().outer), params, range(2),
-                  Settings(quorum=quorum))
+  syncer = Syncer(outer.outer_optimizer(service_config.get_config().outer), params, range(2), Settings(quorum=quorum))
   core = core_lib.SyncerCore(syncer, 2, budget_steps=1000, directory=str(directory), checkpoint_every_merges=every,
                              lease_seconds=lease, metadata={}, emit=emit)
   core.start(time.time())
@@ -76,13 +76,15 @@ def test_wire_round_trips_trees_and_compressed_payloads(params):
   assert all(_leaves_equal(x, y) for x, y in zip(compression.decode(codec, again), compression.decode(codec, packed)))
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d[:3], "shorter than its length prefix"),
-    (lambda d: d + b"x", "array bytes"),
-    (lambda d: d[:-1], "needs"),
-    (lambda d: b"\xff\xff\x00\x00" + d[4:], "skeleton length"),
-    (lambda d: d[:63] + b"\x01" + d[64:], "zero padding"),  # Bytes hidden between skeleton and arrays.
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d[:3], "shorter than its length prefix"),
+        (lambda d: d + b"x", "array bytes"),
+        (lambda d: d[:-1], "needs"),
+        (lambda d: b"\xff\xff\x00\x00" + d[4:], "skeleton length"),
+        (lambda d: d[:63] + b"\x01" + d[64:], "zero padding"),  # Bytes hidden between skeleton and arrays.
+    ])
 def test_wire_rejects_malformed_payloads(mutate, message):
   data = b"".join(wire.encode({"w": np.ones((4, 4), np.float32)}))
   with pytest.raises(wire.WireError, match=message):
@@ -218,19 +220,20 @@ def _self_signed(directory):
   key = ec.generate_private_key(ec.SECP256R1())
   name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
   now = datetime.datetime.now(datetime.timezone.utc)
-  cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                      x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(key, hashes.SHA256()))
+  cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key()).serial_number(
+      x509.random_serial_number()).not_valid_before(now - datetime.timedelta(
+          minutes=1)).not_valid_after(now + datetime.timedelta(days=1)).add_extension(
+              x509.SubjectAlternativeName([
+                  x509.DNSName("localhost"),
+                  x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+              False).add_extension(x509.BasicConstraints(ca=True, path_length=None),
+                                   critical=True).sign(key, hashes.SHA256()))
   cert_file, key_file = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
   with open(cert_file, "wb") as f:
     f.write(cert.public_bytes(serialization.Encoding.PEM))
   with open(key_file, "wb") as f:
-    f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                              serialization.NoEncryption()))
+    f.write(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
   return cert_file, key_file
 
 
@@ -318,7 +321,7 @@ def test_after_the_budget_a_push_of_counted_steps_is_merged_and_one_of_uncounted
 
 @pytest.mark.parametrize("timeout, joining, timed_out", [(30.0, [0, 1], 0), (3.0, [0], 1)])
 def test_joins_wait_at_the_start_barrier_until_enough_learners_or_the_timeout(params, tmp_path, timeout, joining,
-                                                                               timed_out):
+                                                                              timed_out):
   """syncer.min_learners_to_start: no learner starts before the others joined (docs/syncer.md), or until
   the timeout, which is reported in a 'start' record."""
   records = []
@@ -328,8 +331,9 @@ def test_joins_wait_at_the_start_barrier_until_enough_learners_or_the_timeout(pa
                              start_timeout_seconds=timeout)
   core.start(time.time())
   returned = {}
-  threads = [threading.Thread(target=lambda m=m: returned.setdefault(m, (core.join(m, time.time()), time.time())))
-             for m in joining]
+  threads = [
+      threading.Thread(target=lambda m=m: returned.setdefault(m, (core.join(m, time.time()), time.time())))
+      for m in joining]
   threads[0].start()
   time.sleep(0.3)
   assert not returned and not core.barrier.started  # Learner 0 waits at the barrier.

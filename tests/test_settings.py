@@ -27,8 +27,7 @@ def _unlocked_group(name: str, **extra) -> ml_collections.ConfigDict:
     ("compression", compression.Codec.from_config),
     ("service", service_settings.Settings.from_config),
     ("data", data_settings.Settings.from_config),
-    ("model", sizing.Settings.from_config),
-])
+    ("model", sizing.Settings.from_config),])
 def test_every_group_takes_default_py_and_refuses_a_field_it_lacks(group, build):
   settings = build(_unlocked_group(group))
   assert dataclasses.is_dataclass(settings) and build(settings) is settings
@@ -39,12 +38,13 @@ def test_every_group_takes_default_py_and_refuses_a_field_it_lacks(group, build)
 
 
 def test_a_near_miss_is_named_with_the_field_it_resembles():
-  with pytest.raises(ConfigError, match=r"inner\.warmup_stpes is not a config field: did you mean inner\.warmup_steps\?"):
+  with pytest.raises(ConfigError,
+                     match=r"inner\.warmup_stpes is not a config field: did you mean inner\.warmup_steps\?"):
     inner.Settings.from_config(_unlocked_group("inner", warmup_stpes=3))
   data = _unlocked_group("data")
   data.synthetic.odrer = 3
   with pytest.raises(ConfigError, match=r"data\.synthetic\.odrer is not a config field: did you mean "
-                                        r"data\.synthetic\.order\?"):
+                     r"data\.synthetic\.order\?"):
     data_settings.Settings.from_config(data)
 
 
@@ -67,9 +67,10 @@ def test_default_py_is_locked_so_a_typo_in_a_config_file_raises():
 
 
 def test_validate_returns_the_typed_groups_of_the_run():
-  groups = experiment.validate(tiny_config(mode="decoupled", runtime="sim", **{"inner.lr": 1e-3, "policy.kind": "dylu",
-                                                                                 "streaming.num_fragments": 2,
-                                                                                 "streaming.strategy": "tensor"}))
+  groups = experiment.validate(
+      tiny_config(
+          mode="decoupled", runtime="sim",
+          **{"inner.lr": 1e-3, "policy.kind": "dylu", "streaming.num_fragments": 2, "streaming.strategy": "tensor"}))
   assert groups.inner == inner.Settings.from_config(tiny_config(**{"inner.lr": 1e-3}).inner)
   assert groups.policy.kind == "dylu" and groups.streaming.num_fragments == 2 and groups.streaming.streams
   assert groups.model.d_model == 32 and groups.data.synthetic.num_tokens == 60_000
@@ -84,8 +85,7 @@ def test_validate_returns_the_typed_groups_of_the_run():
     ({"mode": "ddp", "learners.devices": (2,), "learners.batch_size": (4,)}, "mode='ddp' has no syncer to serve"),
     ({"compression.downlink_format": "int8"}, r"compression\.downlink_format='int8' is unknown"),
     ({"data.split": "random"}, r"data\.split='random' is unknown: use 'iid' or 'noniid'"),
-    ({"streaming.alpha": 1.5}, r"streaming\.alpha = 1\.5 must be in \[0, 1\]"),
-])
+    ({"streaming.alpha": 1.5}, r"streaming\.alpha = 1\.5 must be in \[0, 1\]"),])
 def test_groups_and_cross_group_rules_refuse_in_one_line(overrides, message):
   config = tiny_config(mode="decoupled", runtime="service")
   with config.unlocked():  # A hand-made field, as a notebook's own ConfigDict could have.

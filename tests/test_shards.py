@@ -36,8 +36,8 @@ def test_a_config_with_more_shards_than_fragments_is_refused_before_anything_run
   with pytest.raises(ConfigError, match="service.shards=2 must be an int in"):
     experiment.validate(tiny_config(**{"runtime": "sim", "service.shards": 2}))
   with pytest.raises(ConfigError, match="no syncer to shard"):
-    experiment.validate(tiny_config(**{"mode": "ddp", "learners.devices": (2,), "learners.batch_size": (4,),
-                                       "service.shards": 2}))
+    experiment.validate(
+        tiny_config(**{"mode": "ddp", "learners.devices": (2,), "learners.batch_size": (4,), "service.shards": 2}))
 
 
 def _records(workdir):
@@ -48,11 +48,12 @@ def _records(workdir):
 
 
 def _streaming(num_shards: int):
-  return tiny_config(**{
-      "mode": "decoupled", "runtime": "sim", "learners.speed": (1.0, 2.0), "learners.jitter": 0.2,
-      "policy.kind": "dylu", "syncer.quorum": 1, "syncer.staleness": "polynomial", "outer_steps": 3,
-      "inner_steps": 6, "streaming.num_fragments": 4, "streaming.strategy": "balanced",
-      "streaming.overlap_steps": 1, "service.shards": num_shards})
+  return tiny_config(
+      **{
+          "mode": "decoupled", "runtime": "sim", "learners.speed": (
+              1.0, 2.0), "learners.jitter": 0.2, "policy.kind": "dylu", "syncer.quorum": 1,
+          "syncer.staleness": "polynomial", "outer_steps": 3, "inner_steps": 6, "streaming.num_fragments": 4,
+          "streaming.strategy": "balanced", "streaming.overlap_steps": 1, "service.shards": num_shards})
 
 
 def test_shards_on_the_virtual_clock_write_the_same_records_as_one_syncer_bit_for_bit(tmp_path):

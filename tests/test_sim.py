@@ -28,15 +28,19 @@ def _records(workdir, kind=None):
 
 def _hetero(**overrides):
   """Two learners, the second twice as fast (relative speeds), DyLU, quorum 1."""
-  base = {"mode": "decoupled", "runtime": "sim", "learners.speed": (1.0, 2.0), "policy.kind": "dylu",
-          "syncer.quorum": 1, "outer_steps": 4, "inner_steps": 4}
+  base = {
+      "mode": "decoupled", "runtime": "sim", "learners.speed": (1.0, 2.0), "policy.kind": "dylu", "syncer.quorum": 1,
+      "outer_steps": 4, "inner_steps": 4}
   return tiny_config(**{**base, **overrides})
 
 
 @pytest.mark.slow  # Long: the fast subset leaves it to CI.
 def test_equal_speeds_with_full_quorum_reproduce_synchronous_diloco_exactly(tmp_path):
-  decoupled = experiment.build(tiny_config(**{"mode": "decoupled", "runtime": "sim", "syncer.quorum": 0,
-                                               "syncer.staleness": "constant", "syncer.grace_gamma": 0.0}))
+  decoupled = experiment.build(
+      tiny_config(
+          **{
+              "mode": "decoupled", "runtime": "sim", "syncer.quorum": 0, "syncer.staleness": "constant",
+              "syncer.grace_gamma": 0.0}))
   sync = experiment.build(tiny_config(mode="diloco"))
   summary = sim.run(decoupled, str(tmp_path / "sim"))
   lockstep.run(sync, str(tmp_path / "lockstep"))
@@ -65,8 +69,8 @@ def test_faster_learners_take_more_local_steps_and_nobody_waits(tmp_path):
   assert fast["steps"] >= 1.8 * slow["steps"]
   assert slow["idle_seconds"] == fast["idle_seconds"] == 0.0  # free links: no waiting at all
   # Every step was useful; only the tail after the token budget ran out is unused.
-  assert summary["goodput"] == pytest.approx((slow["busy_seconds"] + fast["busy_seconds"])
-                                             / (2 * summary["virtual_seconds"]))
+  assert summary["goodput"] == pytest.approx(
+      (slow["busy_seconds"] + fast["busy_seconds"]) / (2 * summary["virtual_seconds"]))
   assert summary["goodput"] > 0.95
   assert max(int(s) for s in fast["staleness_histogram"]) >= 1  # merges happen between a learner's pushes
 
@@ -113,15 +117,17 @@ def test_dylu_steps_scale_with_speed():
   assert fresh.speeds == [2.0]
 
 
-@pytest.mark.parametrize("kind, source, own, others, expected", [
-    ("dylu", "measured", 0.0, 9.0, 20),   # Not measured yet: a round of H.
-    ("dylu", "measured", 2.0, 8.0, 5),    # A quarter of the fastest other learner's speed.
-    ("dylu", "measured", 8.0, 2.0, 20),   # The fastest itself.
-    ("dylu", "declared", 8.0, 2.0, 10),   # Declared speeds 1 of 2: half of H, whatever was measured.
-    ("fixed", "measured", 2.0, 8.0, 20),
-    ("time_budget", "declared", 0.0, 0.0, 20),
-    ("time_budget", "declared", 4.0, 0.0, 12),  # 3 s of budget at 4 steps/s.
-])
+@pytest.mark.parametrize(
+    "kind, source, own, others, expected",
+    [
+        ("dylu", "measured", 0.0, 9.0, 20),  # Not measured yet: a round of H.
+        ("dylu", "measured", 2.0, 8.0, 5),  # A quarter of the fastest other learner's speed.
+        ("dylu", "measured", 8.0, 2.0, 20),  # The fastest itself.
+        ("dylu", "declared", 8.0, 2.0, 10),  # Declared speeds 1 of 2: half of H, whatever was measured.
+        ("fixed", "measured", 2.0, 8.0, 20),
+        ("time_budget", "declared", 0.0, 0.0, 20),
+        ("time_budget", "declared", 4.0, 0.0, 12),  # 3 s of budget at 4 steps/s.
+    ])
 def test_measured_round_steps(kind, source, own, others, expected):
   config = tiny_config(**{"policy.kind": kind, "policy.speed_source": source, "policy.round_seconds": 3.0})
   assert policy.measured_round_steps(config.policy, 20, own, others, 1.0, 2.0) == expected
@@ -132,16 +138,15 @@ def test_measured_round_steps(kind, source, own, others, expected):
     ({"learners.speed": (1.0, 2.0, 3.0)}, "learners.speed has 3 entries"),
     ({"policy.kind": "greedy"}, "policy.kind"),
     ({"syncer.merge_rule": "median"}, "syncer.merge_rule"),
-    ({"runtime": "lockstep"}, "needs a clock"),
-])
+    ({"runtime": "lockstep"}, "needs a clock"),])
 def test_bad_simulation_configs_name_the_fix(overrides, message):
   with pytest.raises(ConfigError, match=message):
     experiment.validate(_hetero(**overrides))
 
 
 def test_ddp_runs_on_the_clock_with_its_own_pace(tmp_path):
-  config = tiny_config(**{"mode": "ddp", "runtime": "sim", "learners.devices": (2,), "learners.batch_size": (4,),
-                          "learners.speed": (4.0,)})
+  config = tiny_config(**{
+      "mode": "ddp", "runtime": "sim", "learners.devices": (2,), "learners.batch_size": (4,), "learners.speed": (4.0,)})
   summary = sim.run(experiment.build(config), str(tmp_path))
   assert summary["steps"] == [12] and summary["virtual_seconds"] == pytest.approx(3.0)
   assert summary["goodput"] == 1.0 and summary["outer_updates"] == 0
@@ -169,9 +174,12 @@ def test_a_rerun_after_a_crash_keeps_no_records_of_the_crashed_attempt(tmp_path)
 def test_synchronous_diloco_honours_the_configured_merge_rule_and_token_weighting(tmp_path):
   """mode='diloco' used Settings() whatever config.syncer said (issue 14): now the weighting and the
   rule apply (docs/syncer.md), with quorum = all and staleness 0 implied."""
+
   def run(name, **syncer):
-    config = tiny_config(**{"runtime": "sim", "outer_steps": 1, "inner_steps": 2, "learners.batch_size": (4, 8),
-                            **{f"syncer.{k}": v for k, v in syncer.items()}})
+    config = tiny_config(
+        **{
+            "runtime": "sim", "outer_steps": 1, "inner_steps": 2, "learners.batch_size": (4, 8), **{
+                f"syncer.{k}": v for k, v in syncer.items()}})
     exp = experiment.build(config)
     assert exp.syncer.quorum == 2  # Every learner, though the default config's quorum is 1.
     sim.run(exp, str(tmp_path / name))
@@ -190,8 +198,10 @@ def test_a_push_waiting_in_a_grace_window_gets_the_merge_that_includes_it(tmp_pa
   """The grace window holds a merge open so that the learners in it receive a Θ with their own push
   (docs/syncer.md); the virtual clock replied with the Θ from before the merge (issue 14), so every
   learner's next push started from a Θ without its previous one."""
-  config = _hetero(**{"learners.speed": (1.0, 1.1), "policy.kind": "fixed", "syncer.grace_gamma": 0.8,
-                      "syncer.grace_overlap_steps": 2.0, "streaming.overlap_steps": overlap})
+  config = _hetero(
+      **{
+          "learners.speed": (1.0, 1.1), "policy.kind": "fixed", "syncer.grace_gamma": 0.8,
+          "syncer.grace_overlap_steps": 2.0, "streaming.overlap_steps": overlap})
   sim.run(experiment.build(config), str(tmp_path))
   merges = _records(tmp_path, "outer")
   assert any(len(r["learners"]) == 2 for r in merges)  # The window did hold merges open for the other.

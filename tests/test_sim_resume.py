@@ -17,11 +17,12 @@ REPO = pathlib.Path(__file__).parents[1]
 
 # Everything that carries state across events: streaming fragments in flight (τ = 1), error
 # feedback residuals, a grace window, staleness, jittered step times and DyLU on two speeds.
-OVERRIDES = {"mode": "decoupled", "runtime": "sim", "learners.speed": (1.0, 2.0), "policy.kind": "dylu",
-             "syncer.quorum": 1, "syncer.grace_gamma": 0.5, "syncer.grace_overlap_steps": 2.0,
-             "streaming.num_fragments": 2, "streaming.strategy": "balanced", "streaming.overlap_steps": 1,
-             "compression.format": "int8", "compression.error_feedback": True, "learners.jitter": 0.2,
-             "sim.link_latency_seconds": 0.3, "outer_steps": 4, "inner_steps": 4, "checkpoint_every": 1}
+OVERRIDES = {
+    "mode": "decoupled", "runtime": "sim", "learners.speed":
+        (1.0, 2.0), "policy.kind": "dylu", "syncer.quorum": 1, "syncer.grace_gamma": 0.5,
+    "syncer.grace_overlap_steps": 2.0, "streaming.num_fragments": 2, "streaming.strategy": "balanced",
+    "streaming.overlap_steps": 1, "compression.format": "int8", "compression.error_feedback": True,
+    "learners.jitter": 0.2, "sim.link_latency_seconds": 0.3, "outer_steps": 4, "inner_steps": 4, "checkpoint_every": 1}
 
 # The child runs the same simulation and SIGKILLs itself 15 events after its first checkpoint,
 # so records past the checkpoint are on disk and must be replaced by the resumed run.
@@ -64,11 +65,10 @@ def test_a_killed_simulation_resumes_and_writes_the_uninterrupted_records(tmp_pa
   with pytest.raises(ConfigError, match="pass --config.resume=True"):
     sim.run(experiment.build(tiny_config(**OVERRIDES)), str(tmp_path / "twice"))
   with pytest.raises(ConfigError, match="another config"):
-    sim.run(experiment.build(tiny_config(**{**OVERRIDES, "resume": True, "syncer.quorum": 2})),
-            str(tmp_path / "twice"))
+    sim.run(experiment.build(tiny_config(**{**OVERRIDES, "resume": True, "syncer.quorum": 2})), str(tmp_path / "twice"))
   resumed = sim.run(experiment.build(tiny_config(**{**OVERRIDES, "resume": True})), str(tmp_path / "twice"))
   assert _records(tmp_path / "twice") == expected
-  assert {k: v for k, v in resumed.items() if k != "wall_time"} == {k: v for k, v in reference.items()
-                                                                     if k != "wall_time"}
+  assert {k: v for k, v in resumed.items() if k != "wall_time"
+         } == {k: v for k, v in reference.items() if k != "wall_time"}
   with pytest.raises(ConfigError, match="finished run"):
     sim.run(experiment.build(tiny_config(**{**OVERRIDES, "resume": True})), str(tmp_path / "twice"))

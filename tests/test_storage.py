@@ -144,21 +144,23 @@ def test_sweep_results_and_reports(workdir):
 
 def _train(workdir: str, env: dict, *flags: str) -> subprocess.CompletedProcess:
   """The README's demo command on `workdir`, shortened through config overrides, as a real process."""
-  shorten = ["--config.outer_steps=2", "--config.inner_steps=3", "--config.checkpoint_every=1",
-             "--config.data.synthetic.num_tokens=50000", "--config.eval_batches=1", "--config.log_every=2"]
-  return subprocess.run([sys.executable, "-m", "experiments.train", "--config=configs/demo.py",
-                         f"--workdir={workdir}", *shorten, *flags], cwd=REPO, capture_output=True, text=True,
-                        timeout=600, env={**os.environ, **env})
+  shorten = [
+      "--config.outer_steps=2", "--config.inner_steps=3", "--config.checkpoint_every=1",
+      "--config.data.synthetic.num_tokens=50000", "--config.eval_batches=1", "--config.log_every=2"]
+  return subprocess.run(
+      [sys.executable, "-m", "experiments.train", "--config=configs/demo.py", f"--workdir={workdir}", *shorten, *flags],
+      cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **env})
 
 
 @pytest.mark.parametrize("location", ["foo://x/run", "gs:/BUCKET/run"])
 def test_train_refuses_a_workdir_it_cannot_open_in_one_line(location, tmp_path):
-  result = subprocess.run([sys.executable, "-m", "experiments.train", f"--config={REPO}/configs/demo.py",
-                           f"--workdir={location}"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.train", f"--config={REPO}/configs/demo.py", f"--workdir={location}"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
   assert result.returncode == 2
-  assert result.stderr.strip().splitlines() == [f"error: cannot open {location!r}: only local paths and "
-                                                "gs://BUCKET/PATH are supported"]
+  assert result.stderr.strip().splitlines() == [
+      f"error: cannot open {location!r}: only local paths and "
+      "gs://BUCKET/PATH are supported"]
   assert not list(tmp_path.iterdir())
 
 
@@ -190,21 +192,22 @@ def _service_process(role_flags: list[str], workdir: str, local_dir: str, env: d
   """One process of a 2-learner decoupled run on `workdir`, its log and locks in `local_dir`."""
   env = {k: v for k, v in {**os.environ, **env}.items() if k != "XLA_FLAGS"}
   env["DD_SYNCER_TOKEN"] = "0123456789abcdef0123456789abcdef"
-  return subprocess.Popen([sys.executable, "-m", "experiments.train", "--config=configs/demo.py",
-                           "--config.mode=decoupled", "--config.learners.devices=(2,2)",
-                           "--config.learners.batch_size=(16,16)", "--config.outer_steps=2", "--config.inner_steps=3",
-                           "--config.data.synthetic.num_tokens=50000", "--config.eval_batches=1",
-                           f"--workdir={workdir}", f"--config.service.local_dir={local_dir}", *role_flags],
-                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  return subprocess.Popen([
+      sys.executable, "-m", "experiments.train", "--config=configs/demo.py", "--config.mode=decoupled",
+      "--config.learners.devices=(2,2)", "--config.learners.batch_size=(16,16)", "--config.outer_steps=2",
+      "--config.inner_steps=3", "--config.data.synthetic.num_tokens=50000", "--config.eval_batches=1",
+      f"--workdir={workdir}", f"--config.service.local_dir={local_dir}", *role_flags], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env)
 
 
 def test_a_syncer_on_a_gs_workdir_without_a_local_dir_is_refused(fake_gcs):  # pylint: disable=W0621
   process = _service_process(["--role=syncer"], f"gs://{BUCKET}/svc_refused", "", fake_gcs)
   _, stderr = process.communicate(timeout=300)
   assert process.returncode == 2
-  assert stderr.strip().splitlines() == [f"error: --workdir gs://{BUCKET}/svc_refused is remote but the syncer's "
-                                         "write-ahead log and lock needs local disk: set --config.service.local_dir "
-                                         "to a local directory"]
+  assert stderr.strip().splitlines() == [
+      f"error: --workdir gs://{BUCKET}/svc_refused is remote but the syncer's "
+      "write-ahead log and lock needs local disk: set --config.service.local_dir "
+      "to a local directory"]
   assert not storage.path(f"gs://{BUCKET}/svc_refused").exists()
 
 
@@ -213,8 +216,9 @@ def test_a_service_run_keeps_its_log_local_and_the_rest_on_gs(fake_gcs, tmp_path
   workdir, port = f"gs://{BUCKET}/svc", free_port()
   syncer = _service_process(["--role=syncer", f"--config.service.port={port}"], workdir, str(tmp_path / "syncer"),
                             fake_gcs)
-  learners = [_service_process(["--role=learner", f"--learner_id={m}", f"--syncer=127.0.0.1:{port}"], workdir,
-                               str(tmp_path / f"host_{m}"), fake_gcs) for m in range(2)]
+  learners = [
+      _service_process(["--role=learner", f"--learner_id={m}", f"--syncer=127.0.0.1:{port}"], workdir,
+                       str(tmp_path / f"host_{m}"), fake_gcs) for m in range(2)]
   for process in [*learners, syncer]:
     _, stderr = process.communicate(timeout=900)
     assert process.returncode == 0, stderr[-3000:]

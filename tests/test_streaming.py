@@ -64,17 +64,18 @@ def test_schedules_sync_each_fragment_once_per_period(num_fragments, period):
   assert fragments.due(period, num_fragments, period)  # The period ends with a sync.
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"streaming.num_fragments": 999, "streaming.strategy": "tensor"}, "must be in [1,"),
-    ({"streaming.num_fragments": 3}, "exceeds the 1 layers"),
-    ({"streaming.strategy": "zigzag"}, "streaming.strategy='zigzag' is unknown"),
-    ({"streaming.overlap_steps": 4}, "overlap_steps (tau) = 4 must be in [0, inner_steps=4)"),
-    ({"streaming.alpha": 1.5}, "streaming.alpha = 1.5"),
-    ({"compression.format": "int3"}, "int3"),
-    ({"runtime": "lockstep", "streaming.num_fragments": 2, "streaming.strategy": "tensor"}, "needs a clock"),
-    ({"runtime": "threads", "streaming.overlap_steps": 2}, "needs a clock"),  # Threads: P = 1, τ = 0 only.
-    ({"sim.learner_link_gbps": (1.0, 2.0, 3.0)}, "sim.learner_link_gbps has 3 entries for 2 learner groups"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"streaming.num_fragments": 999, "streaming.strategy": "tensor"}, "must be in [1,"),
+        ({"streaming.num_fragments": 3}, "exceeds the 1 layers"),
+        ({"streaming.strategy": "zigzag"}, "streaming.strategy='zigzag' is unknown"),
+        ({"streaming.overlap_steps": 4}, "overlap_steps (tau) = 4 must be in [0, inner_steps=4)"),
+        ({"streaming.alpha": 1.5}, "streaming.alpha = 1.5"),
+        ({"compression.format": "int3"}, "int3"),
+        ({"runtime": "lockstep", "streaming.num_fragments": 2, "streaming.strategy": "tensor"}, "needs a clock"),
+        ({"runtime": "threads", "streaming.overlap_steps": 2}, "needs a clock"),  # Threads: P = 1, τ = 0 only.
+        ({"sim.learner_link_gbps": (1.0, 2.0, 3.0)}, "sim.learner_link_gbps has 3 entries for 2 learner groups"),])
 def test_bad_streaming_configs_name_the_fix(overrides, message):
   with pytest.raises(ConfigError, match=None) as error:
     experiment.validate(tiny_config(**{"mode": "decoupled", "runtime": "sim", **overrides}))
@@ -119,8 +120,11 @@ def test_compressed_pushes_are_decoded_on_the_syncer_and_garbage_is_rejected():
 
 
 def test_a_landing_fragment_is_blended_with_alpha_and_leaves_the_rest_alone():
-  exp = experiment.build(tiny_config(**{"mode": "decoupled", "runtime": "sim", "streaming.num_fragments": 2,
-                                        "streaming.strategy": "tensor", "streaming.alpha": 0.25}))
+  exp = experiment.build(
+      tiny_config(
+          **{
+              "mode": "decoupled", "runtime": "sim", "streaming.num_fragments": 2, "streaming.strategy": "tensor",
+              "streaming.alpha": 0.25}))
   learner = exp.learners[0]
   before = jax.device_get(learner.state.params)
   incoming = jax.tree.map(lambda x: np.full(x.shape, 2.0, np.float32), before)
@@ -146,10 +150,11 @@ def test_a_landing_anchors_on_the_host_copy_it_is_given_and_a_follower_keeps_no_
 
 
 def _streaming(**overrides):
-  base = {"mode": "decoupled", "runtime": "sim", "learners.speed": (1.0, 2.0), "policy.kind": "dylu",
-          "outer_steps": 3, "inner_steps": 6, "streaming.num_fragments": 3, "streaming.strategy": "balanced",
-          "streaming.overlap_steps": 2, "compression.format": "int4", "sim.simulated_params": 1_000_000_000,
-          "sim.link_gbps": 10.0, "sim.link_latency_seconds": 0.05, "sim.reference_step_seconds": 2.0}
+  base = {
+      "mode": "decoupled", "runtime": "sim", "learners.speed": (1.0, 2.0), "policy.kind": "dylu", "outer_steps": 3,
+      "inner_steps": 6, "streaming.num_fragments": 3, "streaming.strategy": "balanced", "streaming.overlap_steps": 2,
+      "compression.format": "int4", "sim.simulated_params": 1_000_000_000, "sim.link_gbps": 10.0,
+      "sim.link_latency_seconds": 0.05, "sim.reference_step_seconds": 2.0}
   return tiny_config(**{**base, **overrides})
 
 
@@ -180,8 +185,10 @@ def test_overlap_hides_a_slow_link_that_stalls_a_blocking_learner(tmp_path):
 def test_a_fragment_due_again_while_in_flight_waits_for_its_merge(tmp_path):
   # DyLU gives the slow learner periods of 2 steps, shorter than tau = 5: each push must
   # wait for the previous one's merge to land (a stall), never push without an anchor.
-  config = _streaming(**{"learners.speed": (1.0, 4.0), "inner_steps": 8, "streaming.overlap_steps": 5,
-                         "streaming.num_fragments": 1, "sim.link_gbps": 1.0, "outer_steps": 2})
+  config = _streaming(
+      **{
+          "learners.speed": (1.0, 4.0), "inner_steps": 8, "streaming.overlap_steps": 5, "streaming.num_fragments": 1,
+          "sim.link_gbps": 1.0, "outer_steps": 2})
   summary = sim.run(experiment.build(config), str(tmp_path))
   slow = _records(tmp_path, "learner_summary")[0]
   assert summary["rejected_pushes"] == 0 and slow["stalls"] > 0
@@ -196,8 +203,8 @@ def test_push_counts_start_when_the_merged_fragment_is_received(tmp_path, alpha,
   push but the first covers H − τ = 3 steps; α = 0.5 keeps half of the τ steps' progress and counts
   round(0.5 · 2) = 1 of them. Before the fix every push reported 5 steps and 320 tokens (issue 14).
   """
-  config = tiny_config(**{"mode": "decoupled", "runtime": "sim", "inner_steps": 5, "streaming.overlap_steps": 2,
-                          "streaming.alpha": alpha})
+  config = tiny_config(**{
+      "mode": "decoupled", "runtime": "sim", "inner_steps": 5, "streaming.overlap_steps": 2, "streaming.alpha": alpha})
   sim.run(experiment.build(config), str(tmp_path))
   tokens_per_step = config.learners.batch_size[0] * config.model.seq_len
   for m in range(2):

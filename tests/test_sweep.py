@@ -15,10 +15,11 @@ from tests.helpers import tiny_config
 
 REPO = pathlib.Path(__file__).parents[1]
 # Shrinks a printed launch command to one small learner group (compiling is most of a short run's time).
-SHORTEN = ["--config.outer_steps=2", "--config.inner_steps=3", "--config.data.synthetic.num_tokens=50000",
-           "--config.eval_batches=1", "--config.log_every=2", "--config.model.d_model=32",
-           "--config.model.num_layers=1", "--config.model.d_ff=64", "--config.model.seq_len=16",
-           "--config.learners.devices=(2,)", "--config.learners.batch_size=(4,)", "--config.eval_batch_size=8"]
+SHORTEN = [
+    "--config.outer_steps=2", "--config.inner_steps=3", "--config.data.synthetic.num_tokens=50000",
+    "--config.eval_batches=1", "--config.log_every=2", "--config.model.d_model=32", "--config.model.num_layers=1",
+    "--config.model.d_ff=64", "--config.model.seq_len=16", "--config.learners.devices=(2,)",
+    "--config.learners.batch_size=(4,)", "--config.eval_batch_size=8"]
 # A sweep over the tests' tiny config; {points} is get_sweep()'s body.
 CONFIG_FILE = '''
 from decoupled_diloco.research import sweep
@@ -34,8 +35,7 @@ TWO_POINTS = '[{"outer.lr": 0.5}, {"mode": "decoupled", "runtime": "sim"}]'
 
 
 def _run(module: str, *args: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
-                        timeout=600)
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
 def _config_file(tmp_path: pathlib.Path, points: str) -> str:
@@ -45,9 +45,10 @@ def _config_file(tmp_path: pathlib.Path, points: str) -> str:
 
 
 def test_product_and_zip_():
-  assert sweep.product(**{"outer.lr": [0.5, 1.0], "inner_steps": [10, 50]}) == [
-      {"outer.lr": 0.5, "inner_steps": 10}, {"outer.lr": 0.5, "inner_steps": 50},
-      {"outer.lr": 1.0, "inner_steps": 10}, {"outer.lr": 1.0, "inner_steps": 50}]
+  assert sweep.product(**{"outer.lr": [0.5, 1.0], "inner_steps": [10, 50]}) == [{"outer.lr": 0.5, "inner_steps": 10},
+                                                                                {"outer.lr": 0.5, "inner_steps": 50},
+                                                                                {"outer.lr": 1.0, "inner_steps": 10},
+                                                                                {"outer.lr": 1.0, "inner_steps": 50}]
   steps = sweep.zip_(**{"inner_steps": [10, 50], "outer_steps": [50, 10]})
   assert steps == [{"inner_steps": 10, "outer_steps": 50}, {"inner_steps": 50, "outer_steps": 10}]
   assert sweep.product(steps, **{"outer.lr": [0.5, 1.0]})[1] == {"inner_steps": 10, "outer_steps": 50, "outer.lr": 1.0}
@@ -57,8 +58,7 @@ def test_product_and_zip_():
     (lambda: sweep.product(**{"outer.lr": []}), "sweep axis 'outer.lr' is empty"),
     (lambda: sweep.product(), "needs at least one axis"),
     (lambda: sweep.product(**{"outer.lr": 0.5}), "must be a list of values"),
-    (lambda: sweep.zip_(**{"inner_steps": [1, 2], "outer.lr": [0.5]}), "differ in length"),
-])
+    (lambda: sweep.zip_(**{"inner_steps": [1, 2], "outer.lr": [0.5]}), "differ in length"),])
 def test_bad_grids_are_config_errors(make, message):
   with pytest.raises(ConfigError, match=message):
     make()
@@ -66,8 +66,8 @@ def test_bad_grids_are_config_errors(make, message):
 
 def test_point_names_are_readable_and_filesystem_safe():
   assert sweep.point_name({"outer.lr": 0.5, "inner_steps": 10}) == "outer.lr=0.5,inner_steps=10"
-  assert sweep.point_name({"learners.speed": (2.0, 1.0), "data.path": "a b/c.txt"}) == (
-      "learners.speed=2.0-1.0,data.path=a_b_c.txt")
+  assert sweep.point_name({"learners.speed": (2.0, 1.0),
+                           "data.path": "a b/c.txt"}) == ("learners.speed=2.0-1.0,data.path=a_b_c.txt")
   assert sweep.point_name({}) == "base"
   long_a, long_b = (sweep.point_name({"data.path": "x" * 200 + tail}) for tail in "ab")
   assert len(long_a) == sweep.MAX_NAME and long_a != long_b
@@ -83,9 +83,9 @@ def test_expand_derives_validated_configs_without_touching_the_base():
 
 @pytest.mark.parametrize("points, message", [
     ([{"outer.lrr": 0.5}], "sweep point 1 of 1: unknown config key 'outer.lrr': fix get_sweep() (keys are config "
-                           'fields). Did you mean "outer.lr"?'),
+     'fields). Did you mean "outer.lr"?'),
     ([{"outer.lr": 0.5}, {"outer.lr": "fast"}], "sweep point 2 of 2: outer.lr='fast' is a str but the field holds a "
-                                                "float (0.7): give a float"),
+     "float (0.7): give a float"),
     ([{"inner_steps": True}], "inner_steps=True is a bool but the field holds a int"),
     ([{"outer": 0.5}], "'outer' is a group of fields: override a leaf such as 'outer."),
     ([{"inner_steps": 0}], "sweep point 1 of 1 (inner_steps=0): inner_steps (H) = 0 must be >= 1"),
@@ -93,8 +93,7 @@ def test_expand_derives_validated_configs_without_touching_the_base():
     ([{"runtime": "service"}], "runtime='service' runs as several processes, which a sweep does not start"),
     ([], "get_sweep() returned no points"),
     ({"outer.lr": 0.5}, "returned a dict: return a list of override dicts"),
-    (["outer.lr=0.5"], "is 'outer.lr=0.5', not a dict of overrides"),
-])
+    (["outer.lr=0.5"], "is 'outer.lr=0.5', not a dict of overrides"),])
 def test_expand_rejects_bad_points_with_one_line(points, message):
   with pytest.raises(ConfigError) as error:
     sweep.expand(tiny_config(), points)
@@ -190,8 +189,7 @@ def test_dry_run_prints_one_valid_command_per_point(tmp_path):
     ('[{"outer.lr": 0.5}, {"outer.lrr": 1.0}]', "sweep point 2 of 2: unknown config key 'outer.lrr'"),
     ('sweep.product(**{"outer.lr": [0.5], "inner_steps": []})', "sweep axis 'inner_steps' is empty"),
     ('[{"outer.lr": 0.5}, {"learners.batch_size": (3, 4)}]', "sweep point 2 of 2 (learners.batch_size=3-4): "
-                                                            "learner group 0: batch_size 3 is not divisible"),
-])
+     "learner group 0: batch_size 3 is not divisible"),])
 def test_bad_sweep_fails_with_one_line_before_any_run(points, message, tmp_path):
   root = tmp_path / "sweep"
   result = _run("experiments.sweep", f"--config={_config_file(tmp_path, points)}", f"--workdir={root}")

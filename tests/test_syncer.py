@@ -105,8 +105,7 @@ def _bad_pushes():
       (Push(0, _tree(1.0), 5, 10, 2), "from the future"),
       (Push(0, _tree(1.0), 0, 10, 0), "local_steps"),
       (Push(0, _tree(1.0), 0, 0, 2), "tokens=0"),
-      (Push(0, {"w": "abc", "b": {"v": jnp.ones(4)}}, 0, 10, 2), "not a valid tree or payload of arrays"),
-  ]
+      (Push(0, {"w": "abc", "b": {"v": jnp.ones(4)}}, 0, 10, 2), "not a valid tree or payload of arrays"),]
 
 
 @pytest.mark.parametrize("push, message", _bad_pushes())
@@ -147,8 +146,7 @@ def test_a_push_from_another_device_is_moved_to_the_host_and_merged():
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"quorum": 5}, "exceeds the 3 learners"),
-])
+    ({"quorum": 5}, "exceeds the 3 learners"),])
 def test_impossible_settings_are_refused_up_front(settings, message):
   with pytest.raises(ConfigError, match=message):
     _syncer(**settings)

@@ -20,9 +20,11 @@ def slowed(tmp_path_factory):
   """Decoupled DiLoCo, DyLU on measured step times, learner 0 slowed down 4x (sleeps 3x its step),
   quorum 1 with a grace window (γ = 0.5, τ = H steps): the first one, opened by the fast
   learner, is closed by the timer thread long before the slow learner reports."""
-  config = tiny_config(**{"mode": "decoupled", "runtime": "threads", "policy.kind": "dylu",
-                          "policy.speed_source": "measured", "learners.slowdown": (3.0, 0.0), "syncer.quorum": 1,
-                          "syncer.grace_gamma": 0.5, "syncer.grace_overlap_steps": float(H), **SHAPE})
+  config = tiny_config(
+      **{
+          "mode": "decoupled", "runtime": "threads", "policy.kind": "dylu", "policy.speed_source": "measured",
+          "learners.slowdown": (3.0, 0.0), "syncer.quorum": 1, "syncer.grace_gamma": 0.5,
+          "syncer.grace_overlap_steps": float(H), **SHAPE})
   workdir = tmp_path_factory.mktemp("slowed")
   summary = threads.run(experiment.build(config), str(workdir))
   return config, summary, metrics.read_metrics(workdir / "metrics.jsonl")
@@ -97,8 +99,7 @@ def test_synchronous_diloco_on_threads_matches_the_lockstep_runtime_bit_for_bit(
 @pytest.mark.parametrize("overrides, message", [
     ({"learners.slowdown": (1.0,)}, "learners.slowdown has 1 entries for 2 learner groups"),
     ({"learners.slowdown": (1.0, -0.5)}, "negative factor"),
-    ({"mode": "ddp", "learners.devices": (2,), "learners.batch_size": (4,)}, "runs modes 'decoupled' and 'diloco'"),
-])
+    ({"mode": "ddp", "learners.devices": (2,), "learners.batch_size": (4,)}, "runs modes 'decoupled' and 'diloco'"),])
 def test_bad_threads_configs_name_the_fix_in_one_line(overrides, message):
   with pytest.raises(ConfigError, match=message) as error:
     experiment.validate(tiny_config(runtime="threads", **overrides))

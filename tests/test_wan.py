@@ -131,8 +131,7 @@ def test_bisection_reports_an_unreachable_target():
     (STREAMING, {"latency_seconds": -1.0}, "latency_seconds"),
     (STREAMING, {"tokens_per_step": 0}, "tokens_per_step"),
     (STREAMING, {"hardware": HardwareProfile("v7", 8, 0.5, 1.0)}, "chip 'v7'"),
-    (STREAMING, {"hardware": HardwareProfile("v5p", 8, 1.5, 1.0)}, "mfu"),
-])
+    (STREAMING, {"hardware": HardwareProfile("v5p", 8, 1.5, 1.0)}, "mfu"),])
 def test_bad_inputs_raise_one_line_config_errors(scheme, change, match):
   s = setup(dataclasses.replace(region(), **change))
   with pytest.raises(ConfigError, match=match) as error:

@@ -20,8 +20,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_TEXT = REPO_ROOT / ".." / "shared" / "data" / "tinyshakespeare.txt"
 
 
-def build_offline_data_dir(data_dir: pathlib.Path,
-                           source: pathlib.Path = SHARED_TEXT) -> pathlib.Path:
+def build_offline_data_dir(data_dir: pathlib.Path, source: pathlib.Path = SHARED_TEXT) -> pathlib.Path:
   """Seeds `data_dir` with a TFDS download cache for tiny_shakespeare so preparing needs no network.
 
   Only the download cache is written; preparing (array_record files, dataset_info.json) is left to
@@ -46,8 +45,7 @@ def build_offline_data_dir(data_dir: pathlib.Path,
       path=epath.Path(cached),
       dataset_name=DATASET,
       original_fname=url_info.filename,
-      url_info=checksums.UrlInfo(
-          size=url_info.size, checksum=url_info.checksum, filename=url_info.filename),
+      url_info=checksums.UrlInfo(size=url_info.size, checksum=url_info.checksum, filename=url_info.filename),
   )
   return data_dir
 

@@ -10,10 +10,10 @@ import dataclasses
 @dataclasses.dataclass
 class Link:
   """One direction of a learner's wide-area link: transfers queue first-in first-out."""
-  gbps: float                # 0 = unlimited.
-  latency: float             # One-way seconds added to every transfer.
-  free_at: float = 0.0       # When the transfer queued last leaves the link.
-  busy: float = 0.0          # Seconds spent sending.
+  gbps: float  # 0 = unlimited.
+  latency: float  # One-way seconds added to every transfer.
+  free_at: float = 0.0  # When the transfer queued last leaves the link.
+  busy: float = 0.0  # Seconds spent sending.
   bytes: int = 0
 
   def seconds(self, nbytes: int) -> float:

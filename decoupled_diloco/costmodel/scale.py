@@ -62,8 +62,8 @@ class FailureModel:
   """How chips fail and what a failure costs (seconds and chips)."""
   mtbi_seconds: float = SECONDS_PER_YEAR  # Per-chip mean time between interruptions; inf = never fails.
   restart_seconds: float = 0.0  # Non-elastic groups: downtime of a full restart (re-schedule + restore).
-  resize_seconds: float = 0.0   # Elastic groups: downtime of dropping a failed domain and re-forming.
-  domain_chips: int = 256       # Elastic groups: chips one failure takes out (the failed chip's replica).
+  resize_seconds: float = 0.0  # Elastic groups: downtime of dropping a failed domain and re-forming.
+  domain_chips: int = 256  # Elastic groups: chips one failure takes out (the failed chip's replica).
   repair_seconds: float = 3600.0  # Elastic groups: until the failed domain is back.
 
   @property
@@ -80,8 +80,9 @@ class FailureModel:
 
   def validate(self) -> None:
     """Rejects parameters that would make time run backwards or failures meaningless."""
-    times = {"mtbi_seconds": self.mtbi_seconds, "restart_seconds": self.restart_seconds,
-             "resize_seconds": self.resize_seconds, "repair_seconds": self.repair_seconds}
+    times = {
+        "mtbi_seconds": self.mtbi_seconds, "restart_seconds": self.restart_seconds,
+        "resize_seconds": self.resize_seconds, "repair_seconds": self.repair_seconds}
     for name, value in times.items():
       if not value >= 0 or (name == "mtbi_seconds" and value == 0):
         bound = "> 0" if name == "mtbi_seconds" else ">= 0"
@@ -96,13 +97,13 @@ class _Group:
   """One cost-model learner group: chips, recovery state and the round in progress."""
   chips: int
   rng: np.random.Generator
-  failed: int = 0        # Domains broken and waiting for repair.
-  absent: int = 0        # Domains not in the current job (broken, or repaired but not yet rejoined).
-  down: bool = False     # In a restart or resize.
+  failed: int = 0  # Domains broken and waiting for repair.
+  absent: int = 0  # Domains not in the current job (broken, or repaired but not yet rejoined).
+  down: bool = False  # In a restart or resize.
   starved: bool = False  # Elastic and every domain is out: waits for a repair.
-  epoch: int = 0         # Bumped by every interruption, so stale round-end events are ignored.
-  steps_done: int = 0    # Whole steps of the current round kept so far.
-  work: float = 0.0      # Chip-seconds of those steps.
+  epoch: int = 0  # Bumped by every interruption, so stale round-end events are ignored.
+  steps_done: int = 0  # Whole steps of the current round kept so far.
+  work: float = 0.0  # Chip-seconds of those steps.
   base_version: int = 0  # Syncer version the round started from.
   segment_start: float = 0.0
 
@@ -111,8 +112,8 @@ class ScaleSimulation:
   """M cost-model groups on N chips under a failure process; `run()` returns the figures."""
 
   def __init__(self, num_chips: int, num_learners: int, elastic: bool, failure_model: FailureModel,
-               step_seconds: float = 1.0, inner_steps: int = 24, duration_seconds: float = 12 * 3600,
-               seed: int = 0, quorum: int = 1, policy_kind: str = "fixed"):
+               step_seconds: float = 1.0, inner_steps: int = 24, duration_seconds: float = 12 * 3600, seed: int = 0,
+               quorum: int = 1, policy_kind: str = "fixed"):
     _validate(num_chips, num_learners, step_seconds, inner_steps, duration_seconds, quorum)
     failure_model.validate()
     if elastic and num_chips // num_learners < failure_model.domain_chips:
@@ -222,17 +223,19 @@ class ScaleSimulation:
             self._schedule(g.rng.uniform(0.0, self.fm.repair_seconds), REPAIR, m)
         self._schedule(g.rng.exponential(self.fm.mtbi_seconds / g.chips), FAIL, m)
       self._start_round(m)
-    handlers = {REPAIR: lambda m, _: self._on_repair(m), ROUND_END: self._on_round_end,
-                RESUME: self._on_resume, FAIL: lambda m, _: self._on_fail(m)}
+    handlers = {
+        REPAIR: lambda m, _: self._on_repair(m), ROUND_END: self._on_round_end, RESUME: self._on_resume,
+        FAIL: lambda m, _: self._on_fail(m)}
     while self._events and self._events[0][0] <= self.duration:
       self.now, kind, _, m, epoch = heapq.heappop(self._events)
       handlers[kind](m, epoch)
     counts = self.syncer.counts
-    return {"goodput": self.useful / self.allocated, "lost_fraction": self.lost / self.allocated,
-            "merges": counts["merges"], "version": self.syncer.version, "accepted": counts["accepted"],
-            "dropped": counts["dropped"], "failures": self.failures,
-            "mean_staleness": float(np.mean(self.staleness)) if self.staleness else 0.0,
-            "max_staleness": max(self.staleness, default=0)}
+    return {
+        "goodput": self.useful / self.allocated, "lost_fraction": self.lost / self.allocated,
+        "merges": counts["merges"], "version": self.syncer.version, "accepted": counts["accepted"],
+        "dropped": counts["dropped"], "failures": self.failures,
+        "mean_staleness": float(np.mean(self.staleness)) if self.staleness else 0.0,
+        "max_staleness": max(self.staleness, default=0)}
 
 
 def _validate(num_chips, num_learners, step_seconds, inner_steps, duration_seconds, quorum) -> None:
@@ -257,5 +260,5 @@ def simulate_goodput(num_chips: int, num_learners: int, elastic: bool, failure_m
   Data-parallel is one group pushing every step (inner_steps=1); Decoupled DiLoCo is M
   groups of N/M chips pushing every H steps to a quorum-K syncer. Same seed, same figures.
   """
-  return ScaleSimulation(num_chips, num_learners, elastic, failure_model, step_seconds, inner_steps,
-                         duration_seconds, seed, quorum).run()
+  return ScaleSimulation(num_chips, num_learners, elastic, failure_model, step_seconds, inner_steps, duration_seconds,
+                         seed, quorum).run()

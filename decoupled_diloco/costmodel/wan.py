@@ -53,7 +53,7 @@ class Region:
   """One learner group: its slice, its batch and its wide-area link."""
   hardware: HardwareProfile
   tokens_per_step: int
-  gbps: float                  # Per direction; math.inf = free transfers (latency still counts).
+  gbps: float  # Per direction; math.inf = free transfers (latency still counts).
   latency_seconds: float = 0.0  # One way.
 
   def step_seconds(self, params: int) -> float:
@@ -77,10 +77,10 @@ class Setup:
 @dataclasses.dataclass(frozen=True)
 class Scheme:
   """How the groups synchronize (see the module docstring)."""
-  kind: str                 # One of SCHEMES.
-  inner_steps: int = 1      # H: steps between two syncs of the same parameters.
-  fragments: int = 1        # P ('streaming'): fragments synced at staggered offsets.
-  overlap_steps: int = 0    # τ ('streaming'): steps a sync may take before the learner stalls.
+  kind: str  # One of SCHEMES.
+  inner_steps: int = 1  # H: steps between two syncs of the same parameters.
+  fragments: int = 1  # P ('streaming'): fragments synced at staggered offsets.
+  overlap_steps: int = 0  # τ ('streaming'): steps a sync may take before the learner stalls.
   wire_format: str = "fp32"  # A `compression.FORMATS` entry: what each sync sends.
 
 
@@ -100,10 +100,10 @@ def streaming(inner_steps: int, num_fragments: int, overlap_steps: int, wire_for
 @dataclasses.dataclass(frozen=True)
 class Result:
   """What a scheme costs on a setup."""
-  seconds: float        # Wall time to process the token budget.
-  utilization: float    # Compute seconds / wall seconds, averaged over chips.
-  wan_bytes: float      # Every byte sent over the WAN, counted once.
-  peak_bytes: float     # Largest burst one learner sends at one sync (what its link absorbs at once).
+  seconds: float  # Wall time to process the token budget.
+  utilization: float  # Compute seconds / wall seconds, averaged over chips.
+  wan_bytes: float  # Every byte sent over the WAN, counted once.
+  peak_bytes: float  # Largest burst one learner sends at one sync (what its link absorbs at once).
   steps: tuple[int, ...]  # Inner steps each region took.
 
 
@@ -194,7 +194,7 @@ class _Learner:
   tokens: int
   up: Link
   down: Link
-  free: float = 0.0    # When it may start its next step (after any stall).
+  free: float = 0.0  # When it may start its next step (after any stall).
   steps: int = 0
   needed: dict = dataclasses.field(default_factory=dict)  # step k -> latest arrival it must wait for.
 
@@ -208,8 +208,9 @@ def _streaming(setup: Setup, scheme: Scheme) -> Result:
   payloads = fragment_wire_bytes(setup, scheme)
   h, tau = scheme.inner_steps, scheme.overlap_steps
   syncs = [fragments.due(k, scheme.fragments, h) for k in range(1, h + 1)]  # Fragments after step k of a period.
-  learners = [_Learner(r.step_seconds(setup.params), r.tokens_per_step, Link(r.gbps, r.latency_seconds),
-                       Link(r.gbps, r.latency_seconds)) for r in setup.regions]
+  learners = [
+      _Learner(r.step_seconds(setup.params), r.tokens_per_step, Link(r.gbps, r.latency_seconds),
+               Link(r.gbps, r.latency_seconds)) for r in setup.regions]
   queue = [(l.step, m) for m, l in enumerate(learners)]
   heapq.heapify(queue)
   tokens = 0
@@ -243,8 +244,8 @@ def simulate(setup: Setup, scheme: Scheme) -> Result:
   return _streaming(setup, scheme) if scheme.kind == "streaming" else _synchronous(setup, scheme)
 
 
-def bandwidth_for_utilization(setup: Setup, scheme: Scheme, target: float, low: float = 1e-3,
-                              high: float = 1e5, rel_tol: float = 1e-3) -> float:
+def bandwidth_for_utilization(setup: Setup, scheme: Scheme, target: float, low: float = 1e-3, high: float = 1e5,
+                              rel_tol: float = 1e-3) -> float:
   """Smallest per-link Gbit/s (all regions alike) at which `scheme` reaches `target` utilization.
 
   Bisection on log(bandwidth): faster links never lengthen the run (every transfer ends

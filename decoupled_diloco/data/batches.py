@@ -43,11 +43,10 @@ def make_windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     raise ConfigError(f"model.seq_len={seq_len} must be >= 1: use e.g. 256")
   width = seq_len + 1
   num_windows = tokens.size // width
-  return tokens[: num_windows * width].reshape(num_windows, width)
+  return tokens[:num_windows * width].reshape(num_windows, width)
 
 
-def shard_indices(num_windows: int, learner_index: int, num_learners: int, split: str,
-                  seed: int) -> np.ndarray:
+def shard_indices(num_windows: int, learner_index: int, num_learners: int, split: str, seed: int) -> np.ndarray:
   """Window indices owned by one learner; the M shards are disjoint and cover all windows."""
   if num_learners < 1 or not 0 <= learner_index < num_learners:
     raise ValueError(f"learner_index={learner_index} must be in [0, num_learners={num_learners})")
@@ -62,22 +61,20 @@ def shard_indices(num_windows: int, learner_index: int, num_learners: int, split
 class LearnerBatches:
   """The batches of one learner: `batch(step)` is a pure function of step (see module doc)."""
 
-  def __init__(self, tokens: np.ndarray, seq_len: int, *, learner_index: int, num_learners: int,
-               batch_size: int, split: str = "iid", seed: int = 0, rows: range | None = None):
+  def __init__(self, tokens: np.ndarray, seq_len: int, *, learner_index: int, num_learners: int, batch_size: int,
+               split: str = "iid", seed: int = 0, rows: range | None = None):
     """Shards the train `tokens` (e.g. `Corpus.train`) and fixes this learner's share.
 
     Raises ConfigError if some learner would get no window at all, since its shard could
     then produce no batch.
     """
     if batch_size < 1:
-      raise ConfigError(
-          f"learners.batch_size entry {batch_size} must be >= 1: use a positive batch size")
+      raise ConfigError(f"learners.batch_size entry {batch_size} must be >= 1: use a positive batch size")
     self._windows = make_windows(tokens, seq_len)
     num_windows = self._windows.shape[0]
     if num_windows < num_learners:
-      raise ConfigError(
-          f"the train split has {num_windows} windows of seq_len + 1 = {seq_len + 1} bytes, fewer "
-          f"than the {num_learners} learners: use more data or a smaller model.seq_len")
+      raise ConfigError(f"the train split has {num_windows} windows of seq_len + 1 = {seq_len + 1} bytes, fewer "
+                        f"than the {num_learners} learners: use more data or a smaller model.seq_len")
     self.shard = shard_indices(num_windows, learner_index, num_learners, split, seed)
     self.seq_len = seq_len
     self.batch_size = batch_size
@@ -139,8 +136,8 @@ def learner_batches(corpus, seq_len: int, *, learner_index: int, num_learners: i
   if corpus.packed:
     from decoupled_diloco.data import pipeline  # pylint: disable=g-import-not-at-top  (imports grain)
     return pipeline.PackedBatches(corpus.train_documents, corpus.tokenizer, seq_len, learner_index=learner_index,
-                                  num_learners=num_learners, batch_size=batch_size, split=split, seed=seed,
-                                  rows=rows, prefetch=prefetch)
+                                  num_learners=num_learners, batch_size=batch_size, split=split, seed=seed, rows=rows,
+                                  prefetch=prefetch)
   return LearnerBatches(corpus.train, seq_len, learner_index=learner_index, num_learners=num_learners,
                         batch_size=batch_size, split=split, seed=seed, rows=rows)
 
@@ -157,9 +154,8 @@ def eval_batches(corpus, seq_len: int, batch_size: int, num_batches: int) -> lis
     return list(windows.reshape(num_batches, batch_size, -1))
   windows = make_windows(corpus.eval, seq_len)
   if windows.shape[0] == 0:
-    raise ConfigError(
-        f"the eval split of {corpus.name} has {corpus.eval.size} bytes, fewer than one window of "
-        f"seq_len + 1 = {seq_len + 1}: use more eval data or a smaller model.seq_len")
+    raise ConfigError(f"the eval split of {corpus.name} has {corpus.eval.size} bytes, fewer than one window of "
+                      f"seq_len + 1 = {seq_len + 1}: use more eval data or a smaller model.seq_len")
   rows = np.arange(num_batches * batch_size) % windows.shape[0]
   return [b.astype(np.int32) for b in windows[rows].reshape(num_batches, batch_size, -1)]
 

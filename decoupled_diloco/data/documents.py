@@ -106,8 +106,7 @@ def array_record_documents(path: str):
   """The prepared ArrayRecord shards of `path` (a directory, or one split's glob) as documents."""
   import grain  # pylint: disable=g-import-not-at-top
   location = pathlib.Path(path).expanduser()
-  files = sorted(location.glob("*.array_record*")) if location.is_dir() else sorted(
-      location.parent.glob(location.name))
+  files = sorted(location.glob("*.array_record*")) if location.is_dir() else sorted(location.parent.glob(location.name))
   if not files:
     raise ConfigError(f"data.path {path!r} holds no ArrayRecord shards: prepare them with "
                       "python -m experiments.prepare_data --input=... --output=DIR")

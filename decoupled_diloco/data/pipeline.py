@@ -72,8 +72,9 @@ class PackedBatches:
     if len(share) < batch_size:
       raise ConfigError(f"learner {learner_index} gets {len(share)} documents (or pieces) for its {batch_size} batch "
                         "rows: use more data, fewer learners or rows, or a smaller data.chunk_bytes")
-    streams = [packed_stream(share[r::batch_size], tokenizer, seq_len + 1, _seed(seed, 1, learner_index, r))
-               for r in self.rows]
+    streams = [
+        packed_stream(share[r::batch_size], tokenizer, seq_len + 1, _seed(seed, 1, learner_index, r)) for r in self.rows
+    ]
     dataset = grain.experimental.ZipIterDataset(streams).map(np.stack)
     if prefetch > 0:
       dataset = grain.experimental.ThreadPrefetchIterDataset(dataset, prefetch_buffer_size=prefetch)

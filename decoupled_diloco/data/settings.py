@@ -25,8 +25,8 @@ class Synthetic:
   seed: int = 1234
 
   def __post_init__(self):
-    settings_lib.check(((self.num_tokens >= 1,
-                         f"data.synthetic.num_tokens={self.num_tokens} must be positive: use e.g. 2_000_000"),))
+    settings_lib.check(((self.num_tokens
+                         >= 1, f"data.synthetic.num_tokens={self.num_tokens} must be positive: use e.g. 2_000_000"),))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +53,12 @@ class Settings:
         (0.0 < self.eval_fraction < 1.0, f"data.eval_fraction={float(self.eval_fraction)} must be in (0, 1): "
          "use e.g. 0.1"),
         (self.chunk_bytes >= 256, f"data.chunk_bytes={self.chunk_bytes} must be >= 256: use e.g. 4096"),
-        (self.source != "tfds" or self.tfds_name,
-         "data.source='tfds' needs a dataset: set --config.data.tfds_name, e.g. tiny_shakespeare"),
+        (self.source != "tfds" or
+         self.tfds_name, "data.source='tfds' needs a dataset: set --config.data.tfds_name, e.g. tiny_shakespeare"),
         (self.source != "synthetic" or self.tokenizer == "byte",
          "the synthetic language is byte-level: use --config.data.tokenizer=byte with source='synthetic'"),
-        (not self.mask_document_boundaries or (self.source, self.tokenizer) not in (
-            ("synthetic", "byte"), ("text_file", "byte")),
+        (not self.mask_document_boundaries or
+         (self.source, self.tokenizer) not in (("synthetic", "byte"), ("text_file", "byte")),
          f"data.mask_document_boundaries needs documents, but source={self.source!r} with the byte tokenizer is one "
          "token stream: use source='array_record' (experiments.prepare_data) or 'tfds', or a subword text_file"),
     ))

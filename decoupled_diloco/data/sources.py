@@ -68,9 +68,8 @@ def load_corpus(data_cfg, seq_len: int, train: bool = True) -> Corpus:
   for split in ("train", "eval"):
     tokens = getattr(corpus, split)
     if tokens is not None and tokens.size < seq_len + 1:
-      raise ConfigError(
-          f"the {split} split of {corpus.name} has {tokens.size} bytes, fewer than one window of "
-          f"seq_len + 1 = {seq_len + 1}: use more data or a smaller model.seq_len")
+      raise ConfigError(f"the {split} split of {corpus.name} has {tokens.size} bytes, fewer than one window of "
+                        f"seq_len + 1 = {seq_len + 1}: use more data or a smaller model.seq_len")
   return corpus
 
 
@@ -86,8 +85,7 @@ def _synthetic(data_cfg, seq_len: int, train: bool) -> Corpus:
   stream so its text is fresh but comes from exactly the distribution `optimal_loss` describes.
   """
   cfg = data_cfg.synthetic
-  language = synthetic.MarkovLanguage.random(
-      cfg.alphabet_size, cfg.order, cfg.concentration, cfg.seed)
+  language = synthetic.MarkovLanguage.random(cfg.alphabet_size, cfg.order, cfg.concentration, cfg.seed)
   chain_length = synthetic.aligned_chain_length(seq_len)
   num_eval = max(int(round(cfg.num_tokens * data_cfg.eval_fraction)), chain_length)
   train_tokens = (language.sample(cfg.num_tokens, np.random.default_rng([cfg.seed, 1]), chain_length)
@@ -106,8 +104,7 @@ def _text_file(data_cfg, tokenizer) -> Corpus:
   """
   path = pathlib.Path(data_cfg.path).expanduser()
   if not path.is_file():
-    raise ConfigError(
-        f"data.path {str(data_cfg.path)!r} does not exist: point --config.data.path at a text file")
+    raise ConfigError(f"data.path {str(data_cfg.path)!r} does not exist: point --config.data.path at a text file")
   size = path.stat().st_size
   cut = _tail_cut(size, data_cfg.eval_fraction)
   name = f"text_file({path})"
@@ -146,13 +143,11 @@ def _open_tfds(data_cfg):
   try:
     return tfds.data_source(name, data_dir=data_dir, split=None, builder_kwargs={"file_format": "array_record"})
   except tfds.core.DatasetNotFoundError as e:
-    raise ConfigError(
-        f"TFDS dataset {name!r} is unknown: set data.tfds_name to a name from "
-        "tfds.list_builders(), e.g. 'tiny_shakespeare'") from e
+    raise ConfigError(f"TFDS dataset {name!r} is unknown: set data.tfds_name to a name from "
+                      "tfds.list_builders(), e.g. 'tiny_shakespeare'") from e
   except ImportError as e:
-    raise ConfigError(
-        f"preparing TFDS dataset {name!r} needs {e.name or 'a missing package'}: "
-        "pip install 'decoupled_diloco[tfds]' (tensorflow-cpu, array-record)") from e
+    raise ConfigError(f"preparing TFDS dataset {name!r} needs {e.name or 'a missing package'}: "
+                      "pip install 'decoupled_diloco[tfds]' (tensorflow-cpu, array-record)") from e
   except Exception as e:  # Download/prepare failures come from many libraries (requests, IO, TF).
     reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
     raise ConfigError(
@@ -175,9 +170,8 @@ def _tfds(data_cfg, tokenizer, train: bool) -> Corpus:
   name = data_cfg.tfds_name
   splits = _open_tfds(data_cfg)
   if "train" not in splits:
-    raise ConfigError(
-        f"TFDS dataset {name!r} has no 'train' split (it has {sorted(splits)}): choose a "
-        "data.tfds_name with a train split")
+    raise ConfigError(f"TFDS dataset {name!r} has no 'train' split (it has {sorted(splits)}): choose a "
+                      "data.tfds_name with a train split")
   key, chunk = data_cfg.tfds_text_key, data_cfg.chunk_bytes
   held_out = next((s for s in ("validation", "test") if s in splits), None)
   train_docs = None

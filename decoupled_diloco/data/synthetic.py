@@ -27,8 +27,7 @@ import numpy as np
 from decoupled_diloco.errors import ConfigError
 
 # Printable symbols in the order the alphabet grows: 'a'..'z', space, 'A'..'Z', digits, punctuation.
-ALPHABET = (
-    string.ascii_lowercase + " " + string.ascii_uppercase + string.digits + string.punctuation)
+ALPHABET = (string.ascii_lowercase + " " + string.ascii_uppercase + string.digits + string.punctuation)
 # Windows per generated chain: each chain is a few windows long, as required of a "segment".
 WINDOWS_PER_CHAIN = 4
 # Largest transition table (states x symbols) we build; bounds memory (float64) and mixing time.
@@ -61,8 +60,7 @@ class MarkovLanguage:
     num_states, size = transitions.shape
     order = round(math.log(num_states, size)) if size > 1 else 0
     if size < 2 or size**order != num_states:
-      raise ValueError(
-          f"transitions must have shape (A**k, A) with A >= 2, got {transitions.shape}")
+      raise ValueError(f"transitions must have shape (A**k, A) with A >= 2, got {transitions.shape}")
     if np.any(transitions < 0) or not np.allclose(transitions.sum(1), 1.0, atol=1e-9):
       raise ValueError("every row of transitions must be a probability distribution")
     alphabet = ALPHABET[:size] if alphabet is None else alphabet
@@ -74,29 +72,23 @@ class MarkovLanguage:
     self.stationary = self._stationary_distribution()
     self.entropy_rate = float(self.stationary @ _entropy(transitions))
     # H(X_0..X_{n-1}) for n = 0..k from the stationary k-gram marginals.
-    self._block_entropy = [
-        float(_entropy(self.stationary.reshape(size**n, -1).sum(1))) for n in range(order + 1)
-    ]
+    self._block_entropy = [float(_entropy(self.stationary.reshape(size**n, -1).sum(1))) for n in range(order + 1)]
 
   @classmethod
-  def random(cls, alphabet_size: int, order: int, concentration: float,
-             seed: int) -> "MarkovLanguage":
+  def random(cls, alphabet_size: int, order: int, concentration: float, seed: int) -> "MarkovLanguage":
     """Draws each state's next-symbol row from Dirichlet(concentration); same seed, same language.
 
     Small concentration gives peaked, low-entropy rows (easy to learn); large gives near-uniform.
     """
     if not 2 <= alphabet_size <= len(ALPHABET):
-      raise ConfigError(
-          f"data.synthetic.alphabet_size={alphabet_size} is out of range: use 2..{len(ALPHABET)}")
+      raise ConfigError(f"data.synthetic.alphabet_size={alphabet_size} is out of range: use 2..{len(ALPHABET)}")
     if order < 0:
       raise ConfigError(f"data.synthetic.order={order} is negative: use an order >= 0")
-    if alphabet_size ** (order + 1) > _MAX_TABLE:
-      raise ConfigError(
-          f"data.synthetic alphabet_size**(order+1) = {alphabet_size ** (order + 1)} exceeds "
-          f"{_MAX_TABLE}: lower data.synthetic.order or alphabet_size")
+    if alphabet_size**(order + 1) > _MAX_TABLE:
+      raise ConfigError(f"data.synthetic alphabet_size**(order+1) = {alphabet_size ** (order + 1)} exceeds "
+                        f"{_MAX_TABLE}: lower data.synthetic.order or alphabet_size")
     if not concentration > 0:
-      raise ConfigError(
-          f"data.synthetic.concentration={concentration} must be > 0: use e.g. 0.5")
+      raise ConfigError(f"data.synthetic.concentration={concentration} must be > 0: use e.g. 0.5")
     rng = np.random.default_rng(seed)
     alpha = np.full(alphabet_size, float(concentration))
     return cls(rng.dirichlet(alpha, size=alphabet_size**order))
@@ -122,16 +114,14 @@ class MarkovLanguage:
     pi = np.full(num_states, 1.0 / num_states)
     max_iters = max(2000, (1 << 31) // (num_states * size))
     for _ in range(max_iters):
-      flow = np.bincount(next_states, weights=(pi[:, None] * self.transitions).ravel(),
-                         minlength=num_states)
+      flow = np.bincount(next_states, weights=(pi[:, None] * self.transitions).ravel(), minlength=num_states)
       new = 0.5 * (pi + flow)
       new /= new.sum()
       if np.abs(new - pi).sum() < _TOLERANCE:
         return new
       pi = new
-    raise ConfigError(
-        f"the synthetic Markov chain did not mix within {max_iters} power iterations: "
-        "raise data.synthetic.concentration or lower data.synthetic.order")
+    raise ConfigError(f"the synthetic Markov chain did not mix within {max_iters} power iterations: "
+                      "raise data.synthetic.concentration or lower data.synthetic.order")
 
   def conditional_entropy(self, context_len: int) -> float:
     """H(X_n | X_0..X_{n-1}) for n = context_len under the stationary process, in nats.
@@ -171,7 +161,7 @@ class MarkovLanguage:
     states = np.minimum(states, num_states - 1)
     symbols = np.empty((num_chains, chain_length), dtype=np.uint8)
     for j in range(self.order):  # The start state's k symbols, oldest first.
-      symbols[:, j] = (states // size ** (self.order - 1 - j)) % size
+      symbols[:, j] = (states // size**(self.order - 1 - j)) % size
     for t in range(self.order, chain_length):
       # Inverse-CDF sampling: the symbol is the number of cumulative probabilities <= u.
       nxt = (rng.random(num_chains)[:, None] >= cdf[states]).sum(axis=1)

@@ -136,9 +136,10 @@ def train_sentencepiece(input_path: str, vocab_size: int, output: str, model_typ
     raise ConfigError(f"--vocab_size={vocab_size} is too small: byte fallback alone needs 256 + 4 ids, use >= 260")
   prefix = output[:-len(".model")] if output.endswith(".model") else output
   pathlib.Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-  sentencepiece.SentencePieceTrainer.train(
-      input=input_path, model_prefix=prefix, vocab_size=vocab_size, model_type=model_type, byte_fallback=True,
-      normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
-      character_coverage=1.0, unk_id=0, bos_id=-1, eos_id=1, pad_id=-1, input_sentence_size=2_000_000,
-      shuffle_input_sentence=True, max_sentence_length=1 << 16, minloglevel=2)
+  sentencepiece.SentencePieceTrainer.train(input=input_path, model_prefix=prefix, vocab_size=vocab_size,
+                                           model_type=model_type, byte_fallback=True,
+                                           normalization_rule_name="identity", add_dummy_prefix=False,
+                                           remove_extra_whitespaces=False, character_coverage=1.0, unk_id=0, bos_id=-1,
+                                           eos_id=1, pad_id=-1, input_sentence_size=2_000_000,
+                                           shuffle_input_sentence=True, max_sentence_length=1 << 16, minloglevel=2)
   return prefix + ".model"

@@ -32,8 +32,9 @@ from decoupled_diloco.model.sizing import Settings, count_params, flops_per_toke
 from decoupled_diloco.model.stacking import STACKED, layer_axes, stack_blocks, stack_shardings, unstack_blocks
 from decoupled_diloco.model.transformer import LanguageModel, Transformer
 
-__all__ = ['LanguageModel', 'STACKED', 'Settings', 'abstract_params', 'build_model', 'count_params',
-           'flops_per_token', 'is_axes_leaf', 'layer_axes', 'stack_blocks', 'stack_shardings', 'unstack_blocks']
+__all__ = [
+    'LanguageModel', 'STACKED', 'Settings', 'abstract_params', 'build_model', 'count_params', 'flops_per_token',
+    'is_axes_leaf', 'layer_axes', 'stack_blocks', 'stack_shardings', 'unstack_blocks']
 
 
 def is_axes_leaf(x: Any) -> bool:

@@ -47,7 +47,7 @@ def rope(x: jax.Array, theta: float) -> jax.Array:
   tokens and no position table is learned (nor limited to seq_len rows).
   """
   t, dim = x.shape[1], x.shape[-1]
-  freqs = theta ** (-jnp.arange(0, dim // 2, dtype=jnp.float32) * 2.0 / dim)
+  freqs = theta**(-jnp.arange(0, dim // 2, dtype=jnp.float32) * 2.0 / dim)
   angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs[None, :]
   sin, cos = jnp.sin(angles)[:, None, :], jnp.cos(angles)[:, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)

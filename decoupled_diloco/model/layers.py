@@ -61,8 +61,7 @@ class RMSNorm(nnx.Module):
 class Kernel(nnx.Module):
   """A bias-free projection; einsum spec chosen by the caller so heads stay a separate dim."""
 
-  def __init__(self, rngs: nnx.Rngs, stddev: float, shape: tuple[int, ...], axes: tuple,
-               dtype: jnp.dtype):
+  def __init__(self, rngs: nnx.Rngs, stddev: float, shape: tuple[int, ...], axes: tuple, dtype: jnp.dtype):
     self.kernel = param(rngs, stddev, shape, axes)
     self.dtype = dtype
 

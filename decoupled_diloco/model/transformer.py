@@ -29,8 +29,7 @@ REMAT_POLICIES = {
     'full': jax.checkpoint_policies.nothing_saveable,
     'dots_saveable': jax.checkpoint_policies.dots_saveable,
     'minimal': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    'offload': jax.checkpoint_policies.offload_dot_with_no_batch_dims('device', 'pinned_host'),
-}
+    'offload': jax.checkpoint_policies.offload_dot_with_no_batch_dims('device', 'pinned_host'),}
 
 
 class Block(nnx.Module):
@@ -115,8 +114,8 @@ class Transformer(nnx.Module):
     return self.lm_head[...] if hasattr(self, 'lm_head') else self.token_embed[...].T
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
-    return jnp.einsum('btd,dv->btv', self.hidden(tokens), self.head_kernel().astype(self.dtype),
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum('btd,dv->btv', self.hidden(tokens),
+                      self.head_kernel().astype(self.dtype), preferred_element_type=jnp.float32)
 
 
 def _chunk_losses(kernel: jax.Array, hidden: jax.Array, targets: jax.Array) -> jax.Array:

@@ -23,8 +23,8 @@ from decoupled_diloco import metrics, storage
 from decoupled_diloco.errors import ConfigError
 
 # Summary figures of one run, in table (and results.csv) order.
-SUMMARY_FIELDS = ("eval_loss", "optimal_loss", "tokens", "outer_updates", "wall_seconds", "virtual_seconds",
-                  "goodput", "idle_fraction", "pushes", "dropped", "mean_staleness")
+SUMMARY_FIELDS = ("eval_loss", "optimal_loss", "tokens", "outer_updates", "wall_seconds", "virtual_seconds", "goodput",
+                  "idle_fraction", "pushes", "dropped", "mean_staleness")
 _COLUMNS = {  # Table header of each summary field (optimal_loss shows as the gap to it).
     "eval_loss": "eval loss", "optimal_loss": "gap to optimum", "tokens": "tokens", "outer_updates": "outer updates",
     "wall_seconds": "wall s", "virtual_seconds": "virtual s", "goodput": "goodput", "idle_fraction": "idle",
@@ -101,15 +101,17 @@ def summarize_run(records: list[dict]) -> dict:
   pushes = sum(n for _, n in staleness)
   idle = [r["idle_seconds"] / r["time"] for r in learners if r["idle_seconds"] is not None and r["time"]]
   return {
-      "eval_loss": last.get("eval_loss"), "optimal_loss": last.get("optimal_loss"), "tokens": last.get("tokens"),
+      "eval_loss": last.get("eval_loss"),
+      "optimal_loss": last.get("optimal_loss"),
+      "tokens": last.get("tokens"),
       "outer_updates": last.get("outer_step"),
       "wall_seconds": max((r["wall_time"] for r in records if "wall_time" in r), default=None),
       "virtual_seconds": last.get("time") if summary.get("virtual_seconds") is None else summary["virtual_seconds"],
       "goodput": summary.get("goodput"),
       "idle_fraction": statistics.mean(idle) if idle else None,
-      "pushes": pushes or None, "dropped": summary.get("dropped_pushes"),
-      "mean_staleness": sum(s * n for s, n in staleness) / pushes if pushes else None,
-  }
+      "pushes": pushes or None,
+      "dropped": summary.get("dropped_pushes"),
+      "mean_staleness": sum(s * n for s, n in staleness) / pushes if pushes else None,}
 
 
 def _cell(field: str, row: dict) -> str:
@@ -130,8 +132,7 @@ def _cell(field: str, row: dict) -> str:
 def markdown_table(summaries: dict[str, dict]) -> str:
   """One row per run; columns no run has a value for (e.g. goodput of lockstep runs) are left out."""
   fields = [f for f in SUMMARY_FIELDS if any(row[f] is not None for row in summaries.values())]
-  lines = ["| run | " + " | ".join(_COLUMNS[f] for f in fields) + " |",
-           "|---|" + "---:|" * len(fields)]
+  lines = ["| run | " + " | ".join(_COLUMNS[f] for f in fields) + " |", "|---|" + "---:|" * len(fields)]
   for name, row in summaries.items():
     lines.append(f"| {name.replace('|', '/')} | " + " | ".join(_cell(f, row) for f in fields) + " |")
   return "\n".join(lines) + "\n"
@@ -150,8 +151,9 @@ def _figure(width: float = 7.0, height: float = 4.5) -> Figure:
 
 def _loss_curves(runs: dict[str, list[dict]], x_field: str, x_label: str, title: str) -> Figure | None:
   """Eval loss against one x field, a line per run that has it; the optimum dashed when known."""
-  curves = {name: [(r[x_field], r["eval_loss"]) for r in _of(records, "eval") if x_field in r]
-            for name, records in runs.items()}
+  curves = {
+      name: [(r[x_field], r["eval_loss"]) for r in _of(records, "eval") if x_field in r]
+      for name, records in runs.items()}
   curves = {name: points for name, points in curves.items() if points}
   if not curves:
     return None
@@ -204,8 +206,8 @@ def utilization(runs: dict[str, list[dict]]) -> Figure | None:
     labels = [f"learner {r['learner']}" for r in learners]
     times, steps = row.subplots(1, 2)
     left = [0.0] * len(learners)
-    for field, color in (("busy_seconds", "tab:green"), ("idle_seconds", "tab:orange"),
-                         ("finished_early_seconds", "tab:gray")):
+    for field, color in (("busy_seconds", "tab:green"), ("idle_seconds", "tab:orange"), ("finished_early_seconds",
+                                                                                         "tab:gray")):
       values = [r[field] or 0.0 for r in learners]  # (null: a runtime that does not measure it)
       times.barh(labels, values, left=left, color=color, label=field[:-len("_seconds")].replace("_", " "))
       left = [a + b for a, b in zip(left, values)]
@@ -246,8 +248,7 @@ PLOTS = {
     "loss_vs_wall_time": ("Eval loss vs wall-clock time", lambda runs: loss_vs_time(runs, "wall")),
     "loss_vs_virtual_time": ("Eval loss vs virtual time", lambda runs: loss_vs_time(runs, "virtual")),
     "utilization": ("Per-learner utilization and local steps", utilization),
-    "staleness": ("Staleness of pushes", staleness_histogram),
-}
+    "staleness": ("Staleness of pushes", staleness_histogram),}
 
 
 def figures(runs: dict[str, list[dict]]) -> dict[str, Figure]:

@@ -244,8 +244,9 @@ def _run_row(point: Point, workdir: str) -> dict:
     logging.error("sweep point %s failed: %s", point.name, error)
     return {"status": "failed", "error": str(error), "seconds": round(time.time() - begin, 1)}
   row["seconds"] = round(time.time() - begin, 1)
-  storage.replace_text(storage.path(workdir) / POINT_FILE,
-                       json.dumps({"config": point.config.to_json(sort_keys=True), "row": row}, indent=1))
+  storage.replace_text(
+      storage.path(workdir) / POINT_FILE,
+      json.dumps({"config": point.config.to_json(sort_keys=True), "row": row}, indent=1))
   return row
 
 

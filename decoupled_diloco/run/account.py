@@ -16,17 +16,17 @@ from decoupled_diloco.push import PushRejected
 @dataclasses.dataclass(kw_only=True)
 class Account:
   """Time and traffic of one learner group."""
-  steps: int = 0                # Inner steps finished (runtimes that count them here).
-  busy: float = 0.0             # Computing inner steps (slowdown included).
-  useful: float = 0.0           # Busy time whose push was accepted (goodput's numerator).
-  idle: float = 0.0             # Stalled for a fragment (or the run's last merge) that has not landed.
+  steps: int = 0  # Inner steps finished (runtimes that count them here).
+  busy: float = 0.0  # Computing inner steps (slowdown included).
+  useful: float = 0.0  # Busy time whose push was accepted (goodput's numerator).
+  idle: float = 0.0  # Stalled for a fragment (or the run's last merge) that has not landed.
   idle_since: float | None = None
-  blocked: float = 0.0          # Waiting for a lock, a merge or an exchange not back in time.
-  stalls: int = 0               # Times it stopped for a fragment still in flight.
+  blocked: float = 0.0  # Waiting for a lock, a merge or an exchange not back in time.
+  stalls: int = 0  # Times it stopped for a fragment still in flight.
   done_at: float | None = None  # When the budget left this learner nothing to do.
   pushes: int = 0
-  dropped: int = 0              # Over-stale: counted by the syncer, not merged.
-  rejected: int = 0             # Malformed: refused by the syncer.
+  dropped: int = 0  # Over-stale: counted by the syncer, not merged.
+  rejected: int = 0  # Malformed: refused by the syncer.
   bytes_sent: int = 0
   bytes_received: int = 0
   staleness: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -43,10 +43,11 @@ class Account:
 
   def fields(self) -> dict:
     """The learner_summary fields every runtime fills from its account."""
-    return {"busy_seconds": self.busy, "idle_seconds": self.idle, "blocked_seconds": self.blocked,
-            "stalls": self.stalls, "pushes": self.pushes, "dropped": self.dropped, "rejected": self.rejected,
-            "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-            "staleness_histogram": {str(s): n for s, n in sorted(self.staleness.items())}}
+    return {
+        "busy_seconds": self.busy, "idle_seconds": self.idle, "blocked_seconds": self.blocked, "stalls": self.stalls,
+        "pushes": self.pushes, "dropped": self.dropped, "rejected": self.rejected, "bytes_sent": self.bytes_sent,
+        "bytes_received": self.bytes_received,
+        "staleness_histogram": {str(s): n for s, n in sorted(self.staleness.items())}}
 
 
 def hand_over(syncer, account: Account, push, now: float, useful_seconds: float, wire_bytes: int):

@@ -52,12 +52,11 @@ class Evaluator:
   evaluates every one (`max_waiting=None`), as the virtual clock does.
   """
 
-  def __init__(self, evaluate: Callable, evals: EvalSet, write: Callable[[dict], None],
-               max_waiting: int | None = None):
+  def __init__(self, evaluate: Callable, evals: EvalSet, write: Callable[[dict], None], max_waiting: int | None = None):
     self.evaluate, self.evals, self.write, self.max_waiting = evaluate, evals, write, max_waiting
-    self.last: dict | None = None       # The newest record written.
+    self.last: dict | None = None  # The newest record written.
     self.last_queued: dict | None = None  # The clock of the newest snapshot queued.
-    self.skipped = 0                     # Snapshots replaced by newer ones before their eval.
+    self.skipped = 0  # Snapshots replaced by newer ones before their eval.
     self.failure: BaseException | None = None
     self._waiting: collections.deque = collections.deque()
     self._closed = False
@@ -73,8 +72,7 @@ class Evaluator:
       if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
         dropped = self._waiting.popleft()[1]
         self.skipped += 1
-        logging.warning("eval of version %d skipped: version %d is newer", dropped["outer_step"],
-                        clock["outer_step"])
+        logging.warning("eval of version %d skipped: version %d is newer", dropped["outer_step"], clock["outer_step"])
       self._waiting.append((params, clock))
       self._ready.notify()
 

@@ -13,18 +13,18 @@ from decoupled_diloco import storage
 from decoupled_diloco.errors import ConfigError
 
 # Per learner group, at the run's end. Seconds are virtual under sim, wall-clock otherwise.
-LEARNER_SUMMARY_FIELDS = (
-    "learner", "steps", "tokens", "busy_seconds", "idle_seconds", "blocked_seconds", "finished_early_seconds",
-    "wall_seconds", "compute_utilization", "blocked_fraction", "stalls", "overlapped_steps", "pushes", "dropped",
-    "rejected", "bytes_sent", "bytes_received", "uplink_busy_seconds", "downlink_busy_seconds",
-    "staleness_histogram", "final_ack_seconds", "exchange_seconds", "rounds", "retries", "syncer_restarts", "processes",
-    "group_peak_bytes", "group_host_bytes", "ack_statuses")
+LEARNER_SUMMARY_FIELDS = ("learner", "steps", "tokens", "busy_seconds", "idle_seconds", "blocked_seconds",
+                          "finished_early_seconds", "wall_seconds", "compute_utilization", "blocked_fraction", "stalls",
+                          "overlapped_steps", "pushes", "dropped", "rejected", "bytes_sent", "bytes_received",
+                          "uplink_busy_seconds", "downlink_busy_seconds", "staleness_histogram", "final_ack_seconds",
+                          "exchange_seconds", "rounds", "retries", "syncer_restarts", "processes", "group_peak_bytes",
+                          "group_host_bytes", "ack_statuses")
 # The run's totals, once, when it is done.
-SUMMARY_FIELDS = (
-    "eval_loss", "optimal_loss", "outer_updates", "steps", "steps_done", "done", "virtual_seconds", "wall_seconds",
-    "syncer_seconds", "goodput", "compute_utilization", "bytes_sent", "idle_fraction", "blocked_fraction", "merges",
-    "accepted_pushes", "dropped_pushes", "rejected_pushes", "duplicates_pushes", "late_pushes", "excluded_pushes",
-    "failures", "lost_steps", "down_seconds", "refused_calls")
+SUMMARY_FIELDS = ("eval_loss", "optimal_loss", "outer_updates", "steps", "steps_done", "done", "virtual_seconds",
+                  "wall_seconds", "syncer_seconds", "goodput", "compute_utilization", "bytes_sent", "idle_fraction",
+                  "blocked_fraction", "merges", "accepted_pushes", "dropped_pushes", "rejected_pushes",
+                  "duplicates_pushes", "late_pushes", "excluded_pushes", "failures", "lost_steps", "down_seconds",
+                  "refused_calls")
 # Where the run stood when a record was written.
 CLOCK_FIELDS = ("outer_step", "inner_step", "tokens", "time", "wall_time")
 
@@ -40,8 +40,8 @@ def learner_summary(clock: dict, account=None, **fields) -> dict:
   """The `learner_summary` record: the clock's outer_step, inner_step, time and wall_time, then every
   field of LEARNER_SUMMARY_FIELDS: `account`'s (run.account.Account), overridden by `fields`, null
   where neither has one (`tokens` is the learner's own)."""
-  return _record("learner_summary", LEARNER_SUMMARY_FIELDS, ("outer_step", "inner_step", "time", "wall_time"),
-                 clock, {**(account.fields() if account is not None else {}), **fields})
+  return _record("learner_summary", LEARNER_SUMMARY_FIELDS, ("outer_step", "inner_step", "time", "wall_time"), clock,
+                 {**(account.fields() if account is not None else {}), **fields})
 
 
 def summary(clock: dict, **fields) -> dict:
@@ -51,15 +51,17 @@ def summary(clock: dict, **fields) -> dict:
 
 def push(clock: dict, push_, staleness: int, accepted: bool, **extra) -> dict:
   """The `push` record of a pseudo-gradient the syncer took."""
-  return {"kind": "push", **clock, "learner": push_.learner, "fragment": push_.fragment,
-          "local_steps": push_.local_steps, "tokens": push_.tokens, "staleness": staleness, "accepted": int(accepted),
-          "wire_bytes": push_.wire_bytes, **extra}
+  return {
+      "kind": "push", **clock, "learner": push_.learner, "fragment": push_.fragment, "local_steps": push_.local_steps,
+      "tokens": push_.tokens, "staleness": staleness, "accepted": int(accepted), "wire_bytes": push_.wire_bytes,
+      **extra}
 
 
 def outer(clock: dict, report, **extra) -> dict:
   """The `outer` record of a merge (syncer.MergeReport)."""
-  return {"kind": "outer", **clock, "fragment": report.fragment, "learners": list(report.learners),
-          "staleness": list(report.staleness), "weights": list(report.weights), **extra}
+  return {
+      "kind": "outer", **clock, "fragment": report.fragment, "learners": list(report.learners),
+      "staleness": list(report.staleness), "weights": list(report.weights), **extra}
 
 
 def totals(weights, accounts, end: float, useful) -> dict:
@@ -97,9 +99,9 @@ def train_records(learner, outer_step: int, log_every: int, extra: dict) -> list
   for i, (step, loss) in enumerate(losses):
     window.append(loss)
     if (step + 1) % log_every == 0 or i == len(losses) - 1:
-      records.append({"kind": "train", "outer_step": outer_step, "learner": learner.index,
-                      "inner_step": step + 1, "tokens": (step + 1) * learner.batches.tokens_per_batch,
-                      "loss": sum(window) / len(window), **extra})
+      records.append({
+          "kind": "train", "outer_step": outer_step, "learner": learner.index, "inner_step": step + 1,
+          "tokens": (step + 1) * learner.batches.tokens_per_batch, "loss": sum(window) / len(window), **extra})
       window = []
   return records
 

@@ -13,31 +13,31 @@ from decoupled_diloco.errors import ConfigError
 SUPPORTED = {
     "ddp": ("lockstep", "sim"),
     "diloco": ("lockstep", "sim", "threads", "service"),
-    "decoupled": ("sim", "threads", "service"),
-}
+    "decoupled": ("sim", "threads", "service"),}
 _HINTS = {
     ("decoupled", "lockstep"): "mode='decoupled' needs a clock: add --config.runtime=sim (virtual) or "
                                "--config.runtime=threads (wall clock); the lockstep runtime runs rounds",
     ("ddp", "threads"): "runtime='threads' runs modes 'decoupled' and 'diloco': use --config.runtime=lockstep or sim "
                         "for ddp",
-    ("ddp", "service"): "mode='ddp' has no syncer to serve: use --config.mode=diloco or decoupled with --role",
-}
+    ("ddp", "service"): "mode='ddp' has no syncer to serve: use --config.mode=diloco or decoupled with --role",}
 
 
 def require_supported(mode: str, runtime: str) -> None:
   """Refuses a mode that `runtime` cannot run, naming the runtimes that can."""
   if runtime not in SUPPORTED.get(mode, (runtime,)):
-    raise ConfigError(_HINTS.get((mode, runtime), f"runtime={runtime!r} does not run mode={mode!r}: use one of "
-                                                  f"{SUPPORTED[mode]}"))
+    raise ConfigError(
+        _HINTS.get((mode, runtime), f"runtime={runtime!r} does not run mode={mode!r}: use one of "
+                   f"{SUPPORTED[mode]}"))
 
 
 def flops_per_step(config) -> list[float]:
   """Training FLOPs of one inner step of each group: its batch on this model, or the simulated
   model and batch (sim.simulated_params / simulated_tokens_per_step) when they are set."""
-  flops_per_token = (6.0 * config.sim.simulated_params if config.sim.simulated_params
-                     else model_lib.flops_per_token(config.model))
-  return [flops_per_token * (config.sim.simulated_tokens_per_step or batch * config.model.seq_len)
-          for batch in config.learners.batch_size]
+  flops_per_token = (6.0 * config.sim.simulated_params
+                     if config.sim.simulated_params else model_lib.flops_per_token(config.model))
+  return [
+      flops_per_token * (config.sim.simulated_tokens_per_step or batch * config.model.seq_len)
+      for batch in config.learners.batch_size]
 
 
 def declared_speeds(profiles, flops) -> list[float]:
@@ -65,16 +65,16 @@ class RunPlan:
   """The run's shape: budget, cadence, per-learner schedule and declared speeds (pure, from the config)."""
   mode: str
   runtime: str
-  inner_steps: int                        # H.
+  inner_steps: int  # H.
   outer_steps: int
-  eval_every: int                         # Rounds' worth of tokens between evals of Θ.
-  checkpoint_every: int                   # Rounds' worth of tokens between checkpoints.
-  tokens_per_batch: tuple[int, ...]       # Per learner: batch_size × seq_len.
-  flops_per_step: tuple[float, ...]       # Per learner, at the simulated size.
+  eval_every: int  # Rounds' worth of tokens between evals of Θ.
+  checkpoint_every: int  # Rounds' worth of tokens between checkpoints.
+  tokens_per_batch: tuple[int, ...]  # Per learner: batch_size × seq_len.
+  flops_per_step: tuple[float, ...]  # Per learner, at the simulated size.
   profiles: tuple[hardware.HardwareProfile, ...]
-  declared_speeds: tuple[float, ...]      # Steps per second each profile promises (DyLU's declared input).
-  expected_steps: tuple[int, ...]         # Inner steps each learner's LR schedule is sized for.
-  slowdown: tuple[float, ...]             # Per learner: sleep × step time after each step (wall-clock runtimes).
+  declared_speeds: tuple[float, ...]  # Steps per second each profile promises (DyLU's declared input).
+  expected_steps: tuple[int, ...]  # Inner steps each learner's LR schedule is sized for.
+  slowdown: tuple[float, ...]  # Per learner: sleep × step time after each step (wall-clock runtimes).
 
   @classmethod
   def from_config(cls, config) -> "RunPlan":
@@ -82,10 +82,10 @@ class RunPlan:
     profiles = hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
     flops = flops_per_step(config)
     num = len(config.learners.devices)
-    return cls(config.mode, config.runtime, config.inner_steps, config.outer_steps, config.eval_every,
-               config.checkpoint_every, tuple(b * config.model.seq_len for b in config.learners.batch_size),
-               tuple(flops), tuple(profiles), tuple(declared_speeds(profiles, flops)),
-               tuple(expected_steps(config, profiles, flops)),
+    return cls(config.mode, config.runtime, config.inner_steps, config.outer_steps,
+               config.eval_every, config.checkpoint_every,
+               tuple(b * config.model.seq_len for b in config.learners.batch_size), tuple(flops), tuple(profiles),
+               tuple(declared_speeds(profiles, flops)), tuple(expected_steps(config, profiles, flops)),
                tuple(config.learners.slowdown) or (0.0,) * num)
 
   @property

@@ -16,9 +16,10 @@ def run_state(exp) -> dict:
 
 def metadata(exp, outer_step: int, **extra) -> dict:
   """What a checkpoint says about itself: the step, the config, Θ's versions, the data positions, `extra`."""
-  return {"outer_step": outer_step, "config": exp.config.to_dict(),
-          "syncer_versions": exp.syncer.versions if exp.syncer is not None else None,
-          "data": [learner.batches.state() for learner in exp.learners], **extra}
+  return {
+      "outer_step": outer_step, "config": exp.config.to_dict(),
+      "syncer_versions": exp.syncer.versions if exp.syncer is not None else None,
+      "data": [learner.batches.state() for learner in exp.learners], **extra}
 
 
 def save(checkpointer: checkpoint_lib.Checkpointer, exp, step: int, meta: dict, **items) -> None:

@@ -140,7 +140,7 @@ class Injector:
     self.rngs = [np.random.default_rng([settings.seed, m]) for m in range(count)]
     self.saved = [None] * count
     self.periods = [0] * count
-    self.since_checkpoint = [0.0] * count   # Nominal compute seconds since the last checkpoint.
+    self.since_checkpoint = [0.0] * count  # Nominal compute seconds since the last checkpoint.
     self.down_since: list[float | None] = [None] * count
     self.failed_domains = [0] * count
     self.starved = [False] * count

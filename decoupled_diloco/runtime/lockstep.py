@@ -69,12 +69,13 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
       round_begin = time.time()
       outer_record = _round(exp)
       wall = time.time() - begin
-      train_records = [r for l in exp.learners
-                       for r in records.train_records(l, outer_step, config.log_every, {"wall_time": wall})]
+      train_records = [
+          r for l in exp.learners for r in records.train_records(l, outer_step, config.log_every, {"wall_time": wall})]
       for record in train_records:
         writer.write(record)
-      clock = {"outer_step": outer_step, "inner_step": outer_step * config.inner_steps,
-               "tokens": outer_step * tokens_per_round, "wall_time": wall}
+      clock = {
+          "outer_step": outer_step, "inner_step": outer_step * config.inner_steps,
+          "tokens": outer_step * tokens_per_round, "wall_time": wall}
       if outer_record:
         writer.write({"kind": "outer", **clock, **outer_record})
       if outer_step % config.eval_every == 0 or outer_step == config.outer_steps:
@@ -85,13 +86,15 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
         writer.sync()  # Every record up to this checkpoint is durable before it is.
         state.save(checkpointer, exp, outer_step, state.metadata(exp, outer_step))
       round_time = time.time() - round_begin
-      logging.info("%s", metrics_lib.format_progress(
-          outer_step=outer_step, num_outer_steps=config.outer_steps, step=clock["inner_step"],
-          loss=sum(r["loss"] for r in train_records) / len(train_records), eval_loss=eval_loss,
-          optimum=exp.corpus.optimal_loss, tokens_per_sec=tokens_per_round / max(round_time, 1e-9),
-          eta_seconds=(last - outer_step) * wall / (outer_step - start)))
+      logging.info(
+          "%s",
+          metrics_lib.format_progress(outer_step=outer_step, num_outer_steps=config.outer_steps,
+                                      step=clock["inner_step"],
+                                      loss=sum(r["loss"] for r in train_records) / len(train_records),
+                                      eval_loss=eval_loss, optimum=exp.corpus.optimal_loss,
+                                      tokens_per_sec=tokens_per_round / max(round_time, 1e-9),
+                                      eta_seconds=(last - outer_step) * wall / (outer_step - start)))
   finally:
     writer.close()
     checkpointer.close()
   return {"eval_loss": eval_loss, "optimal_loss": exp.corpus.optimal_loss}
-

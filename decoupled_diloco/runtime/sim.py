@@ -59,12 +59,12 @@ class LearnerClock(account_lib.Account):
   round_compute: float = 0.0
   round_steps: int = 0
   target: int | None = None
-  unsent: set = dataclasses.field(default_factory=set)        # Fragments not pushed yet this period.
-  in_flight: dict = dataclasses.field(default_factory=dict)   # fragment -> inner step by which it must land.
-  deferred: set = dataclasses.field(default_factory=set)      # Due again while still in flight: pushed on landing.
-  landed: dict = dataclasses.field(default_factory=dict)      # fragment -> (Θ_p, version) waiting to be blended.
+  unsent: set = dataclasses.field(default_factory=set)  # Fragments not pushed yet this period.
+  in_flight: dict = dataclasses.field(default_factory=dict)  # fragment -> inner step by which it must land.
+  deferred: set = dataclasses.field(default_factory=set)  # Due again while still in flight: pushed on landing.
+  landed: dict = dataclasses.field(default_factory=dict)  # fragment -> (Θ_p, version) waiting to be blended.
   compute_since_push: list = dataclasses.field(default_factory=list)
-  epoch: int = 0             # Bumped by a failure: the step and Θ it had under way are void.
+  epoch: int = 0  # Bumped by a failure: the step and Θ it had under way are void.
   step: float | None = None  # Nominal seconds of the step in progress (None: none is).
 
 
@@ -80,8 +80,9 @@ class Simulation:
     sim = exp.config.sim
     gbps = sim.learner_link_gbps or (sim.link_gbps,) * len(exp.learners)
     latency = sim.learner_link_latency_seconds or (sim.link_latency_seconds,) * len(exp.learners)
-    self.clocks = [LearnerClock(up=Link(g, l), down=Link(g, l), compute_since_push=[0.0] * self.num_fragments)
-                   for g, l in zip(gbps, latency)]
+    self.clocks = [
+        LearnerClock(up=Link(g, l), down=Link(g, l), compute_since_push=[0.0] * self.num_fragments)
+        for g, l in zip(gbps, latency)]
     self.rngs = [np.random.default_rng([exp.config.sim.seed, m]) for m in range(len(exp.learners))]
     self.plan = exp.plan
     self.speeds = policy_lib.SpeedTracker(list(self.plan.declared_speeds))
@@ -89,8 +90,7 @@ class Simulation:
     self.eval_due = schedule.Every(self.plan.tokens_per_eval)
     if self.syncer is not None:  # Θ_p travels back in the downlink format; each fragment's share of the model.
       self.downlink = compression.Codec(format=exp.config.compression.downlink_format)
-      shapes = [[x.shape for x in jax.tree.leaves(self.syncer.fragment_params(p))]
-                for p in range(self.num_fragments)]
+      shapes = [[x.shape for x in jax.tree.leaves(self.syncer.fragment_params(p))] for p in range(self.num_fragments)]
       self.down_bytes = [round(compression.wire_bytes(self.downlink, s) * exp.byte_scale) for s in shapes]
       fragment_bytes = fragments.fragment_bytes(self.syncer.params, self.syncer.assignment)
       self.shares = [b / sum(fragment_bytes) for b in fragment_bytes]
@@ -111,8 +111,9 @@ class Simulation:
     return sum(l.steps * l.batches.tokens_per_batch for l in self.exp.learners)
 
   def _clock(self, version: int) -> dict:
-    return {"outer_step": version, "inner_step": max(l.steps for l in self.exp.learners), "tokens": self.tokens,
-            "time": self.now, "wall_time": time.time() - self._begin}
+    return {
+        "outer_step": version, "inner_step": max(l.steps for l in self.exp.learners), "tokens": self.tokens,
+        "time": self.now, "wall_time": time.time() - self._begin}
 
   # Learner side: periods of H steps; fragment p is pushed at its offset in the period and
   # must have landed `overlap_steps` steps later.
@@ -126,8 +127,8 @@ class Simulation:
 
   def _next_step(self, m: int) -> None:
     learner, clock = self.exp.learners[m], self.clocks[m]
-    for p in [p for p in clock.landed if clock.in_flight[p] <= learner.steps or p in clock.deferred
-              or self.steps_left == 0]:
+    for p in [
+        p for p in clock.landed if clock.in_flight[p] <= learner.steps or p in clock.deferred or self.steps_left == 0]:
       learner.land(p, *clock.landed.pop(p))  # Counts restart here (the share α carries over).
       clock.compute_since_push[p] *= learner.alpha
       del clock.in_flight[p]
@@ -135,8 +136,8 @@ class Simulation:
       clock.deferred.discard(p)
       if learner.steps_since_push[p]:  # (With α = 0 the landing dropped the steps it was due for.)
         self._push(m, p)
-    if (any(needed <= learner.steps or p in clock.deferred for p, needed in clock.in_flight.items())
-        or (self.steps_left == 0 and clock.in_flight)):
+    if (any(needed <= learner.steps or p in clock.deferred for p, needed in clock.in_flight.items()) or
+        (self.steps_left == 0 and clock.in_flight)):
       if clock.idle_since is None:  # (Waiting for the last merges once the budget is spent is no stall.)
         clock.idle_since, clock.stalls = self.now, clock.stalls + (self.steps_left > 0)
       return
@@ -279,8 +280,9 @@ class Simulation:
     arrival = self.clocks[m].down.send(self.now, self.down_bytes[p])
     theta = self.syncer.fragment_params(p)
     if self.downlink.format != "fp32":  # What the learner gets is what the wire carried.
-      theta = jax.tree.unflatten(jax.tree.structure(theta),
-                                 compression.decode(self.downlink, compression.encode(self.downlink, jax.tree.leaves(theta))))
+      theta = jax.tree.unflatten(
+          jax.tree.structure(theta),
+          compression.decode(self.downlink, compression.encode(self.downlink, jax.tree.leaves(theta))))
     self._schedule(arrival, RECEIVE, self._on_receive, m, p, theta, self.syncer.fragments[p].version, epoch)
 
   def _maybe_evaluate(self, version: int, force: bool = False) -> None:
@@ -289,8 +291,9 @@ class Simulation:
     record = evaluator.evaluate(self.exp, self._clock(version))
     self.writer.write(record)
     self.last_eval = record
-    gap = (f" (optimum {self.exp.corpus.optimal_loss:.3f}, gap {record['eval_loss'] - self.exp.corpus.optimal_loss:.3f})"
-           if self.exp.corpus.optimal_loss is not None else "")
+    gap = (
+        f" (optimum {self.exp.corpus.optimal_loss:.3f}, gap {record['eval_loss'] - self.exp.corpus.optimal_loss:.3f})"
+        if self.exp.corpus.optimal_loss is not None else "")
     logging.info("version %d | virtual %.1fs | steps per learner %s | eval %.3f%s", version, self.now,
                  [l.steps for l in self.exp.learners], record["eval_loss"], gap)
 
@@ -316,7 +319,8 @@ class Simulation:
       for report in self.syncer.flush(self.now):
         self._write_outer(report)
     final_version = self.syncer.version if self.syncer else 0
-    if self.last_eval is None or self.last_eval["tokens"] != self.tokens or self.last_eval["outer_step"] != final_version:
+    if self.last_eval is None or self.last_eval["tokens"] != self.tokens or self.last_eval[
+        "outer_step"] != final_version:
       self._maybe_evaluate(final_version, force=True)
     return self._summarize(final_version)
 
@@ -328,18 +332,18 @@ class Simulation:
       if account.idle_since is not None:  # Pushed last and the run ended before a reply was needed.
         account.idle += self.now - account.idle_since
         account.done_at, account.idle_since = self.now, None
-      self.writer.write(records.learner_summary(
-          clock, account, learner=m, steps=learner.steps,
-          tokens=learner.steps * learner.batches.tokens_per_batch,
-          finished_early_seconds=self.now - (account.done_at or self.now),
-          overlapped_steps=account.overlapped_steps,
-          compute_utilization=account.busy / self.now if self.now else 0.0,
-          bytes_sent=account.up.bytes, bytes_received=account.down.bytes,
-          uplink_busy_seconds=account.up.busy, downlink_busy_seconds=account.down.busy))
+      self.writer.write(
+          records.learner_summary(clock, account, learner=m, steps=learner.steps,
+                                  tokens=learner.steps * learner.batches.tokens_per_batch,
+                                  finished_early_seconds=self.now - (account.done_at or self.now),
+                                  overlapped_steps=account.overlapped_steps,
+                                  compute_utilization=account.busy / self.now if self.now else 0.0,
+                                  bytes_sent=account.up.bytes, bytes_received=account.down.bytes,
+                                  uplink_busy_seconds=account.up.busy, downlink_busy_seconds=account.down.busy))
     summary = records.summary(
-        clock, eval_loss=self.last_eval["eval_loss"], optimal_loss=self.exp.corpus.optimal_loss,
-        outer_updates=version, steps=[l.steps for l in self.exp.learners],
-        steps_done=sum(l.steps for l in self.exp.learners), done=True, virtual_seconds=self.now,
+        clock, eval_loss=self.last_eval["eval_loss"], optimal_loss=self.exp.corpus.optimal_loss, outer_updates=version,
+        steps=[l.steps for l in self.exp.learners], steps_done=sum(l.steps for l in self.exp.learners), done=True,
+        virtual_seconds=self.now,
         **records.totals(chips, self.clocks, self.now, [a.useful if self.syncer else a.busy for a in self.clocks]),
         bytes_sent=sum(c.up.bytes for c in self.clocks),
         idle_fraction=[round(c.idle / self.now, 4) if self.now else 0.0 for c in self.clocks],

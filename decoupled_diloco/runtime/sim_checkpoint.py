@@ -52,17 +52,20 @@ def _host_state(simulation) -> dict:
   for learner in exp.learners:
     pending = learner._pending_losses  # pylint: disable=protected-access
     losses = jax.device_get([loss for _, loss in pending])
-    learners.append({**{f: getattr(learner, f) for f in _LEARNER_FIELDS},
-                     "pending_losses": [(step, np.asarray(v)) for (step, _), v in zip(pending, losses)]})
+    learners.append({
+        **{f: getattr(learner, f) for f in _LEARNER_FIELDS}, "pending_losses": [
+            (step, np.asarray(v)) for (step, _), v in zip(pending, losses)]})
   sequence = next(simulation._sequence)  # pylint: disable=protected-access
-  return {"learners": learners,
-          "events": [(at, priority, seq, handler.__name__, payload)
-                     for at, priority, seq, handler, payload in simulation._events],  # pylint: disable=protected-access
-          "sequence": sequence, "wall_seconds": time.time() - simulation._begin,  # pylint: disable=protected-access
-          **{f: getattr(simulation, f) for f in _SIMULATION_FIELDS},
-          "syncer": None if syncer is None else {
-              "fragments": [{f: getattr(fragment, f) for f in _FRAGMENT_FIELDS} for fragment in syncer.fragments],
-              "counts": syncer.counts, "estimates": syncer.estimates}}
+  return {
+      "learners": learners,
+      "events": [
+          (at, priority, seq, handler.__name__, payload) for at, priority, seq, handler, payload in simulation._events],  # pylint: disable=protected-access
+      "sequence": sequence,
+      "wall_seconds": time.time() - simulation._begin,  # pylint: disable=protected-access
+      **{f: getattr(simulation, f) for f in _SIMULATION_FIELDS},
+      "syncer": None if syncer is None else {
+          "fragments": [{f: getattr(fragment, f) for f in _FRAGMENT_FIELDS} for fragment in syncer.fragments],
+          "counts": syncer.counts, "estimates": syncer.estimates}}
 
 
 class Cadence:
@@ -129,8 +132,9 @@ def restore(checkpointer: checkpoint_lib.Checkpointer, simulation, metadata: dic
     learner._pending_losses = saved["pending_losses"]  # pylint: disable=protected-access
   for field in _SIMULATION_FIELDS:
     setattr(simulation, field, state[field])
-  simulation._events = [(at, priority, seq, getattr(simulation, name), payload)  # pylint: disable=protected-access
-                        for at, priority, seq, name, payload in state["events"]]
+  simulation._events = [
+      (at, priority, seq, getattr(simulation, name), payload)  # pylint: disable=protected-access
+      for at, priority, seq, name, payload in state["events"]]
   simulation._sequence = itertools.count(state["sequence"])  # pylint: disable=protected-access
   simulation._begin = time.time() - state["wall_seconds"]  # pylint: disable=protected-access
   if syncer is not None:

@@ -69,7 +69,7 @@ class ThreadedRun:
     self.measured = policy_lib.SpeedTracker([0.0] * num)
     # Under the syncer lock: the syncer and the coordination below.
     self.lock = threading.Condition()
-    self.pushed: set[int] = set()   # diloco: learners that handed their push over since the last merge.
+    self.pushed: set[int] = set()  # diloco: learners that handed their push over since the last merge.
     self.waiting: set[int] = set()  # Learners waiting for a merge (diloco, or in a grace window).
     self.done: set[int] = set()
     self.eval_due = schedule.Every(self.plan.tokens_per_eval)
@@ -86,8 +86,9 @@ class ThreadedRun:
   def _clock(self, version: int) -> dict:
     with self.budget:
       steps, tokens = max(a.steps for a in self.accounts), self.tokens
-    return {"outer_step": version, "inner_step": steps, "tokens": tokens, "time": self.now(),
-            "wall_time": time.time() - self._begin}
+    return {
+        "outer_step": version, "inner_step": steps, "tokens": tokens, "time": self.now(),
+        "wall_time": time.time() - self._begin}
 
   @contextlib.contextmanager
   def _holding(self, m: int, lock):
@@ -246,11 +247,13 @@ class ThreadedRun:
                       self.syncer.codec)
 
   def _guarded(self, target):
+
     def body():
       try:
         target()
       except BaseException as error:  # pylint: disable=broad-except
         self._fail(error)
+
     return body
 
   def _fail(self, error: BaseException) -> None:
@@ -263,8 +266,9 @@ class ThreadedRun:
   def run(self) -> dict:
     """Starts the threads, waits for the budget to be spent, merges what is left, evaluates."""
     helpers = [threading.Thread(target=self._guarded(self._timer), name="syncer-timer", daemon=True)]
-    learners = [threading.Thread(target=self._learner, args=(m,), name=f"learner-{m}", daemon=True)
-                for m in range(len(self.exp.learners))]
+    learners = [
+        threading.Thread(target=self._learner, args=(m,), name=f"learner-{m}", daemon=True)
+        for m in range(len(self.exp.learners))]
     with concurrent.futures.ThreadPoolExecutor(len(learners)) as pool:
       list(pool.map(self._compile, range(len(learners))))
     self._start, self._begin = time.monotonic(), time.time()
@@ -300,18 +304,20 @@ class ThreadedRun:
     for m, (account, learner) in enumerate(zip(self.accounts, self.exp.learners)):
       account.idle = max(0.0, account.done_at - account.busy - account.blocked)
       account.bytes_received = (account.pushes + account.rejected + 1) * theta_bytes
-      self.writer.write(records.learner_summary(
-          clock, account, learner=m, steps=learner.steps,
-          tokens=learner.steps * learner.batches.tokens_per_batch, finished_early_seconds=end - account.done_at,
-          wall_seconds=end, compute_utilization=account.busy / end, blocked_fraction=account.blocked / end))
-    summary = records.summary(
-        clock, eval_loss=self.evaluator.last["eval_loss"], optimal_loss=self.exp.corpus.optimal_loss,
-        outer_updates=version, steps=[l.steps for l in self.exp.learners],
-        steps_done=sum(l.steps for l in self.exp.learners), done=True, wall_seconds=end,
-        syncer_seconds=self.syncer_seconds,
-        **records.totals(devices, self.accounts, end, [a.useful for a in self.accounts]),
-        bytes_sent=sum(a.bytes_sent for a in self.accounts),
-        blocked_fraction=[round(a.blocked / end, 4) for a in self.accounts], **records.push_counts(self.syncer.counts))
+      self.writer.write(
+          records.learner_summary(clock, account, learner=m, steps=learner.steps,
+                                  tokens=learner.steps * learner.batches.tokens_per_batch,
+                                  finished_early_seconds=end - account.done_at, wall_seconds=end,
+                                  compute_utilization=account.busy / end, blocked_fraction=account.blocked / end))
+    summary = records.summary(clock, eval_loss=self.evaluator.last["eval_loss"],
+                              optimal_loss=self.exp.corpus.optimal_loss, outer_updates=version,
+                              steps=[l.steps for l in self.exp.learners
+                                    ], steps_done=sum(l.steps for l in self.exp.learners), done=True, wall_seconds=end,
+                              syncer_seconds=self.syncer_seconds,
+                              **records.totals(devices, self.accounts, end, [a.useful for a in self.accounts]),
+                              bytes_sent=sum(a.bytes_sent for a in self.accounts),
+                              blocked_fraction=[round(a.blocked / end, 4) for a in self.accounts],
+                              **records.push_counts(self.syncer.counts))
     self.writer.write(summary)
     return summary
 

@@ -11,9 +11,9 @@ import numpy as np
 from decoupled_diloco import compression
 from decoupled_diloco.push import PushRejected
 
-PUSH_SCHEMA = {"learner": int, "seq": int, "base_version": int, "fragment": int, "tokens": int, "local_steps": int,
-               "compute_seconds": float, "payload_bytes": int, "budget_steps": int, "budget_tokens": int,
-               "incarnation": int}
+PUSH_SCHEMA = {
+    "learner": int, "seq": int, "base_version": int, "fragment": int, "tokens": int, "local_steps": int,
+    "compute_seconds": float, "payload_bytes": int, "budget_steps": int, "budget_tokens": int, "incarnation": int}
 
 
 class UnknownLearner(LookupError):

@@ -39,8 +39,9 @@ from decoupled_diloco.service import link as link_lib
 # CANCELLED: what calls in flight get from a syncer that is shutting down (it restarts).
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
              grpc.StatusCode.CANCELLED)
-STATUS_SCHEMA = {"version": int, "versions": list, "acked_seq": int, "steps_left": int, "done": bool,
-                 "max_speed": float, "payload_bytes": int, "incarnation": int, "syncer_incarnation": int}
+STATUS_SCHEMA = {
+    "version": int, "versions": list, "acked_seq": int, "steps_left": int, "done": bool, "max_speed": float,
+    "payload_bytes": int, "incarnation": int, "syncer_incarnation": int}
 PUSH_REPLY_SCHEMA = {**{k: v for k, v in STATUS_SCHEMA.items() if k != "payload_bytes"}, "status": str}
 TICKET_SCHEMA = {"ticket": str, "port": int}
 # What gRPC answers a call beyond the server's maximum_concurrent_rpcs (service.max_concurrent_rpcs): retried.
@@ -82,8 +83,8 @@ def widen(tree):
 
 def _retryable(error: grpc.RpcError) -> bool:
   """A failure the syncer may not repeat: unreachable, restarting, or its call cap full (not a refusal)."""
-  return error.code() in RETRYABLE or (error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                                       and CONCURRENCY_CAP_DETAILS in (error.details() or ""))
+  return error.code() in RETRYABLE or (error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and
+                                       CONCURRENCY_CAP_DETAILS in (error.details() or ""))
 
 
 class SyncerClient:
@@ -97,8 +98,8 @@ class SyncerClient:
     if data_channel and (credentials is None) != (data_tls is None):
       raise ValueError("the data channel needs TLS exactly when gRPC has it: pass data_tls with credentials")
     options = server.message_options(chunk_bytes) + RECONNECT_OPTIONS
-    self._channel = (grpc.secure_channel(target, credentials, options=options) if credentials is not None
-                     else grpc.insecure_channel(target, options=options))
+    self._channel = (grpc.secure_channel(target, credentials, options=options)
+                     if credentials is not None else grpc.insecure_channel(target, options=options))
     self.learner, self.chunk_bytes, self.max_payload_bytes = learner, chunk_bytes, max_payload_bytes
     self.timeout, self.retry_seconds = timeout_seconds, retry_seconds
     self.data_channel, self.data_tls, self.link = data_channel, data_tls, link  # link paces this learner's pushes.
@@ -195,8 +196,8 @@ class SyncerClient:
   def join(self) -> tuple[dict, object]:
     """(status, Θ): the current global params, version and this learner's last acked seq."""
     request = wire.pack_header({"learner": self.learner})
-    status, theta = self._retrying(lambda: self._read_stream(
-        self._join(request, timeout=self.timeout, metadata=self._metadata)))
+    status, theta = self._retrying(
+        lambda: self._read_stream(self._join(request, timeout=self.timeout, metadata=self._metadata)))
     self.incarnation = status["incarnation"]
     return status, theta
 
@@ -211,9 +212,9 @@ class SyncerClient:
       if not reply["payload_bytes"]:
         return status, None
       wire.check_payload_size(reply["payload_bytes"], self.max_payload_bytes)
-      return status, self._theta(datachannel.fetch_pull(
-          (self.host, reply["port"]), reply["ticket"], reply["payload_bytes"], timeout=self.timeout,
-          tls=self.data_tls, server_hostname=self.host))
+      return status, self._theta(
+          datachannel.fetch_pull((self.host, reply["port"]), reply["ticket"], reply["payload_bytes"],
+                                 timeout=self.timeout, tls=self.data_tls, server_hostname=self.host))
 
     def streamed():
       return self._read_stream(self._pull(request, timeout=self.timeout, metadata=self._metadata))
@@ -224,9 +225,10 @@ class SyncerClient:
   def heartbeat(self, retry: bool = True) -> dict:
     """Renews this learner's lease; returns the run's status (one attempt only if not `retry`)."""
     request = wire.pack_header({"learner": self.learner})
-    call = lambda: self._observe(wire.parse_header(  # noqa: E731
-        self._heartbeat(request, timeout=self.timeout, metadata=self._metadata),
-        {k: v for k, v in self._status_schema.items() if k != "payload_bytes"}))
+    call = lambda: self._observe(
+        wire.parse_header(  # noqa: E731
+            self._heartbeat(request, timeout=self.timeout, metadata=self._metadata), {
+                k: v for k, v in self._status_schema.items() if k != "payload_bytes"}))
     return self._retrying(call) if retry else call()
 
   def push(self, seq: int, delta, *, base_version: int, tokens: int, local_steps: int, compute_seconds: float,
@@ -237,12 +239,12 @@ class SyncerClient:
     default its local_steps / tokens, right for a learner that counts every push from the last.
     """
     parts = wire.encode(delta)
-    header = wire.pack_header({"learner": self.learner, "seq": seq, "base_version": base_version,
-                               "fragment": fragment, "tokens": tokens, "local_steps": local_steps,
-                               "compute_seconds": float(compute_seconds), "payload_bytes": wire.encoded_size(parts),
-                               "incarnation": self.incarnation,
-                               "budget_steps": local_steps if budget_steps is None else budget_steps,
-                               "budget_tokens": tokens if budget_tokens is None else budget_tokens})
+    header = wire.pack_header({
+        "learner": self.learner, "seq": seq, "base_version": base_version, "fragment": fragment, "tokens": tokens,
+        "local_steps": local_steps, "compute_seconds": float(compute_seconds),
+        "payload_bytes": wire.encoded_size(parts), "incarnation": self.incarnation,
+        "budget_steps": local_steps if budget_steps is None else budget_steps,
+        "budget_tokens": tokens if budget_tokens is None else budget_tokens})
 
     def messages():
       yield header
@@ -258,8 +260,8 @@ class SyncerClient:
                                    tls=self.data_tls, server_hostname=self.host, link=self.link)
 
     failures = [0]
-    return self._retrying(lambda: self._observe(wire.parse_header(
-        self._data_or_grpc(ticketed, streamed, failures, f"push {seq}"), PUSH_REPLY_SCHEMA)))
+    return self._retrying(lambda: self._observe(
+        wire.parse_header(self._data_or_grpc(ticketed, streamed, failures, f"push {seq}"), PUSH_REPLY_SCHEMA)))
 
   def close(self) -> None:
     """Closes the channel."""

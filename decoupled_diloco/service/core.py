@@ -46,8 +46,8 @@ class SyncerCore(recovery.Recovery):
   def __init__(self, syncer: Syncer, num_learners: int, budget_steps: int, directory: str, *,
                checkpoint_every_merges: int, lease_seconds: float, metadata: dict, emit=None, on_merge=None,
                limits: limits_lib.PushLimits | None = None, downlink_format: str = "fp32",
-               truncate_corrupt_log: bool = False, min_learners_to_start: int = 1,
-               start_timeout_seconds: float = 600.0, local_dir: str | None = None):
+               truncate_corrupt_log: bool = False, min_learners_to_start: int = 1, start_timeout_seconds: float = 600.0,
+               local_dir: str | None = None):
     self.syncer, self.num_learners, self.budget_steps = syncer, num_learners, budget_steps
     self.checkpoint_every, self.lease_seconds = checkpoint_every_merges, lease_seconds
     self.metadata = metadata  # Static facts saved with every checkpoint (e.g. the config).
@@ -114,10 +114,11 @@ class SyncerCore(recovery.Recovery):
       self.told_done.add(learner)
       self.store.append({"type": "told", "learner": learner})  # A restarted syncer need not wait for it.
     others = [speed for m, speed in enumerate(self.speeds.speeds) if m != learner]
-    return {"version": self.syncer.version, "versions": list(self.syncer.versions),
-            "acked_seq": self.acked[learner], "steps_left": max(0, self.budget_steps - self.steps_done),
-            "done": self.done, "max_speed": max(others, default=0.0), "incarnation": self.incarnations[learner],
-            "syncer_incarnation": self.syncer_incarnation}
+    return {
+        "version": self.syncer.version, "versions": list(self.syncer.versions), "acked_seq": self.acked[learner],
+        "steps_left": max(0, self.budget_steps - self.steps_done), "done": self.done,
+        "max_speed": max(others, default=0.0), "incarnation": self.incarnations[learner],
+        "syncer_incarnation": self.syncer_incarnation}
 
   def join(self, learner: int, now: float) -> tuple[dict, list]:
     """(status, encoded Θ): what a (re)starting learner needs, its last acked seq and new incarnation included.
@@ -233,10 +234,11 @@ class SyncerCore(recovery.Recovery):
       self.counts["applied" if accepted else "dropped"] += 1
     self._unabsorbed.append((header["fragment"], record, payload))  # Dropped ones too: their records.
     if record_it:
-      self.emit({"kind": "push", "outer_step": outer_step, "learner": header["learner"], "seq": header["seq"],
-               "fragment": header["fragment"], "local_steps": header["local_steps"], "tokens": header["tokens"],
-               "staleness": fragment_version - header["base_version"], "accepted": int(accepted),
-               "wire_bytes": header["payload_bytes"], "wall_time": now - self.start_time, "replayed": int(replay)})
+      self.emit({
+          "kind": "push", "outer_step": outer_step, "learner": header["learner"], "seq": header["seq"],
+          "fragment": header["fragment"], "local_steps": header["local_steps"], "tokens": header["tokens"],
+          "staleness": fragment_version - header["base_version"], "accepted": int(accepted),
+          "wire_bytes": header["payload_bytes"], "wall_time": now - self.start_time, "replayed": int(replay)})
     self._after_merges([report], now, replay)
     if self.steps_done >= self.budget_steps and not self.done and not replay:
       self._finish(now)
@@ -252,10 +254,10 @@ class SyncerCore(recovery.Recovery):
       self.pulls.forget(report.fragment)
       self._unabsorbed = [entry for entry in self._unabsorbed if entry[0] != report.fragment]
       self._merges_since_checkpoint += 1
-      self.emit({"kind": "outer", "outer_step": report.version, "fragment": report.fragment,
-                 "learners": list(report.learners), "staleness": list(report.staleness),
-                 "weights": list(report.weights), "tokens": self.tokens_done, "wall_time": now - self.start_time,
-                 "replayed": int(replay)})
+      self.emit({
+          "kind": "outer", "outer_step": report.version, "fragment": report.fragment, "learners": list(report.learners),
+          "staleness": list(report.staleness), "weights": list(report.weights), "tokens": self.tokens_done,
+          "wall_time": now - self.start_time, "replayed": int(replay)})
       if not replay:
         self.on_merge(report.version, self.syncer.params, now)
         self.grace.merged()

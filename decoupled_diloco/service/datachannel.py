@@ -144,8 +144,8 @@ class DataListener:
 
   def __init__(self, host: str, port: int, receive: Callable[[dict, np.ndarray], tuple[bool, bytes]], *,
                ttl_seconds: float, max_connections: int, tls: ssl.SSLContext | None = None,
-               on_refusal: Callable[[str, str], None] = lambda reason, message: None,
-               links: tuple[link_lib.Link, ...] = ()):
+               on_refusal: Callable[[str, str], None] = lambda reason, message: None, links: tuple[link_lib.Link,
+                                                                                                   ...] = ()):
     self.receive, self.ttl, self.tls, self.on_refusal = receive, ttl_seconds, tls, on_refusal
     self.links = links  # Learner i's link paces the Θ sent to it (none given: unshaped).
     # ticket -> (push header or {"learner"} of a pull, the pull's parts or None for a push, expiry)
@@ -182,8 +182,9 @@ class DataListener:
     ticket = secrets.token_bytes(TICKET_BYTES)
     now = time.monotonic()
     with self._lock:
-      self._tickets = {t: (h, parts, expiry) for t, (h, parts, expiry) in self._tickets.items()
-                       if expiry > now and (h["learner"], parts is None) != (header["learner"], pull is None)}
+      self._tickets = {
+          t: (h, parts, expiry) for t, (h, parts, expiry) in self._tickets.items()
+          if expiry > now and (h["learner"], parts is None) != (header["learner"], pull is None)}
       self._tickets[ticket] = (header, pull, now + self.ttl)
     return ticket.hex()
 

@@ -120,8 +120,8 @@ class Store:
       self.checkpointer.save(version, trees, meta)
     except (OSError, ValueError) as error:
       self.retry_at = now + CHECKPOINT_RETRY_SECONDS
-      logging.error("syncer checkpoint at version %d failed (%s): serving on from the log, retrying in %.0fs",
-                    version, error, CHECKPOINT_RETRY_SECONDS)
+      logging.error("syncer checkpoint at version %d failed (%s): serving on from the log, retrying in %.0fs", version,
+                    error, CHECKPOINT_RETRY_SECONDS)
       return False
     self.log.drop_before(min(self.checkpointer.all_steps()))  # Each kept checkpoint can be replayed from.
     return True
@@ -148,8 +148,9 @@ class Store:
       for bad in problems:  # Moved only now: an older one restored, so the layout is not what failed.
         logging.error("syncer checkpoint %d moved to %s", bad, self.checkpointer.quarantine(bad))
       return step, state, meta
-    raise checkpoint_lib.CorruptCheckpoint("no usable syncer checkpoint (" + "; ".join(
-        f"step {step}: {problem}" for step, problem in problems.items()) + f"): restore {self.checkpointer.directory} "
+    raise checkpoint_lib.CorruptCheckpoint("no usable syncer checkpoint (" +
+                                           "; ".join(f"step {step}: {problem}" for step, problem in problems.items()) +
+                                           f"): restore {self.checkpointer.directory} "
                                            "from a backup, or start a new --workdir")
 
   def records_from(self, first_segment: int):

@@ -52,8 +52,8 @@ def build_evaluate(config, devices) -> tuple:
   model, shapes, param_axes = model_lib.abstract_params(config.model)  # Θ comes from the syncer: no init here.
   loop = inner.build_inner_loop(model, optax.identity(), mesh.group_mesh(devices[:layout.devices], layout), shapes,
                                 param_axes)
-  return (lambda params: evals.mean_loss(lambda p, batch: loop.loss(p, loop.put_batch(batch)),
-                                         loop.put_params(params))), evals
+  return (lambda params: evals.mean_loss(lambda p, batch: loop.loss(p, loop.put_batch(batch)), loop.put_params(params))
+         ), evals
 
 
 class EvaluatorProcess:
@@ -74,7 +74,7 @@ class EvaluatorProcess:
     self.num_fragments = max(self.assignment) + 1
     self.eval_due = schedule.Every(schedule.RunPlan.from_config(config).tokens_per_eval)
     self.held: list = [None] * self.num_fragments  # Θ_p as last read...
-    self.versions = [-1] * self.num_fragments     # ...and its version (-1: not read yet).
+    self.versions = [-1] * self.num_fragments  # ...and its version (-1: not read yet).
     self.stop = threading.Event()
 
   def read(self) -> dict | None:
@@ -106,9 +106,10 @@ class EvaluatorProcess:
         raise SystemExit("evaluator stopped (SIGTERM) before the run's end: start it again to go on")
     self.evaluator.close()
     last = self.evaluator.last or {}
-    summary = {"kind": "evaluator_summary", **_clock(status), "eval_loss": last.get("eval_loss"),
-               "evaluated_version": last.get("outer_step"), "evals_skipped": self.evaluator.skipped,
-               "pulled_bytes": self.client.pulled_bytes}
+    summary = {
+        "kind": "evaluator_summary", **_clock(status), "eval_loss": last.get("eval_loss"),
+        "evaluated_version": last.get("outer_step"), "evals_skipped": self.evaluator.skipped,
+        "pulled_bytes": self.client.pulled_bytes}
     self.writer.write(summary)
     return summary
 
@@ -124,8 +125,9 @@ class EvaluatorProcess:
 def _clock(status: dict) -> dict:
   """The syncer's clock at a read: Θ's version (the sum of its fragments' `versions`, each fragment's own),
   mean inner steps per learner, tokens, run seconds."""
-  return {"outer_step": status["version"], "versions": list(status["versions"]), "inner_step": status["inner_step"],
-          "tokens": status["tokens"], "time": status["wall_time"], "wall_time": status["wall_time"]}
+  return {
+      "outer_step": status["version"], "versions": list(status["versions"]), "inner_step": status["inner_step"],
+      "tokens": status["tokens"], "time": status["wall_time"], "wall_time": status["wall_time"]}
 
 
 def run(config, workdir: str, target: str) -> dict:

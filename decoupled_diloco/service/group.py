@@ -97,8 +97,9 @@ class GroupLink:
     # The length as 8 raw bytes: Θ of a 1B model is over 2**31 bytes, and int64 would
     # become int32 on the way unless JAX runs with 64-bit types.
     length_bytes = np.frombuffer(len(data).to_bytes(8, "little"), np.uint8)
-    length = int.from_bytes(np.asarray(multihost_utils.broadcast_one_to_all(length_bytes, is_source=self.leader),
-                                       np.uint8).tobytes(), "little")
+    length = int.from_bytes(
+        np.asarray(multihost_utils.broadcast_one_to_all(length_bytes, is_source=self.leader), np.uint8).tobytes(),
+        "little")
     buffer = np.frombuffer(data, np.uint8) if self.leader else np.zeros(length, np.uint8)
     received = multihost_utils.broadcast_one_to_all(buffer, is_source=self.leader)
     return message if self.leader else wire.decode(np.asarray(received, np.uint8).tobytes())

@@ -42,5 +42,5 @@ class ProcessAccount(account_lib.Account):
   """A learner process's account: busy and blocked in wall-clock seconds, plus its exchanges."""
   begin: float = dataclasses.field(default_factory=time.perf_counter)
   final_ack: float = 0.0  # The part of `blocked` spent on the last push, which no round can hide.
-  exchange: float = 0.0   # Background push + pull time: what a learner without overlap would have waited.
+  exchange: float = 0.0  # Background push + pull time: what a learner without overlap would have waited.
   statuses: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # Acks by status.

@@ -56,7 +56,7 @@ class LearnerProcess:
     shapes = jax.eval_shape(self.learner.loop.from_step, self.learner.state.params)  # block_i's, as pushes see them.
     self.shard_map = shards.ShardMap.of(shapes, self.learner.assignment, self.service.shards)
     self.client = (shardclient.connect(target, self.service, index, self.shard_map, self.learner.assignment,
-                                      link_lib.links(self.service, len(config.learners.devices))[index])
+                                       link_lib.links(self.service, len(config.learners.devices))[index])
                    if self.group.leader else None)
     self.speed = policy_lib.SpeedTracker([0.0])  # This group's measured steps per second (0 = none yet).
     self.compiled = False  # Whether a round ran yet in this process (the first one compiles the step).
@@ -141,9 +141,9 @@ class LearnerProcess:
 
   def _record_ack(self, seq: int, reply: dict) -> None:
     self.account.statuses[reply["status"]] += 1
-    self._write({"kind": "ack", "outer_step": reply.get("version", self.learner.base_versions[0]),
-                       "learner": self.index, "seq": seq, "status": reply["status"],
-                       "wall_time": time.perf_counter() - self.account.begin})
+    self._write({
+        "kind": "ack", "outer_step": reply.get("version", self.learner.base_versions[0]), "learner": self.index,
+        "seq": seq, "status": reply["status"], "wall_time": time.perf_counter() - self.account.begin})
 
   def run(self) -> dict:
     """Trains until the syncer says the budget is spent; returns the learner's summary."""
@@ -198,18 +198,32 @@ class LearnerProcess:
     account, wall = self.account, time.perf_counter() - self.account.begin
     clock = {"outer_step": self.status["version"], "inner_step": self.learner.steps, "time": wall, "wall_time": wall}
     return records.learner_summary(
-        clock, account, learner=self.index, steps=self.learner.steps,
-        tokens=self.learner.steps * self.learner.batches.tokens_per_batch, wall_seconds=wall,
+        clock,
+        account,
+        learner=self.index,
+        steps=self.learner.steps,
+        tokens=self.learner.steps * self.learner.batches.tokens_per_batch,
+        wall_seconds=wall,
         compute_utilization=account.busy / wall if wall else 0.0,
-        blocked_fraction=account.blocked / wall if wall else 0.0, final_ack_seconds=account.final_ack,
-        exchange_seconds=account.exchange, rounds=self.pushes, retries=self.client.retries if self.client else 0,
+        blocked_fraction=account.blocked / wall if wall else 0.0,
+        final_ack_seconds=account.final_ack,
+        exchange_seconds=account.exchange,
+        rounds=self.pushes,
+        retries=self.client.retries if self.client else 0,
         syncer_restarts=self.client.syncer_restarts if self.client else 0,
-        processes=self.group.processes, group_peak_bytes=self.group.peak_bytes,
-        group_host_bytes=self.group.host_peaks(), ack_statuses=dict(account.statuses),
+        processes=self.group.processes,
+        group_peak_bytes=self.group.peak_bytes,
+        group_host_bytes=self.group.host_peaks(),
+        ack_statuses=dict(account.statuses),
         pushes=sum(account.statuses.values()),
-        dropped=account.statuses["dropped"], rejected=account.statuses["refused"],
+        dropped=account.statuses["dropped"],
+        rejected=account.statuses["refused"],
         # What a learner process does not measure: the syncer's side of its pushes, and stalls by count.
-        idle_seconds=None, stalls=None, bytes_sent=None, bytes_received=None, staleness_histogram=None)
+        idle_seconds=None,
+        stalls=None,
+        bytes_sent=None,
+        bytes_received=None,
+        staleness_histogram=None)
 
   def _period(self, steps: int) -> None:
     """One period of `steps` inner steps (H, fewer under DyLU or at the budget's end), as the virtual
@@ -241,12 +255,14 @@ class LearnerProcess:
                                         {"wall_time": time.perf_counter() - self.account.begin}):
       self._write(record)
     # Which data each step trained on (crc32 of this process's rows): a restarted learner's stream can be checked.
-    self._write({"kind": "batches", "outer_step": learner.base_versions[0], "learner": self.index,
-                 "first_step": first_step, "crc32": digests})
+    self._write({
+        "kind": "batches", "outer_step": learner.base_versions[0], "learner": self.index, "first_step": first_step,
+        "crc32": digests})
     self._tick()
     if not self.compiled:  # Start-up and compilation end here: what a (re)started learner costs before training.
-      self._write({"kind": "first_round", "outer_step": learner.base_versions[0], "unix_time": time.time(),
-                   "compiled_unix_time": compiled_at, "start_step": self.start_step})
+      self._write({
+          "kind": "first_round", "outer_step": learner.base_versions[0], "unix_time": time.time(),
+          "compiled_unix_time": compiled_at, "start_step": self.start_step})
     self.compiled = True
 
   def _land_due(self) -> None:
@@ -278,9 +294,9 @@ class LearnerProcess:
     self.inflight[fragment] = (future, push, self.learner.steps + self.overlap, budget)
     self.seq, self.pushes = self.seq + 1, self.pushes + 1
     if self.service.learner_checkpoint_every and self.pushes % self.service.learner_checkpoint_every == 0:
-      self.checkpointer.save(self.learner.steps, {"state": self.learner.loop.from_step(self.learner.state)},
-                             {"steps": self.learner.steps,
-                              "data": {str(jax.process_index()): self.learner.batches.state()}})
+      self.checkpointer.save(
+          self.learner.steps, {"state": self.learner.loop.from_step(self.learner.state)},
+          {"steps": self.learner.steps, "data": {str(jax.process_index()): self.learner.batches.state()}})
 
   def _land(self, fragment: int, final: bool = False) -> None:
     """Waits for `fragment`'s exchange (counted as blocked; `final`: no step can hide it), then its new

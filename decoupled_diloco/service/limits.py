@@ -33,8 +33,8 @@ class PushLimits:
   def from_config(cls, config, budget_steps: int) -> "PushLimits":
     """The bounds of a service run. A time-budget round has no step count the config fixes, so it
     is bounded by the whole budget; other policies' rounds by one period (H steps, all fragments)."""
-    round_steps = (budget_steps if config.policy.kind == "time_budget"
-                   else config.inner_steps * config.streaming.num_fragments)
+    round_steps = (budget_steps if config.policy.kind == "time_budget" else config.inner_steps *
+                   config.streaming.num_fragments)
     return cls(tuple(b * config.model.seq_len for b in config.learners.batch_size), round_steps)
 
 

@@ -91,8 +91,7 @@ def validate(service, num_learners: int) -> None:
     if values and len(values) != num_learners:
       raise ConfigError(f"service.{name} has {len(values)} values for {num_learners} learners: give one per "
                         f"learner, e.g. --config.service.{name}='{(1.0,) * num_learners}', or () for none")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-               for v in values):
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in values):
       raise ConfigError(f"service.{name}={values} must be finite numbers >= 0 (0 = that learner's link unshaped)")
   if max(service.link_latency_ms, default=0.0) > MAX_LATENCY_MS:
     raise ConfigError(f"service.link_latency_ms={tuple(service.link_latency_ms)} is over {MAX_LATENCY_MS:.0f} ms, "

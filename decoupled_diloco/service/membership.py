@@ -47,10 +47,12 @@ class StartBarrier:
 
   def _opened(self, timed_out: bool, version: int, start_time: float) -> dict:
     if timed_out:
-      logging.warning("start barrier timed out after %.0fs with learners %s of the %d required: starting without "
-                      "the others", self.timeout_seconds, sorted(self.joined), self.required)
-    return {"kind": "start", "outer_step": version, "learners": sorted(self.joined), "required": self.required,
-            "timed_out": int(timed_out), "wall_time": time.time() - start_time}
+      logging.warning(
+          "start barrier timed out after %.0fs with learners %s of the %d required: starting without "
+          "the others", self.timeout_seconds, sorted(self.joined), self.required)
+    return {
+        "kind": "start", "outer_step": version, "learners": sorted(self.joined), "required": self.required,
+        "timed_out": int(timed_out), "wall_time": time.time() - start_time}
 
 
 class GraceWaits:
@@ -96,5 +98,6 @@ def set_live(syncer: Syncer, learners: list[int], quorum_setting: int) -> None:
 
 def quorum_merges(syncer: Syncer, now: float) -> list[MergeReport]:
   """Merges fragments whose pending pushes meet the (just lowered) quorum."""
-  return [syncer.merge(now, p) for p, f in enumerate(syncer.fragments)
-          if f.pending and len({push.learner for push in f.pending}) >= syncer.quorum]
+  return [
+      syncer.merge(now, p) for p, f in enumerate(syncer.fragments)
+      if f.pending and len({push.learner for push in f.pending}) >= syncer.quorum]

@@ -35,11 +35,12 @@ class Reader:
     """The reader's status header: the run's versions, budget and tokens; `final` once Θ cannot move."""
     core = self.core
     with core.lock:
-      return {"version": core.syncer.version, "versions": list(core.syncer.versions), "acked_seq": -1,
-              "steps_left": max(0, core.budget_steps - core.steps_done), "done": core.done, "max_speed": 0.0,
-              "incarnation": 0, "syncer_incarnation": core.syncer_incarnation,
-              "inner_step": core.steps_done // core.num_learners, "tokens": core.tokens_done,
-              "wall_time": time.time() - core.start_time, "final": self.is_final()}
+      return {
+          "version": core.syncer.version, "versions": list(core.syncer.versions), "acked_seq": -1,
+          "steps_left": max(0,
+                            core.budget_steps - core.steps_done), "done": core.done, "max_speed": 0.0, "incarnation": 0,
+          "syncer_incarnation": core.syncer_incarnation, "inner_step": core.steps_done // core.num_learners,
+          "tokens": core.tokens_done, "wall_time": time.time() - core.start_time, "final": self.is_final()}
 
   def pull(self, fragment: int, have_version: int) -> tuple[dict, list | None]:
     """(status, encoded Θ_fragment, or None when `have_version` is current), from the learners' pull cache."""

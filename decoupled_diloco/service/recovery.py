@@ -45,8 +45,9 @@ class Recovery:
       self.store.open_after_replay(meta["segment"])
       if self.steps_done >= self.budget_steps and not self.done:  # Crashed between the last push and the end.
         self._finish(now)
-      logging.info("syncer incarnation %d restored checkpoint %d and replayed its log: version %d, %d of %d steps "
-                   "done", self.syncer_incarnation, step, self.syncer.version, self.steps_done, self.budget_steps)
+      logging.info(
+          "syncer incarnation %d restored checkpoint %d and replayed its log: version %d, %d of %d steps "
+          "done", self.syncer_incarnation, step, self.syncer.version, self.steps_done, self.budget_steps)
       return step
 
   def _state_trees(self) -> dict:
@@ -61,11 +62,12 @@ class Recovery:
     carried = [(dict(record, carried=True), location) for _, record, location in self._unabsorbed]
     pending_steps = sum(admission.budget_share(r["header"])[0] for r, _ in carried)
     pending_tokens = sum(admission.budget_share(r["header"])[1] for r, _ in carried)
-    meta = {**self.metadata, "versions": list(self.syncer.versions), "segment": version, "done": self.done,
-            "acked": {str(m): s for m, s in self.acked.items()}, "start_time": self.start_time,
-            "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens,
-            "counts": self.counts, "refused": dict(self.refused), "estimates": self.syncer.estimates,
-            "incarnations": {str(m): n for m, n in self.incarnations.items()}}
+    meta = {
+        **self.metadata, "versions": list(self.syncer.versions), "segment": version, "done": self.done,
+        "acked": {str(m): s for m, s in self.acked.items()}, "start_time": self.start_time,
+        "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens,
+        "counts": self.counts, "refused": dict(self.refused), "estimates": self.syncer.estimates,
+        "incarnations": {str(m): n for m, n in self.incarnations.items()}}
     locations = self.store.rotate(version, carried)
     self._unabsorbed = [(f, record, location) for (f, record, _), location in zip(self._unabsorbed, locations)]
     if not self.store.save(version, self._state_trees(), meta, now):

@@ -75,9 +75,9 @@ def check_ports_free(host: str, *ports: int) -> None:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # As the servers do: TIME_WAIT is no conflict.
         probe.bind(address)
     except OSError as error:
-      raise ConfigError(f"cannot listen on {host}:{port} ({error.strerror or error}): stop what holds it, or set "
-                        "--config.service.port / --config.service.data_port to a free port (0 = any free port)"
-                        ) from error
+      raise ConfigError(
+          f"cannot listen on {host}:{port} ({error.strerror or error}): stop what holds it, or set "
+          "--config.service.port / --config.service.data_port to a free port (0 = any free port)") from error
 
 
 def max_payload_bytes(params) -> int:

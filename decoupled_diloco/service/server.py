@@ -111,8 +111,8 @@ def keepalive_options(keepalive_seconds: float, timeout_seconds: float) -> list[
   return [("grpc.keepalive_time_ms", int(keepalive_seconds * 1000)),
           ("grpc.keepalive_timeout_ms", int(timeout_seconds * 1000)),
           ("grpc.http2.ping_timeout_ms", int(timeout_seconds * 1000)),
-          ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-          ("grpc.http2.max_ping_strikes", 2), ("grpc.max_connection_idle_ms", 300_000)]
+          ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000), ("grpc.http2.max_ping_strikes", 2),
+          ("grpc.max_connection_idle_ms", 300_000)]
 
 
 class _Deadline:
@@ -154,8 +154,7 @@ class SyncerServer:
   def __init__(self, core: core_lib.SyncerCore, token: str, *, host: str, port: int, chunk_bytes: int,
                max_payload_bytes: int, credentials: grpc.ServerCredentials | None = None, workers: int = 8,
                data_port: int = -1, data_tls: ssl.SSLContext | None = None, data_timeout_seconds: float = 120.0,
-               keepalive_seconds: float = 20.0, keepalive_timeout_seconds: float = 10.0,
-               max_concurrent_rpcs: int = 256,
+               keepalive_seconds: float = 20.0, keepalive_timeout_seconds: float = 10.0, max_concurrent_rpcs: int = 256,
                links: tuple[link_lib.Link, ...] = (), is_final=None):
     if data_port >= 0 and (credentials is None) != (data_tls is None):
       raise ValueError("the data channel needs TLS exactly when gRPC has it: pass data_tls with credentials")
@@ -168,25 +167,23 @@ class SyncerServer:
     self._logged: dict[str, tuple[float, int]] = {}  # reason -> (start of its minute, refusals in it)
     self._bulk_free, self._bulk_by_caller = workers, collections.Counter()
     self.data = (datachannel.DataListener(host, data_port, self._receive_data, ttl_seconds=data_timeout_seconds,
-                                          max_connections=workers, tls=data_tls, on_refusal=self._count,
-                                          links=links)
+                                          max_connections=workers, tls=data_tls, on_refusal=self._count, links=links)
                  if data_port >= 0 else None)
-    self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers + CONTROL_WORKERS),
-                               options=message_options(chunk_bytes) + [("grpc.so_reuseport", 0)]
-                               + keepalive_options(keepalive_seconds, keepalive_timeout_seconds),
-                               maximum_concurrent_rpcs=max_concurrent_rpcs)
+    self._server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers + CONTROL_WORKERS), options=message_options(chunk_bytes) + [
+            ("grpc.so_reuseport", 0)] + keepalive_options(keepalive_seconds, keepalive_timeout_seconds),
+        maximum_concurrent_rpcs=max_concurrent_rpcs)
     handlers = {
         "Join": grpc.unary_stream_rpc_method_handler(self._guard(self._join, bulk=True)),
         "Pull": grpc.unary_stream_rpc_method_handler(self._guard(self._pull, bulk=True)),
         "Push": grpc.stream_unary_rpc_method_handler(self._guard(self._push, bulk=True)),
         "Heartbeat": grpc.unary_unary_rpc_method_handler(self._guard(self._heartbeat)),
         "PushTicket": grpc.unary_unary_rpc_method_handler(self._guard(self._push_ticket)),
-        "PullTicket": grpc.unary_unary_rpc_method_handler(self._guard(self._pull_ticket)),
-    }
+        "PullTicket": grpc.unary_unary_rpc_method_handler(self._guard(self._pull_ticket)),}
     self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     address = f"{host}:{port}"
-    self.port = (self._server.add_secure_port(address, credentials) if credentials is not None
-                 else self._server.add_insecure_port(address))
+    self.port = (self._server.add_secure_port(address, credentials)
+                 if credentials is not None else self._server.add_insecure_port(address))
     if not self.port:
       raise OSError(f"cannot bind the syncer to {address}: is the port in use?")
 
@@ -228,9 +225,10 @@ class SyncerServer:
       try:
         caller = self.credentials.caller(context.invocation_metadata())
         if caller is None:
-          raise _Refused(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
-                         "missing or wrong token: give the learner its credential (launch_local and launch_tpu do) "
-                         f"via ${security.TOKEN_ENV} or service.token_file")
+          raise _Refused(
+              grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
+              "missing or wrong token: give the learner its credential (launch_local and launch_tpu do) "
+              f"via ${security.TOKEN_ENV} or service.token_file")
         if bulk:
           self._take_bulk(caller, context, deadline)
         return method(request, context, caller, deadline)
@@ -239,8 +237,9 @@ class SyncerServer:
       except grpc.RpcError:  # The request stream broke: cancelled by its deadline, or the client left.
         if not deadline.expired:
           raise
-        refusal = _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, "too_slow", "the call's stream was slower than "
-                           f"{datachannel.MIN_RATE_BYTES_PER_SECOND} bytes/s: cancelled")
+        refusal = _Refused(
+            grpc.StatusCode.DEADLINE_EXCEEDED, "too_slow", "the call's stream was slower than "
+            f"{datachannel.MIN_RATE_BYTES_PER_SECOND} bytes/s: cancelled")
       self._count(refusal.reason, f"{method.__name__.strip('_')} call: {refusal}")
       context.abort(refusal.code, str(refusal))
 
@@ -321,9 +320,10 @@ class SyncerServer:
     del context
     first = next(messages, None)
     if first is None:  # Sent empty, or cut by gRPC for an oversized first message.
-      raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty",
-                     f"push stream is empty: send the push header first, every message <= chunk_bytes + "
-                     f"{HEADER_SLACK} bytes")
+      raise _Refused(
+          grpc.StatusCode.INVALID_ARGUMENT, "empty",
+          f"push stream is empty: send the push header first, every message <= chunk_bytes + "
+          f"{HEADER_SLACK} bytes")
     header = self._push_header(first, caller)
     deadline.set(datachannel.transfer_seconds(header["payload_bytes"]))
     payload = wire.assemble(messages, header["payload_bytes"], self.max_payload_bytes, self.chunk_bytes)
@@ -362,8 +362,8 @@ class SyncerServer:
     # waits for it (reader.Reader.has_final).
     parts = None if status["done"] and not reader.is_reader(header["learner"]) else parts
     ticket = self.data.ticket({"learner": header["learner"]}, pull=parts) if parts else ""
-    return wire.pack_header({**status, "payload_bytes": wire.encoded_size(parts) if parts else 0, "ticket": ticket,
-                             "port": self.data.port})
+    return wire.pack_header(
+        {**status, "payload_bytes": wire.encoded_size(parts) if parts else 0, "ticket": ticket, "port": self.data.port})
 
   def _receive_data(self, header: dict, payload) -> tuple[bool, bytes]:
     """A data-channel payload into the core: (True, push reply) or (False, the counted refusal).

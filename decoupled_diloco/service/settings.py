@@ -18,8 +18,8 @@ _TIMEOUTS = ("lease_seconds", "linger_seconds", "rpc_timeout_seconds", "retry_se
 class Settings:
   """`config.service`, validated; every field is described in configs/default.py."""
   host: str
-  port: int                      # 0 = a free one.
-  data_port: int                 # 0 = a free one, -1 = pushes over gRPC.
+  port: int  # 0 = a free one.
+  data_port: int  # 0 = a free one, -1 = pushes over gRPC.
   token_file: str
   tls_cert: str
   tls_key: str
@@ -31,16 +31,16 @@ class Settings:
   linger_seconds: float
   rpc_timeout_seconds: float
   retry_seconds: float
-  keepalive_seconds: float          # The syncer pings a connection silent this long...
+  keepalive_seconds: float  # The syncer pings a connection silent this long...
   keepalive_timeout_seconds: float  # ...and closes it if the ping is unanswered this long.
-  max_concurrent_rpcs: int          # Calls in the syncer at once (checked against its threads in runconfig).
-  link_mbps: tuple                  # Per learner, pacing its data-channel traffic (checked in link.validate).
+  max_concurrent_rpcs: int  # Calls in the syncer at once (checked against its threads in runconfig).
+  link_mbps: tuple  # Per learner, pacing its data-channel traffic (checked in link.validate).
   link_latency_ms: tuple
-  local_dir: str                    # The log and locks when the workdir is gs:// (checked by storage.local_dir).
-  evaluate_on: str                  # 'syncer' (its host runs the loss), 'evaluator' (--role=evaluator), 'none'.
+  local_dir: str  # The log and locks when the workdir is gs:// (checked by storage.local_dir).
+  evaluate_on: str  # 'syncer' (its host runs the loss), 'evaluator' (--role=evaluator), 'none'.
   learner_checkpoint_every: int  # 0 = never.
-  evaluator_devices: int         # 0 = learner group 0's devices and layout; N = N devices, fsdp over all of them.
-  shards: int                    # Syncer shards (docs/syncer-shards.md); <= fragments, checked by experiment.validate.
+  evaluator_devices: int  # 0 = learner group 0's devices and layout; N = N devices, fsdp over all of them.
+  shards: int  # Syncer shards (docs/syncer-shards.md); <= fragments, checked by experiment.validate.
 
   def __post_init__(self):
     settings_lib.check((
@@ -49,17 +49,17 @@ class Settings:
          f"service.data_port={self.data_port} must be in [-1, 65535] (0 = a free port, -1 = pushes over gRPC)"),
         (64 << 10 <= self.chunk_bytes <= 64 << 20,
          f"service.chunk_bytes={self.chunk_bytes} must be in [64 KiB, 64 MiB]: set --config.service.chunk_bytes"),
-        (self.checkpoint_every_merges >= 1,
-         f"service.checkpoint_every_merges={self.checkpoint_every_merges} must be >= 1"),
+        (self.checkpoint_every_merges
+         >= 1, f"service.checkpoint_every_merges={self.checkpoint_every_merges} must be >= 1"),
         *((getattr(self, name) > 0, f"service.{name}={getattr(self, name)} must be > 0: set --config.service.{name}")
           for name in _TIMEOUTS),
         (self.evaluate_on in EVALUATE_ON, f"service.evaluate_on={self.evaluate_on!r} must be one of {EVALUATE_ON}"),
-        (self.evaluator_devices >= 0,
-         f"service.evaluator_devices={self.evaluator_devices} must be >= 0 (0 = learner group 0's devices)"),
-        (self.learner_checkpoint_every >= 0,
-         f"service.learner_checkpoint_every={self.learner_checkpoint_every} must be >= 0 (0 = never)"),
-        (settings_lib.is_int(self.shards) and self.shards >= 1,
-         f"service.shards={self.shards!r} must be an int >= 1: set --config.service.shards"),
+        (self.evaluator_devices
+         >= 0, f"service.evaluator_devices={self.evaluator_devices} must be >= 0 (0 = learner group 0's devices)"),
+        (self.learner_checkpoint_every
+         >= 0, f"service.learner_checkpoint_every={self.learner_checkpoint_every} must be >= 0 (0 = never)"),
+        (settings_lib.is_int(self.shards) and
+         self.shards >= 1, f"service.shards={self.shards!r} must be an int >= 1: set --config.service.shards"),
         (self.shards == 1 or self.evaluate_on != "syncer",
          f"service.shards={self.shards} leaves no syncer holding Θ whole to evaluate: set "
          "--config.service.evaluate_on=evaluator (it reads every shard) or none"),

@@ -29,11 +29,13 @@ def connect(target: str, service, identity: int, shard_map: shards.ShardMap, ass
   if len(targets) != service.shards:
     raise ConfigError(f"--syncer names {len(targets)} address(es) but service.shards={service.shards}: give "
                       "every shard's HOST:PORT, comma-separated, shard 0's first")
-  clients = [client_lib.SyncerClient(
-      address, security.load_token(service.token_file), identity, chunk_bytes=service.chunk_bytes,
-      timeout_seconds=service.rpc_timeout_seconds, retry_seconds=service.retry_seconds,
-      credentials=security.channel_credentials(service.tls_ca), data_channel=service.data_port >= 0,
-      data_tls=security.client_tls_context(service.tls_ca), link=link) for address in targets]
+  clients = [
+      client_lib.SyncerClient(address, security.load_token(service.token_file), identity,
+                              chunk_bytes=service.chunk_bytes, timeout_seconds=service.rpc_timeout_seconds,
+                              retry_seconds=service.retry_seconds,
+                              credentials=security.channel_credentials(service.tls_ca), data_channel=service.data_port
+                              >= 0, data_tls=security.client_tls_context(service.tls_ca), link=link)
+      for address in targets]
   return clients[0] if len(clients) == 1 else ShardedClient(clients, shard_map, assignment)
 
 
@@ -55,8 +57,9 @@ class ShardedClient:
       if self._statuses[s] is not None:
         versions[p] = self._statuses[s]["versions"][self.map.local(p)]
     budget = self._statuses[0] or status
-    merged = {**status, "versions": versions, "version": sum(versions), "acked_seq": max(s["acked_seq"] for s in known),
-              **{name: budget[name] for name in _RUN_FIELDS if name in budget}}
+    merged = {
+        **status, "versions": versions, "version": sum(versions), "acked_seq": max(s["acked_seq"] for s in known),
+        **{name: budget[name] for name in _RUN_FIELDS if name in budget}}
     if "final" in status:  # An evaluator's status (service/reader.py).
       merged["final"] = len(known) == len(self.clients) and all(s["final"] for s in known)
     return merged

@@ -45,9 +45,8 @@ def build_evaluator(config, model, corpus, recorder: records.Recorder) -> evalua
   return evaluator_lib.Evaluator(lambda params: evals.mean_loss(loss, params), evals, recorder.write, max_waiting=1)
 
 
-def build_core(config, params, workdir: str, recorder: records.Recorder,
-               evaluator: evaluator_lib.Evaluator | None, local_dir: str | None = None,
-               shard: int | None = None) -> core_lib.SyncerCore:
+def build_core(config, params, workdir: str, recorder: records.Recorder, evaluator: evaluator_lib.Evaluator | None,
+               local_dir: str | None = None, shard: int | None = None) -> core_lib.SyncerCore:
   """The syncer (built as the in-process runtimes build it; `shard`: that shard's only) wrapped for the
   service; evals every plan.tokens_per_eval tokens, as the in-process runtimes do."""
   plan = schedule.RunPlan.from_config(config)
@@ -58,12 +57,10 @@ def build_core(config, params, workdir: str, recorder: records.Recorder,
       evaluator.submit(params, clock(core, version, now))
 
   core = core_lib.SyncerCore(experiment.build_syncer(config, params, shard), plan.num_learners, plan.budget_steps,
-                             workdir,
-                             checkpoint_every_merges=config.service.checkpoint_every_merges,
+                             workdir, checkpoint_every_merges=config.service.checkpoint_every_merges,
                              lease_seconds=config.service.lease_seconds, metadata={"config": config.to_dict()},
-                             emit=recorder.write, on_merge=on_merge,
-                             limits=limits.PushLimits.from_config(config, plan.budget_steps),
-                             downlink_format=config.compression.downlink_format,
+                             emit=recorder.write, on_merge=on_merge, limits=limits.PushLimits.from_config(
+                                 config, plan.budget_steps), downlink_format=config.compression.downlink_format,
                              truncate_corrupt_log=config.service.truncate_corrupt_log, local_dir=local_dir,
                              min_learners_to_start=config.syncer.min_learners_to_start or plan.num_learners,
                              start_timeout_seconds=config.syncer.start_timeout_seconds)
@@ -72,8 +69,9 @@ def build_core(config, params, workdir: str, recorder: records.Recorder,
 
 def clock(core: core_lib.SyncerCore, version: int, now: float) -> dict:
   """Where the run is, for records: version, mean steps per learner, tokens, seconds since it began."""
-  return {"outer_step": version, "inner_step": core.steps_done // core.num_learners, "tokens": core.tokens_done,
-          "time": now - core.start_time, "wall_time": now - core.start_time}
+  return {
+      "outer_step": version, "inner_step": core.steps_done // core.num_learners, "tokens": core.tokens_done,
+      "time": now - core.start_time, "wall_time": now - core.start_time}
 
 
 def run(config, workdir: str, shard: int | None = None) -> dict:
@@ -92,8 +90,9 @@ def run(config, workdir: str, shard: int | None = None) -> dict:
   runconfig.check_ports_free(config.service.host, config.service.port, config.service.data_port)
   tokenizer_lib.resolve_model_vocab(config)
   model, params = initial_params(config, os.path.join(workdir, "checkpoints"))
-  corpus = (sources.load_corpus(config.data, config.model.seq_len, train=False)  # Eval text only.
-            if config.service.evaluate_on == "syncer" else None)
+  corpus = (
+      sources.load_corpus(config.data, config.model.seq_len, train=False)  # Eval text only.
+      if config.service.evaluate_on == "syncer" else None)
   check_same_layout(config, os.path.join(workdir, "checkpoints"))
   lock = workdir_lock.DirectoryLock(local, "syncer.lock", "syncer")  # One syncer per workdir, before any write.
   try:
@@ -160,16 +159,16 @@ def _serve(config, workdir: str, local: str, token: str, credentials, model, par
           data_timeout_seconds=config.service.rpc_timeout_seconds, keepalive_seconds=config.service.keepalive_seconds,
           keepalive_timeout_seconds=config.service.keepalive_timeout_seconds,
           max_concurrent_rpcs=config.service.max_concurrent_rpcs,
-          links=tuple(link_lib.links(config.service, core.num_learners)),
-          is_final=lambda: run_state.may_stop(core, time.time()))
+          links=tuple(link_lib.links(config.service,
+                                     core.num_learners)), is_final=lambda: run_state.may_stop(core, time.time()))
       server.rejections = core.refused  # Checkpointed with the core: refusals survive restarts.
       port = server.start()
       recorder.write(start_record(core, step, entered, replayed_at))  # Before the address: launchers wait for it.
       runconfig.write_address(workdir, f"{config.service.host}:{port}")
       if warm_up is not None:
         warm_up.start()
-      logging.info("syncer serving %d learners on %s:%d (%s), version %d", core.num_learners, config.service.host,
-                   port, "TLS" if credentials else "plaintext", core.syncer.version)
+      logging.info("syncer serving %d learners on %s:%d (%s), version %d", core.num_learners, config.service.host, port,
+                   "TLS" if credentials else "plaintext", core.syncer.version)
       done_at = None
       try:
         while not stop.wait(TICK_SECONDS):
@@ -202,10 +201,10 @@ def start_record(core: core_lib.SyncerCore, step: int | None, entered: float, re
   facts are no TensorBoard series (and a syncer that only started writes no events).
   """
   # At the restored step (not the version after replay): a later restart from that checkpoint keeps the record.
-  return {"kind": "syncer_start", "outer_step": step or 0,
-          "start": {"incarnation": core.syncer_incarnation, "restored_step": step, "version": core.syncer.version},
-          "unix_times": {"entered": entered, "restored": core.restored_at, "replayed": replayed_at,
-                         "serving": time.time()}}
+  return {
+      "kind": "syncer_start", "outer_step": step or 0,
+      "start": {"incarnation": core.syncer_incarnation, "restored_step": step, "version": core.syncer.version},
+      "unix_times": {"entered": entered, "restored": core.restored_at, "replayed": replayed_at, "serving": time.time()}}
 
 
 # Config sections that fix the layout of the syncer's checkpointed state.

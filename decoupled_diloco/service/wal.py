@@ -52,8 +52,9 @@ def segments(directory: str) -> list[int]:
   """Segment ids on disk, oldest first."""
   if not os.path.isdir(directory):
     return []
-  return sorted(int(name[:-len(_SUFFIX)]) for name in os.listdir(directory)
-                if name.endswith(_SUFFIX) and name[:-len(_SUFFIX)].isdigit())
+  return sorted(
+      int(name[:-len(_SUFFIX)]) for name in os.listdir(directory)
+      if name.endswith(_SUFFIX) and name[:-len(_SUFFIX)].isdigit())
 
 
 def _frame(meta: bytes, payload: memoryview) -> bytes:
@@ -221,8 +222,10 @@ class Log:
     path = segment_path(self.directory, segment)
     self._file, self._offset, self.segment = open(f"{path}.tmp", "w+b"), 0, segment
     self._path = f"{path}.tmp"
-    locations = [self.append(record, read_payload(self.directory, payload) if isinstance(payload, Location)
-                             else payload) for record, payload in carried]
+    locations = [
+        self.append(record,
+                    read_payload(self.directory, payload) if isinstance(payload, Location) else payload)
+        for record, payload in carried]
     os.replace(f"{path}.tmp", path)
     self._path = path
     fsync_directory(self.directory)

@@ -41,9 +41,10 @@ ALIGNMENT = 64
 _ARRAY_EXT = 1
 _PREFIX = struct.Struct("<I")
 # Every dtype a params tree or a compression payload uses; nothing else is decoded.
-DTYPES = {name: np.dtype(getattr(ml_dtypes, name, name)) for name in (
-    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "float16", "float32", "float64",
-    "bfloat16")}
+DTYPES = {
+    name: np.dtype(getattr(ml_dtypes, name, name))
+    for name in ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "float16", "float32",
+                 "float64", "bfloat16")}
 
 
 class WireError(ValueError):
@@ -76,8 +77,9 @@ def parse_header(data: bytes, schema: dict[str, type]) -> dict:
     raise WireError(f"header fields are {got}, expected {sorted(schema)}")
   for name, kind in schema.items():
     value = fields[name]
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
-          else isinstance(value, kind) and (kind is bool or not isinstance(value, bool)))
+    ok = (isinstance(value,
+                     (int, float)) and not isinstance(value, bool) if kind is float else isinstance(value, kind) and
+          (kind is bool or not isinstance(value, bool)))
     if not ok:
       raise WireError(f"header field {name!r} is {type(value).__name__}, expected {kind.__name__}")
     if kind is float and not np.isfinite(value):
@@ -241,8 +243,8 @@ class _ArrayRef(int):
 def _array(ref, body: memoryview, previous_end: int) -> np.ndarray:
   """One array reference checked against the bytes it claims (dtype, shape, position: the
   next multiple of 64 after the previous array, zeros in between; empty arrays take no room)."""
-  if not (isinstance(ref, list) and len(ref) == 3 and isinstance(ref[0], str) and isinstance(ref[1], list)
-          and isinstance(ref[2], int)):
+  if not (isinstance(ref, list) and len(ref) == 3 and isinstance(ref[0], str) and isinstance(ref[1], list) and
+          isinstance(ref[2], int)):
     raise WireError("array reference must be [dtype, shape, offset]")
   name, shape, offset = ref
   if name not in DTYPES:
@@ -281,8 +283,8 @@ def _resolve(node, arrays: list, depth: int):
 
 def _compressed(value) -> compression.Compressed:
   """[format, shapes, leaves] back into a Compressed, with its static parts checked."""
-  if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str) and isinstance(value[1], list)
-          and isinstance(value[2], list) and len(value[1]) == len(value[2])):
+  if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str) and isinstance(value[1], list) and
+          isinstance(value[2], list) and len(value[1]) == len(value[2])):
     raise WireError("compressed payload must be [format, shapes, leaves] with one shape per leaf")
   fmt, shapes, leaves = value
   if fmt not in compression.FORMATS:

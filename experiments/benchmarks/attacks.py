@@ -25,16 +25,17 @@ def metadata(token: str) -> tuple:
 
 def push_header(learner: int, payload_bytes: int, **fields) -> dict:
   """A well-formed push header (fields override)."""
-  return {"learner": learner, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 64, "local_steps": 1,
-          "compute_seconds": 0.1, "payload_bytes": payload_bytes, "incarnation": 0,
-          "budget_steps": 1, "budget_tokens": 64, **fields}
+  return {
+      "learner": learner, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 64, "local_steps": 1,
+      "compute_seconds": 0.1, "payload_bytes": payload_bytes, "incarnation": 0, "budget_steps": 1, "budget_tokens": 64,
+      **fields}
 
 
 def ticket(address: str, header: dict, token: str) -> dict:
   """A data-channel ticket for `header`, asked as a raw gRPC client."""
   with grpc.insecure_channel(address) as channel:
-    reply = channel.unary_unary(f"/{server_lib.SERVICE}/PushTicket")(
-        wire.pack_header(header), timeout=10, metadata=metadata(token))
+    reply = channel.unary_unary(f"/{server_lib.SERVICE}/PushTicket")(wire.pack_header(header), timeout=10,
+                                                                     metadata=metadata(token))
   return wire.parse_header(reply, client_lib.TICKET_SCHEMA)
 
 
@@ -118,8 +119,8 @@ def stalled_push(address: str, token: str, learner: int, stop: threading.Event, 
   return outcomes
 
 
-def poison_headers(address: str, token: str, learner: int, victim: int, stop: threading.Event,
-                   max_count: int = 100_000, pause: float = 0.0) -> collections.Counter:
+def poison_headers(address: str, token: str, learner: int, victim: int, stop: threading.Event, max_count: int = 100_000,
+                   pause: float = 0.0) -> collections.Counter:
   """Sends headers no honest learner sends: out of bounds, impersonating `victim`, forged tokens (as
   PushTicket calls, which check a header before any payload), and a Push whose payload's shape
   overflows int64. Each is refused before anything is applied."""
@@ -131,11 +132,11 @@ def poison_headers(address: str, token: str, learner: int, victim: int, stop: th
       ("PushTicket", token, push_header(learner, len(payload), seq=2**62)),
       ("PushTicket", token, push_header(victim, len(payload), seq=2**20)),
       ("PushTicket", "forged-" + "x" * 32, push_header(victim, len(payload))),
-      ("Push", token, push_header(learner, len(payload))),
-  ]
+      ("Push", token, push_header(learner, len(payload))),]
   with grpc.insecure_channel(address) as channel:
-    calls = {"Push": channel.stream_unary(f"/{server_lib.SERVICE}/Push"),
-             "PushTicket": channel.unary_unary(f"/{server_lib.SERVICE}/PushTicket")}
+    calls = {
+        "Push": channel.stream_unary(f"/{server_lib.SERVICE}/Push"),
+        "PushTicket": channel.unary_unary(f"/{server_lib.SERVICE}/PushTicket")}
     for count in range(max_count):
       if stop.is_set():
         break
@@ -166,4 +167,3 @@ def run_for(seconds: float, attacks: list) -> list[collections.Counter]:
   for thread in threads:
     thread.join(timeout=60)
   return [r or collections.Counter() for r in results]
-

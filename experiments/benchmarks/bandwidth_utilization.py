@@ -40,12 +40,15 @@ REL_TOL, QUICK_REL_TOL = 1e-3, 2e-2
 # name -> (params, layers, step seconds).
 MODELS = {"1B": (1_000_000_000, 24, 0.1), "12B": (12_000_000_000, 48, 0.96)}
 # Streaming DiLoCo Table 4, 1B rows (Gbit/s at 50/80/90/95/99%).
-PUBLISHED_1B = {"ddp": (86.8, 152.6, 184.2, 222.3, 569.0), "diloco": (1.4, 6.2, 13.3, 23.3, 86.8),
-                "streaming_bf16": (1.4, 4.3, 6.2, 9.1, 11.0), "streaming": (0.4, 0.9, 1.7, 2.0, 3.0)}
-PUBLISHED_10B = {"ddp": (104.8, 222.3, 222.3, 268.3, 471.5), "diloco": (1.7, 7.5, 16.0, 33.9, 104.8),
-                 "streaming_bf16": (1.7, 3.6, 5.2, 6.2, 7.5), "streaming": (0.4, 0.9, 1.4, 1.4, 1.7)}
-LABELS = {"ddp": "data-parallel (bf16)", "diloco": f"DiLoCo H={H} (fp32)",
-          "streaming_bf16": "streaming + overlap (bf16)", "streaming": "streaming + overlap + int4"}
+PUBLISHED_1B = {
+    "ddp": (86.8, 152.6, 184.2, 222.3, 569.0), "diloco": (1.4, 6.2, 13.3, 23.3, 86.8),
+    "streaming_bf16": (1.4, 4.3, 6.2, 9.1, 11.0), "streaming": (0.4, 0.9, 1.7, 2.0, 3.0)}
+PUBLISHED_10B = {
+    "ddp": (104.8, 222.3, 222.3, 268.3, 471.5), "diloco": (1.7, 7.5, 16.0, 33.9, 104.8),
+    "streaming_bf16": (1.7, 3.6, 5.2, 6.2, 7.5), "streaming": (0.4, 0.9, 1.4, 1.4, 1.7)}
+LABELS = {
+    "ddp": "data-parallel (bf16)", "diloco": f"DiLoCo H={H} (fp32)", "streaming_bf16": "streaming + overlap (bf16)",
+    "streaming": "streaming + overlap + int4"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,16 +60,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def make_setup(params: int, layers: int, step_seconds: float, periods: int) -> wan.Setup:
   """REPLICAS identical learners whose step takes `step_seconds` (a relative hardware profile)."""
-  region = wan.Region(HardwareProfile("relative", 1, 1.0, 1.0, reference_step_seconds=step_seconds),
-                      TOKENS_PER_STEP, gbps=1.0, latency_seconds=0.0)
+  region = wan.Region(HardwareProfile("relative", 1, 1.0, 1.0, reference_step_seconds=step_seconds), TOKENS_PER_STEP,
+                      gbps=1.0, latency_seconds=0.0)
   return wan.Setup(params, layers, periods * H * REPLICAS * TOKENS_PER_STEP, (region,) * REPLICAS)
 
 
 def schemes(layers: int) -> dict[str, wan.Scheme]:
   """The table's rows for a model of `layers` layers."""
   fragments = layers // LAYERS_PER_FRAGMENT
-  return {"ddp": wan.DDP, "diloco": wan.diloco(H), "streaming_bf16": wan.streaming(H, fragments, TAU, "bf16"),
-          "streaming": wan.streaming(H, fragments, TAU, "int4")}
+  return {
+      "ddp": wan.DDP, "diloco": wan.diloco(H), "streaming_bf16": wan.streaming(H, fragments, TAU, "bf16"),
+      "streaming": wan.streaming(H, fragments, TAU, "int4")}
 
 
 def _cell(gbps: float) -> str:
@@ -81,28 +85,29 @@ def main(argv=None):
   needed = {}
   for model, (params, layers, step) in MODELS.items():
     setup = make_setup(params, layers, step, periods)
-    needed[model] = {name: {str(round(t * 100)): wan.bandwidth_for_utilization(setup, scheme, t, rel_tol=tol)
-                            for t in TARGETS} for name, scheme in schemes(layers).items()}
-  print(f"M={REPLICAS}, H={H}, tau={TAU}, fragments of {LAYERS_PER_FRAGMENT} layers, no latency; "
-        + "; ".join(f"{m}: {l} layers, step {s} s" for m, (_, l, s) in MODELS.items()))
+    needed[model] = {
+        name: {str(round(t * 100)): wan.bandwidth_for_utilization(setup, scheme, t, rel_tol=tol) for t in TARGETS}
+        for name, scheme in schemes(layers).items()}
+  print(f"M={REPLICAS}, H={H}, tau={TAU}, fragments of {LAYERS_PER_FRAGMENT} layers, no latency; " +
+        "; ".join(f"{m}: {l} layers, step {s} s" for m, (_, l, s) in MODELS.items()))
   header = f"{'model':<6}{'scheme':<30}" + "".join(f"{f'{t:.0%}':>12}" for t in TARGETS)
   print(f"\nGbit/s to reach a compute utilization of\n{header}")
   for model, rows in needed.items():
     published = {"1B": PUBLISHED_1B, "12B": PUBLISHED_10B}[model]
     for name, cells in rows.items():
       print(f"{model:<6}{LABELS[name]:<30}" + "".join(f"{_cell(g):>12}" for g in cells.values()))
-      print(f"{'':<6}{'  paper, ' + ('1B' if model == '1B' else '10B'):<30}"
-            + "".join(f"{g:>12.1f}" for g in published[name]))
+      print(f"{'':<6}{'  paper, ' + ('1B' if model == '1B' else '10B'):<30}" +
+            "".join(f"{g:>12.1f}" for g in published[name]))
   print(f"runtime {time.perf_counter() - begin:.1f} s")
   finite = lambda g: None if math.isinf(g) else round(g, 3)
   common.emit({
-      "gbps_needed": {m: {n: {t: finite(g) for t, g in c.items()} for n, c in rows.items()}
-                      for m, rows in needed.items()},
+      "gbps_needed": {m: {n: {t: finite(g) for t, g in c.items()} for n, c in rows.items()} for m, rows in needed.items()},
       "published_1B": {n: dict(zip((str(round(t * 100)) for t in TARGETS), v)) for n, v in PUBLISHED_1B.items()},
       "published_10B": {n: dict(zip((str(round(t * 100)) for t in TARGETS), v)) for n, v in PUBLISHED_10B.items()},
-      "parameters": {"replicas": REPLICAS, "inner_steps": H, "overlap_steps": TAU,
-                     "layers_per_fragment": LAYERS_PER_FRAGMENT, "periods": periods, "rel_tol": tol,
-                     "models": {m: {"params": p, "layers": l, "step_seconds": s} for m, (p, l, s) in MODELS.items()}}})
+      "parameters": {
+          "replicas": REPLICAS, "inner_steps": H, "overlap_steps": TAU, "layers_per_fragment": LAYERS_PER_FRAGMENT,
+          "periods": periods, "rel_tol": tol,
+          "models": {m: {"params": p, "layers": l, "step_seconds": s} for m, (p, l, s) in MODELS.items()}}})
 
 
 if __name__ == "__main__":

@@ -67,19 +67,19 @@ flags.FLAGS.set_default("workdir", os.path.join(tempfile.gettempdir(), "dd_chaos
 # What users run with the service, at two sizes.
 _COMMON = ("--config.mode=decoupled", "--config.learners.devices=(1,1)", "--config.outer.optimizer=delayed_nesterov",
            "--config.outer.buffer_size=2", "--config.syncer.quorum=1", "--config.policy.kind=dylu",
-           "--config.policy.speed_source=measured",
-           "--config.eval_every=100000", "--config.service.checkpoint_every_merges=4",
-           "--config.service.lease_seconds=10.0", "--config.service.retry_seconds=300.0")
+           "--config.policy.speed_source=measured", "--config.eval_every=100000",
+           "--config.service.checkpoint_every_merges=4", "--config.service.lease_seconds=10.0",
+           "--config.service.retry_seconds=300.0")
 _SIZES = {
-    "demo": {"overrides": ("--config.learners.batch_size=(16,16)",
-                           "--config.outer_steps=12", "--config.inner_steps=20"),
-             "timeout": 900.0},
-    "tiny": {"overrides": ("--config.model.seq_len=16", "--config.model.d_model=32",
-                           "--config.model.num_layers=1", "--config.model.num_heads=2", "--config.model.d_ff=64",
-                           "--config.learners.batch_size=(4,4)", "--config.outer_steps=150",
-                           "--config.inner_steps=20", "--config.data.synthetic.num_tokens=30000"),
-             "timeout": 600.0},
-}
+    "demo": {
+        "overrides": ("--config.learners.batch_size=(16,16)", "--config.outer_steps=12", "--config.inner_steps=20"),
+        "timeout": 900.0},
+    "tiny": {
+        "overrides":
+            ("--config.model.seq_len=16", "--config.model.d_model=32", "--config.model.num_layers=1",
+             "--config.model.num_heads=2", "--config.model.d_ff=64", "--config.learners.batch_size=(4,4)",
+             "--config.outer_steps=150", "--config.inner_steps=20", "--config.data.synthetic.num_tokens=30000"),
+        "timeout": 600.0},}
 
 
 class TimedCluster(LocalCluster):
@@ -194,10 +194,11 @@ def rejoin_seconds(cluster: TimedCluster) -> dict:
     if name == "syncer":
       continue
     learner = int(name.split("_")[1])
-    accepted = [start_time + r["wall_time"] for r in pushes if r["learner"] == learner
-                and start_time + r["wall_time"] > began]
-    rounds = [r["compiled_unix_time"] for r in _records(os.path.join(cluster.workdir, name, "metrics.jsonl"),
-                                                         "first_round") if r["unix_time"] > began]
+    accepted = [
+        start_time + r["wall_time"] for r in pushes if r["learner"] == learner and start_time + r["wall_time"] > began]
+    rounds = [
+        r["compiled_unix_time"] for r in _records(os.path.join(cluster.workdir, name, "metrics.jsonl"), "first_round")
+        if r["unix_time"] > began]
     if accepted and rounds:  # Else restarted into a run that was over.
       total.append(min(accepted) - began)
       startup.append(min(rounds) - began)
@@ -206,8 +207,9 @@ def rejoin_seconds(cluster: TimedCluster) -> dict:
 
 def syncer_recovery_seconds(cluster: TimedCluster) -> dict:
   """From each syncer restart to its first served call, split at the phases its 'syncer_start' record gives."""
-  starts = [r["unix_times"] for r in _records(os.path.join(cluster.workdir, "metrics.jsonl"), "syncer_start")
-            if r["start"]["restored_step"] is not None]
+  starts = [
+      r["unix_times"] for r in _records(os.path.join(cluster.workdir, "metrics.jsonl"), "syncer_start")
+      if r["start"]["restored_step"] is not None]
   restarts = [(began, served) for name, began, served in cluster.restarts if name == "syncer"]
   phases = collections.defaultdict(list)
   for began, served in restarts:
@@ -216,15 +218,16 @@ def syncer_recovery_seconds(cluster: TimedCluster) -> dict:
       marks = [began, times["entered"], times["restored"], times["replayed"], served]
       for phase, start, end in zip(("imports", "restore", "replay", "serve"), marks, marks[1:]):
         phases[phase].append(end - start)
-  return {**_spread([served - began for began, served in restarts]),
-          **{phase: _spread(values) for phase, values in phases.items()}}
+  return {
+      **_spread([served - began for began, served in restarts]),
+      **{phase: _spread(values) for phase, values in phases.items()}}
 
 
 def mean_staleness(workdir: str) -> float:
   """The staleness of a run's accepted pushes, weighted by their steps (1 ≈ two learners taking turns)."""
   pushes = [r for r in _records(os.path.join(workdir, "metrics.jsonl"), "push") if r["accepted"]]
-  return round(sum(r["staleness"] * r["local_steps"] for r in pushes) / max(1, sum(r["local_steps"] for r in pushes)),
-               2)
+  return round(
+      sum(r["staleness"] * r["local_steps"] for r in pushes) / max(1, sum(r["local_steps"] for r in pushes)), 2)
 
 
 def round_seconds(workdir: str) -> float:
@@ -243,31 +246,32 @@ def main(argv: list[str]) -> None:
   root = flags.FLAGS.workdir
   for name in [*(f"undisturbed_{seed}" for seed in range(_SEEDS.value)), "chaos"]:
     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-  losses = [_final_loss(_run(os.path.join(root, f"undisturbed_{seed}"), [f"--config.seed={seed}"], size,
-                             None).workdir) for seed in range(_SEEDS.value)]
+  losses = [
+      _final_loss(_run(os.path.join(root, f"undisturbed_{seed}"), [f"--config.seed={seed}"], size, None).workdir)
+      for seed in range(_SEEDS.value)]
   seed = flags.FLAGS.chaos_seed or 0
   versions = kill_versions(seed, len(_PLAN.value), syncer_version(os.path.join(root, "undisturbed_0")))
   logging.info("chaos plan: %s at syncer versions %s", _PLAN.value, versions)
   chaos = ProgressChaos(seed, tuple(_PLAN.value), versions, delay=2.0)
   chaotic = _run(os.path.join(root, "chaos"), ["--config.seed=0"], size, chaos)
-  kills = collections.Counter("syncer" if name == "syncer" else "learner" for _, event, name in chaos.events
-                              if event == "kill")
+  kills = collections.Counter(
+      "syncer" if name == "syncer" else "learner" for _, event, name in chaos.events if event == "kill")
   lost, twice = exactly_once(chaotic.workdir, 2)
   replayed = sum(r.get("replayed", 0) for r in _records(os.path.join(chaotic.workdir, "metrics.jsonl"), "push"))
-  logging.info("size %s, %d undisturbed seeds: a round takes %.2fs (undisturbed seed 0, median); the restarted "
-               "syncers replayed %d pushes; mean staleness of the pushed steps %.2f with chaos, %s undisturbed; "
-               "load average %s", _SIZE.value, _SEEDS.value, round_seconds(os.path.join(root, "undisturbed_0")),
-               replayed, mean_staleness(chaotic.workdir),
-               [mean_staleness(os.path.join(root, f"undisturbed_{seed}")) for seed in range(_SEEDS.value)],
-               os.getloadavg())
+  logging.info(
+      "size %s, %d undisturbed seeds: a round takes %.2fs (undisturbed seed 0, median); the restarted "
+      "syncers replayed %d pushes; mean staleness of the pushed steps %.2f with chaos, %s undisturbed; "
+      "load average %s", _SIZE.value, _SEEDS.value, round_seconds(os.path.join(root, "undisturbed_0")), replayed,
+      mean_staleness(chaotic.workdir),
+      [mean_staleness(os.path.join(root, f"undisturbed_{seed}")) for seed in range(_SEEDS.value)], os.getloadavg())
   common.emit({
       "kills": {"learner": kills["learner"], "syncer": kills["syncer"]},
-      "acked_lost": lost, "applied_twice": twice,
+      "acked_lost": lost,
+      "applied_twice": twice,
       "loss_ratio": round(_final_loss(chaotic.workdir) / losses[0], 4),
       "undisturbed_spread": round((max(losses) - min(losses)) / statistics.mean(losses), 4),
       "rejoin_seconds": rejoin_seconds(chaotic),
-      "syncer_recovery_seconds": syncer_recovery_seconds(chaotic),
-  })
+      "syncer_recovery_seconds": syncer_recovery_seconds(chaotic),})
 
 
 if __name__ == "__main__":

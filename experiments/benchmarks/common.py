@@ -67,8 +67,7 @@ def emit(figures: dict) -> None:
   print(json.dumps(figures, sort_keys=True))
 
 
-def throughput_figures(figures: dict, nbytes: int, medians: dict[str, float], framework: str,
-                       baseline: str) -> dict:
+def throughput_figures(figures: dict, nbytes: int, medians: dict[str, float], framework: str, baseline: str) -> dict:
   """`figures` plus seconds and GB/s of both sides of a same-bytes comparison, and `ratio`
   = baseline seconds / framework seconds (the framework's share of the baseline's throughput)."""
   for side in (framework, baseline):
@@ -77,8 +76,7 @@ def throughput_figures(figures: dict, nbytes: int, medians: dict[str, float], fr
   return {**figures, "bytes": nbytes, "ratio": round(medians[baseline] / medians[framework], 3)}
 
 
-def emit_throughput_ratio(figures: dict, nbytes: int, medians: dict[str, float], framework: str,
-                          baseline: str) -> None:
+def emit_throughput_ratio(figures: dict, nbytes: int, medians: dict[str, float], framework: str, baseline: str) -> None:
   """`throughput_figures` as the result line."""
   emit(throughput_figures(figures, nbytes, medians, framework, baseline))
 

@@ -48,8 +48,9 @@ _ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "u32": 4, "bool": 1, "pred
 def model_config(num_layers: int, scan_layers: bool, remat: str = "none", width: int = 128):
   """A Llama-style model narrow enough to compile quickly, deep enough to show the trend."""
   cfg = default.get_config().model
-  cfg.update(dict(vocab_size=256, seq_len=width, d_model=width, num_heads=4, d_ff=4 * width, num_layers=num_layers,
-                  dtype="bfloat16", position="rope", mlp="swiglu", scan_layers=scan_layers, remat=remat))
+  cfg.update(
+      dict(vocab_size=256, seq_len=width, d_model=width, num_heads=4, d_ff=4 * width, num_layers=num_layers,
+           dtype="bfloat16", position="rope", mlp="swiglu", scan_layers=scan_layers, remat=remat))
   return cfg
 
 
@@ -58,8 +59,8 @@ def _step_and_inputs(cfg):
   model, shapes, axes = model_lib.abstract_params(cfg)
   optimizer = inner.inner_optimizer(default.get_config().inner, 100)
   devices = jax.devices()[:8]
-  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(devices, mesh.Layout(fsdp=len(devices))),
-                                shapes, axes)
+  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(devices, mesh.Layout(fsdp=len(devices))), shapes,
+                                axes)
   return loop, optimizer, inner.abstract_inputs(loop, optimizer, shapes, BATCH, cfg.seq_len)
 
 
@@ -72,11 +73,12 @@ def timed_compile(jitted, *args) -> dict:
   compiled = lowered.compile()
   seconds, wall = time.process_time() - cpu, time.perf_counter() - wall
   memory = compiled.memory_analysis()
-  peak = (memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
-          - memory.alias_size_in_bytes)
-  return {"compile_s": round(seconds, 2), "compile_wall_s": round(wall, 2), "lower_s": round(lower_cpu, 2),
-          "xla_peak_bytes": int(peak), "xla_temp_bytes": int(memory.temp_size_in_bytes),
-          "fusions": compiled.as_text().count(" fusion(")}
+  peak = (memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes -
+          memory.alias_size_in_bytes)
+  return {
+      "compile_s": round(seconds, 2), "compile_wall_s": round(wall, 2), "lower_s": round(lower_cpu, 2),
+      "xla_peak_bytes": int(peak), "xla_temp_bytes": int(memory.temp_size_in_bytes),
+      "fusions": compiled.as_text().count(" fusion(")}
 
 
 def compile_step(cfg) -> dict:
@@ -93,6 +95,7 @@ def compile_grads(cfg) -> dict:
   def grads(params, tokens):
     with jax.sharding.use_abstract_mesh(loop.mesh.abstract_mesh):
       return jax.value_and_grad(model.loss)(params, tokens)
+
   return timed_compile(jax.jit(grads), state.params, batch)
 
 
@@ -154,9 +157,11 @@ def measure(depths: tuple[int, ...], remat_depth: int, width: int, budget_s: flo
     print(f"{name}: {results[name]}", flush=True)
   residuals = {k: v["saved_residual_bytes"] for k, v in results.items() if k.startswith("remat_")}
   context = {
-      "backend": jax.default_backend(), "load_average": os.getloadavg(),
+      "backend": jax.default_backend(),
+      "load_average": os.getloadavg(),
       "compile_seconds": "compiling process CPU seconds (compile_wall_s beside them)",
-      "width": width, "depths": list(depths),
+      "width": width,
+      "depths": list(depths),
       "compile": {k: v for k, v in results.items() if k.startswith(("scan_", "loop_"))},
       "breakdown": {k: v for k, v in results.items() if k.startswith(("grads_", "convert_"))},
       f"remat_{remat_depth}_layers": {k[len("remat_"):]: v for k, v in results.items() if k.startswith("remat_")},
@@ -165,11 +170,11 @@ def measure(depths: tuple[int, ...], remat_depth: int, width: int, budget_s: flo
       "compile_ratio_32_vs_4_grads_only": _ratio(results, f"grads_{high}", f"grads_{low}"),
       "compile_ratio_32_vs_4_conversions": _ratio(results, f"convert_{high}", f"convert_{low}"),
       "remat_full_vs_none_xla_peak": _ratio(results, "remat_full", "remat_none", "xla_peak_bytes"),
-      "skipped": skipped,
-  }
-  return context, {"compile_ratio_32_vs_4": _ratio(results, f"scan_{high}", f"scan_{low}"),
-                   "remat_full_vs_none_bytes": (round(residuals["remat_full"] / residuals["remat_none"], 4)
-                                                if {"remat_full", "remat_none"} <= residuals.keys() else None)}
+      "skipped": skipped,}
+  return context, {
+      "compile_ratio_32_vs_4": _ratio(results, f"scan_{high}", f"scan_{low}"), "remat_full_vs_none_bytes":
+          (round(residuals["remat_full"] /
+                 residuals["remat_none"], 4) if {"remat_full", "remat_none"} <= residuals.keys() else None)}
 
 
 def main(argv=None) -> None:

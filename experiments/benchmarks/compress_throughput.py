@@ -59,8 +59,8 @@ def main(argv=None):
   gbps = {name: x.nbytes / seconds / 1e9 for name, seconds in medians.items()}
   for name, value in gbps.items():
     print(f"{name:>5}: {value:7.2f} GB/s  ({medians[name] * 1e3:8.2f} ms for {x.nbytes / 2**20:.0f} MiB)")
-  figures = {"ratio": round(gbps["int4"] / gbps["copy"], 4), "size_mb": args.size_mb,
-             "copy_gbps": round(gbps["copy"], 3)}
+  figures = {
+      "ratio": round(gbps["int4"] / gbps["copy"], 4), "size_mb": args.size_mb, "copy_gbps": round(gbps["copy"], 3)}
   for fmt in FORMATS:
     figures[f"{fmt}_gbps"] = round(gbps[fmt], 3)
     figures[f"{fmt}_ratio"] = round(gbps[fmt] / gbps["copy"], 4)

@@ -35,19 +35,18 @@ FORMATS = {
     "int4": {"compression.format": "int4"},
     "int2": {"compression.format": "int2"},
     "topk_ef": {"compression.format": "topk", "compression.error_feedback": True},
-    "fp4": {"compression.format": "fp4"},
-}
+    "fp4": {"compression.format": "fp4"},}
 DEFAULT_FORMATS = "fp32,bf16,int8,int4,int2,topk_ef"
 STREAMED = ("fp32", "int4", "topk_ef")
 STREAMING = {"streaming.num_fragments": 3, "streaming.strategy": "strided", "streaming.overlap_steps": 1}
-BASE = {"data.source": "text_file", "data.path": "../shared/data/tinyshakespeare.txt", "mode": "diloco",
-        "runtime": "sim", "eval_every": 100, "eval_batches": 8}
+BASE = {
+    "data.source": "text_file", "data.path": "../shared/data/tinyshakespeare.txt", "mode": "diloco", "runtime": "sim",
+    "eval_every": 100, "eval_batches": 8}
 
 
 def run(overrides: dict, outer_steps: int, workdir: pathlib.Path) -> tuple[float, int]:
   """Final eval loss and bytes the learners sent, for one row."""
-  config = experiment.with_overrides(tiny_shakespeare.get_config(),
-                                     {**BASE, "outer_steps": outer_steps, **overrides})
+  config = experiment.with_overrides(tiny_shakespeare.get_config(), {**BASE, "outer_steps": outer_steps, **overrides})
   summary = sim.run(experiment.build(config), str(workdir))
   return summary["eval_loss"], summary["bytes_sent"]
 
@@ -72,8 +71,7 @@ def main():
       begin = time.time()
       key = f"{name}{'_streaming' if streamed else ''}"
       loss[key], sent[key] = run(overrides, args.outer_steps, pathlib.Path(root) / key)
-      print(f"{key}: eval {loss[key]:.4f}, {sent[key] / 1e6:.2f} MB sent ({time.time() - begin:.0f}s wall)",
-            flush=True)
+      print(f"{key}: eval {loss[key]:.4f}, {sent[key] / 1e6:.2f} MB sent ({time.time() - begin:.0f}s wall)", flush=True)
   print("\n| format | eval loss | vs fp32 | streaming (P=3, tau=1) | vs fp32 | MB sent |\n|---|---|---|---|---|---|")
   for name in formats:
     streamed = f"{name}_streaming"
@@ -87,8 +85,7 @@ def main():
       "int4_vs_fp32": round(loss["int4"] / loss["fp32"] - 1, 4),
       "int2_vs_fp32": round(loss["int2"] / loss["fp32"] - 1, 4),
       "megabytes_sent": {key: round(value / 1e6, 3) for key, value in sent.items()},
-      "outer_steps": args.outer_steps,
-  })
+      "outer_steps": args.outer_steps,})
 
 
 if __name__ == "__main__":

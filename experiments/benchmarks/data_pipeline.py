@@ -43,7 +43,7 @@ def write_text(path: pathlib.Path, megabytes: int, seed: int = 0) -> None:
       if index % 16 == 0:  # A fresh 1 MB block now and then; repeats between are fine for timing.
         ids = np.minimum(rng.zipf(1.2, size=200_000), len(words)) - 1
         text = b" ".join(words[i] for i in ids)
-        block = text.replace(b" e ", b".\n").replace(b" t ", b".\n\n")[: 1 << 20]
+        block = text.replace(b" e ", b".\n").replace(b" t ", b".\n\n")[:1 << 20]
       f.write(block)
 
 
@@ -54,8 +54,8 @@ def pipeline_tokens_per_s(path: str, tok, batches: int) -> float:
   """
   size = os.path.getsize(path)
   docs = documents.FileDocuments(path, 0, size, CHUNK_BYTES)
-  learner = pipeline.PackedBatches(docs, tok, SEQ_LEN, learner_index=0, num_learners=1, batch_size=ROWS,
-                                   split="iid", seed=0, prefetch=4)
+  learner = pipeline.PackedBatches(docs, tok, SEQ_LEN, learner_index=0, num_learners=1, batch_size=ROWS, split="iid",
+                                   seed=0, prefetch=4)
   begin = time.perf_counter()
   for step in range(batches):
     learner.batch(step)
@@ -88,8 +88,9 @@ def peak_rss_mb(path: str, model: str, batches: int) -> float:
           "from decoupled_diloco.data import tokenizer; "
           "d.pipeline_tokens_per_s(sys.argv[1], tokenizer.SentencePieceTokenizer(sys.argv[2]), int(sys.argv[3])); "
           "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
-  result = subprocess.run([sys.executable, "-c", code, path, model, str(batches)], capture_output=True, text=True,
-                          check=True, cwd=pathlib.Path(__file__).resolve().parents[2])
+  result = subprocess.run(
+      [sys.executable, "-c", code, path, model, str(batches)], capture_output=True, text=True, check=True,
+      cwd=pathlib.Path(__file__).resolve().parents[2])
   return int(result.stdout.split()[-1]) / 1024
 
 
@@ -116,10 +117,10 @@ def main():
         f"{consumed:,.0f} tokens/s; peak RSS {rss_small:.0f} MB ({args.small_mb} MB corpus) vs "
         f"{rss_large:.0f} MB ({10 * args.small_mb} MB); seq_len {SEQ_LEN}, rows {ROWS}, {os.cpu_count()} CPUs, "
         f"this process's peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
-  common.emit({"byte_tokens_per_s": round(byte_rate), "sentencepiece_tokens_per_s": round(sp_rate),
-               "consumed_tokens_per_s": round(consumed), "headroom": round(sp_rate / consumed, 2),
-               "tpu_host_headroom": round(sp_rate / TPU_HOST_TOKENS_PER_S, 2),
-               "rss_growth_mb": round(rss_large - rss_small, 1)})
+  common.emit({
+      "byte_tokens_per_s": round(byte_rate), "sentencepiece_tokens_per_s": round(sp_rate),
+      "consumed_tokens_per_s": round(consumed), "headroom": round(sp_rate / consumed, 2),
+      "tpu_host_headroom": round(sp_rate / TPU_HOST_TOKENS_PER_S, 2), "rss_growth_mb": round(rss_large - rss_small, 1)})
 
 
 if __name__ == "__main__":

@@ -31,16 +31,18 @@ from absl import app  # noqa: E402  pylint: disable=g-import-not-at-top
 from experiments.benchmarks import goodput, shakespeare  # noqa: E402
 
 CHIPS, LEARNERS, OUTER_STEPS = 1_200_000, 8, 8
-PUBLISHED = {"eval_accuracy": {"dp_no_failures": 70.1, "elastic_dp": 69.7, "decoupled_m8": 69.8},
-             "goodput": {"dp_no_failures": 1.0, "elastic_dp": 0.58, "decoupled_m8": 0.88}}
+PUBLISHED = {
+    "eval_accuracy": {"dp_no_failures": 70.1, "elastic_dp": 69.7, "decoupled_m8": 69.8},
+    "goodput": {"dp_no_failures": 1.0, "elastic_dp": 0.58, "decoupled_m8": 0.88}}
 
 
 def failure_overrides(elastic: bool) -> dict:
   """goodput.py's fitted failure model; a decoupled group restarts in the time an elastic job resizes."""
   model = goodput.fit()
-  return {"failures.enabled": True, "failures.elastic": elastic, "failures.mtbi_seconds": model.mtbi_seconds,
-          "failures.resize_seconds": model.resize_seconds, "failures.restart_seconds": model.resize_seconds,
-          "failures.domain_chips": model.domain_chips, "failures.repair_seconds": model.repair_seconds}
+  return {
+      "failures.enabled": True, "failures.elastic": elastic, "failures.mtbi_seconds": model.mtbi_seconds,
+      "failures.resize_seconds": model.resize_seconds, "failures.restart_seconds": model.resize_seconds,
+      "failures.domain_chips": model.domain_chips, "failures.repair_seconds": model.repair_seconds}
 
 
 def rows() -> dict:
@@ -64,10 +66,13 @@ def main(argv) -> None:
   del argv
   results, figures = shakespeare.compare(rows(), PUBLISHED["goodput"], counts=("failures",))
   loss, good = figures["eval_loss"], figures["goodput"]
-  print(json.dumps({"decoupled_vs_dp_loss": round(loss["decoupled_m8"] / loss["dp_no_failures"] - 1, 4),
-                    "goodput_gain_over_elastic_dp": round(good["decoupled_m8"] - good["elastic_dp"], 4),
-                    "lost_steps": {n: r.get("lost_steps") or 0 for n, r in results.items()},
-                    "virtual_seconds": figures["virtual_seconds"], "published": PUBLISHED}, sort_keys=True))
+  print(
+      json.dumps(
+          {
+              "decoupled_vs_dp_loss": round(loss["decoupled_m8"] / loss["dp_no_failures"] - 1, 4),
+              "goodput_gain_over_elastic_dp": round(good["decoupled_m8"] - good["elastic_dp"], 4), "lost_steps": {
+                  n: r.get("lost_steps") or 0 for n, r in results.items()
+              }, "virtual_seconds": figures["virtual_seconds"], "published": PUBLISHED}, sort_keys=True))
   common.emit({"eval_loss": loss, "goodput": good})
 
 

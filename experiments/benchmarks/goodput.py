@@ -43,18 +43,20 @@ from experiments.benchmarks import common
 
 CHIP_COUNTS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
 FIT_CHIPS = 1_200_000
-PUBLISHED = {"dp": 0.27, "elastic_dp": 0.58, "decoupled_m2": 0.70, "decoupled_m4": 0.82,
-             "decoupled_m8": 0.88, "decoupled_m16": 0.93}
+PUBLISHED = {
+    "dp": 0.27, "elastic_dp": 0.58, "decoupled_m2": 0.70, "decoupled_m4": 0.82, "decoupled_m8": 0.88,
+    "decoupled_m16": 0.93}
 STEP_SECONDS = 1.0
-INNER_STEPS = 24           # H of the paper's main runs.
+INNER_STEPS = 24  # H of the paper's main runs.
 DURATION_SECONDS = 8 * 3600
 SEED = 0
 WORKERS = 2  # Processes (the machine has 2 cores); results do not depend on it.
 DOMAIN_CHIPS = 256
 REPAIR_SECONDS = 3600.0
 # Row name -> (learner groups, elastic, steps per push). Data-parallel syncs every step.
-ROWS = {"dp": (1, False, 1), "elastic_dp": (1, True, 1),
-        **{f"decoupled_m{m}": (m, True, INNER_STEPS) for m in (2, 4, 8, 16)}}
+ROWS = {
+    "dp": (1, False, 1), "elastic_dp": (1, True, 1),
+    **{f"decoupled_m{m}": (m, True, INNER_STEPS) for m in (2, 4, 8, 16)}}
 
 
 def run_row(row: str, chips: int, failure_model: scale.FailureModel, elastic: bool | None = None) -> dict:
@@ -112,26 +114,25 @@ def main():
         f"resize {model.resize_seconds:.2f} s; fixed: domain {model.domain_chips} chips, repair "
         f"{model.repair_seconds:.0f} s, MTBI {model.mtbi_seconds:.0f} s per chip, step {STEP_SECONDS} s, "
         f"H {INNER_STEPS}, {DURATION_SECONDS / 3600:.0f} h simulated, seed {SEED}")
-  print(f"\n{'row':<15}" + "".join(f"{c:>9}" for c in CHIP_COUNTS)
-        + f"{'theory':>8}{'paper':>7}{'delta':>7}{'merges':>8}{'stale':>7}   (last five columns at {FIT_CHIPS})")
+  print(f"\n{'row':<15}" + "".join(f"{c:>9}" for c in CHIP_COUNTS) +
+        f"{'theory':>8}{'paper':>7}{'delta':>7}{'merges':>8}{'stale':>7}   (last five columns at {FIT_CHIPS})")
   for row, cells in results.items():
     at_fit, (learners, elastic, _) = cells[FIT_CHIPS], ROWS[row]
-    print(f"{row:<15}" + "".join(f"{cells[c]['goodput']:>9.1%}" for c in CHIP_COUNTS)
-          + f"{expected_goodput(model, FIT_CHIPS, learners, elastic):>8.1%}{PUBLISHED[row]:>7.0%}"
-          + f"{(at_fit['goodput'] - PUBLISHED[row]) * 100:>+7.1f}{at_fit['merges']:>8}{at_fit['mean_staleness']:>7.1f}")
-  print("ablation, decoupled groups non-elastic (full restart) at 1.2M: "
-        + ", ".join(f"{row[10:]} {g:.1%}" for row, g in ablation.items()))
+    print(f"{row:<15}" + "".join(f"{cells[c]['goodput']:>9.1%}" for c in CHIP_COUNTS) +
+          f"{expected_goodput(model, FIT_CHIPS, learners, elastic):>8.1%}{PUBLISHED[row]:>7.0%}" +
+          f"{(at_fit['goodput'] - PUBLISHED[row]) * 100:>+7.1f}{at_fit['merges']:>8}{at_fit['mean_staleness']:>7.1f}")
+  print("ablation, decoupled groups non-elastic (full restart) at 1.2M: " +
+        ", ".join(f"{row[10:]} {g:.1%}" for row, g in ablation.items()))
   print(f"runtime {time.perf_counter() - begin:.0f} s")
   common.emit({
-      "goodput": {row: {str(c): round(cell["goodput"], 4) for c, cell in cells.items()}
-                  for row, cells in results.items()},
+      "goodput": {
+          row: {str(c): round(cell["goodput"], 4) for c, cell in cells.items()} for row, cells in results.items()},
       "published_1200000": PUBLISHED,
       "merges_1200000": {row: cells[FIT_CHIPS]["merges"] for row, cells in results.items()},
       "mean_staleness_1200000": {row: round(cells[FIT_CHIPS]["mean_staleness"], 2) for row, cells in results.items()},
-      "ablation_non_elastic_1200000": {row: round(g, 4) for row, g in ablation.items()},
-      "parameters": {**{k: round(v, 3) for k, v in dataclasses.asdict(model).items()},
-                     "step_seconds": STEP_SECONDS, "inner_steps": INNER_STEPS,
-                     "duration_seconds": DURATION_SECONDS, "seed": SEED}})
+      "ablation_non_elastic_1200000": {row: round(g, 4) for row, g in ablation.items()}, "parameters": {
+          **{k: round(v, 3) for k, v in dataclasses.asdict(model).items()}, "step_seconds": STEP_SECONDS,
+          "inner_steps": INNER_STEPS, "duration_seconds": DURATION_SECONDS, "seed": SEED}})
 
 
 if __name__ == "__main__":

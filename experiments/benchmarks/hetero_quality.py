@@ -26,13 +26,13 @@ from decoupled_diloco.runtime import sim  # noqa: E402
 TARGET_ABOVE_SYNC = 1.02
 ROWS = {
     # ddp across both slice types is paced by the slow one: 64 sequences per slow step.
-    "ddp": {"mode": "ddp", "learners.devices": (8,), "learners.batch_size": (64,), "learners.speed": (1.0,),
-            "policy.kind": "fixed"},
+    "ddp": {
+        "mode": "ddp", "learners.devices": (8,), "learners.batch_size": (64,), "learners.speed": (1.0,),
+        "policy.kind": "fixed"},
     "sync_diloco": {"mode": "diloco", "outer.optimizer": "sgd", "policy.kind": "fixed"},
     "async_naive": {"outer.optimizer": "sgd", "syncer.staleness": "constant", "policy.kind": "fixed"},
     "decoupled": {},
-    "decoupled_homogeneous": {"learners.speed": (1.0, 1.0, 1.0, 1.0)},
-}
+    "decoupled_homogeneous": {"learners.speed": (1.0, 1.0, 1.0, 1.0)},}
 
 
 def evals(workdir: pathlib.Path) -> list[dict]:
@@ -55,8 +55,9 @@ def main():
       config = experiment.with_overrides(hetero_shakespeare.get_config(), overrides)
       sim.run(experiment.build(config), str(pathlib.Path(root) / name))
       curves[name], seconds[name] = evals(pathlib.Path(root) / name), time.time() - begin
-      print(f"{name}: eval {curves[name][-1]['eval_loss']:.4f} at virtual {curves[name][-1]['time']:.0f}s "
-            f"({seconds[name]:.0f}s wall)", flush=True)
+      print(
+          f"{name}: eval {curves[name][-1]['eval_loss']:.4f} at virtual {curves[name][-1]['time']:.0f}s "
+          f"({seconds[name]:.0f}s wall)", flush=True)
   eval_loss = {name: round(c[-1]["eval_loss"], 4) for name, c in curves.items()}
   target = TARGET_ABOVE_SYNC * eval_loss["sync_diloco"]
   time_to_target = {name: time_to(target, c) for name, c in curves.items()}
@@ -66,12 +67,13 @@ def main():
     print(f"{name:24s} {eval_loss[name]:10.4f} {('%.0f s' % reached) if reached is not None else 'never':>16s}")
   sync_time, dec_time = time_to_target["sync_diloco"], time_to_target["decoupled"]
   common.emit({
-      "eval_loss": eval_loss, "time_to_target": time_to_target, "target_loss": round(target, 4),
+      "eval_loss": eval_loss,
+      "time_to_target": time_to_target,
+      "target_loss": round(target, 4),
       "decoupled_vs_sync_loss": round(eval_loss["decoupled"] / eval_loss["sync_diloco"] - 1, 4),
       "hetero_vs_homogeneous_loss": round(eval_loss["decoupled"] / eval_loss["decoupled_homogeneous"] - 1, 4),
       "speedup_to_target_vs_sync": round(sync_time / dec_time, 3) if sync_time and dec_time else None,
-      "wall_seconds": {name: round(s) for name, s in seconds.items()},
-  })
+      "wall_seconds": {name: round(s) for name, s in seconds.items()},})
 
 
 if __name__ == "__main__":

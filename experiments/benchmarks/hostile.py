@@ -57,8 +57,8 @@ def _honest(address: str, learner: int, start, round_seconds: float, out) -> Non
   from decoupled_diloco.service import client as client_lib  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.service import security  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  client = client_lib.SyncerClient(address, security.learner_credential(SECRET, learner), learner,
-                                   chunk_bytes=1 << 20, timeout_seconds=60, retry_seconds=120, data_channel=True)
+  client = client_lib.SyncerClient(address, security.learner_credential(SECRET, learner), learner, chunk_bytes=1 << 20,
+                                   timeout_seconds=60, retry_seconds=120, data_channel=True)
   status, theta = client.join()
   delta = jax.tree.map(lambda x: np.full(x.shape, 1e-4, np.float32), theta)
   seq, rounds = status["acked_seq"] + 1, []
@@ -87,11 +87,11 @@ def _attack(address: str, seconds: float, out) -> None:
   credential = security.learner_credential(SECRET, ATTACKER)
   host = address.rsplit(":", 1)[0]
   data_port = attacks.ticket(address, attacks.push_header(ATTACKER, 8), credential)["port"]
-  loops = ([lambda stop: attacks.reconnect_flood(host, data_port, stop)] * 4
-           + [lambda stop: attacks.reconnect_flood(host, data_port, stop, hold_seconds=30)] * 4
-           + [lambda stop: attacks.slow_sender(address, data_port, credential, ATTACKER, stop)] * 2
-           + [lambda stop: attacks.stalled_push(address, credential, ATTACKER, stop, payload_bytes=64 << 10)] * 4
-           + [lambda stop: attacks.poison_headers(address, credential, ATTACKER, 0, stop, pause=0.01)] * 2)
+  loops = ([lambda stop: attacks.reconnect_flood(host, data_port, stop)] * 4 +
+           [lambda stop: attacks.reconnect_flood(host, data_port, stop, hold_seconds=30)] * 4 +
+           [lambda stop: attacks.slow_sender(address, data_port, credential, ATTACKER, stop)] * 2 +
+           [lambda stop: attacks.stalled_push(address, credential, ATTACKER, stop, payload_bytes=64 << 10)] * 4 +
+           [lambda stop: attacks.poison_headers(address, credential, ATTACKER, 0, stop, pause=0.01)] * 2)
   results = attacks.run_for(seconds, loops)
   total = collections.Counter()
   for result in results:
@@ -142,8 +142,8 @@ def main():
       for process in [*honest, attacker]:
         process.join(timeout=60)
       cluster.processes["syncer"].wait(timeout=300)
-      summary = next(r for r in metrics_lib.read_metrics(os.path.join(workdir, "metrics.jsonl"))
-                     if r["kind"] == "summary")
+      summary = next(
+          r for r in metrics_lib.read_metrics(os.path.join(workdir, "metrics.jsonl")) if r["kind"] == "summary")
     finally:
       cluster.stop()
   attack_volume = next(r for r in results if isinstance(r, dict))
@@ -154,18 +154,18 @@ def main():
   failed = [o for rounds in learners.values() for *_, o in rounds if o not in ("applied", "dropped", "late")]
   for outcome in failed[:5]:
     print("honest exchange failed:", outcome)
-  print(json.dumps({
-      "honest_push_p99_seconds": round(float(np.percentile(attacked, 99)), 4),
-      "honest_push_p50_seconds": round(float(np.percentile(attacked, 50)), 4),
-      "blocked_fraction_undisturbed": round(float(undisturbed), 4),
-      "blocked_fraction_under_attack": round(float(under_attack), 4),
-      "blocked_ratio": round(float(under_attack / undisturbed), 3),
-      "honest_refused": len(failed), "honest_exchanges": sum(len(r) for r in learners.values()),
-      "refused": summary["refused_calls"], "attack_attempts": attack_volume,
-      "syncer_rss_growth_mb": round(rss_after - rss_before, 1), "syncer_rss_peak_growth_mb": round(
-          rss_peak - rss_before, 1),
-      "phase_seconds": args.phase_seconds, "round_seconds": args.round_seconds,
-      "run_done": summary["done"]}))
+  print(
+      json.dumps({
+          "honest_push_p99_seconds": round(float(np.percentile(attacked, 99)),
+                                           4), "honest_push_p50_seconds": round(float(np.percentile(attacked, 50)), 4),
+          "blocked_fraction_undisturbed": round(float(undisturbed),
+                                                4), "blocked_fraction_under_attack": round(float(under_attack), 4),
+          "blocked_ratio": round(float(under_attack / undisturbed), 3), "honest_refused": len(failed),
+          "honest_exchanges": sum(len(r) for r in learners.values()
+                                 ), "refused": summary["refused_calls"], "attack_attempts": attack_volume,
+          "syncer_rss_growth_mb": round(rss_after - rss_before,
+                                        1), "syncer_rss_peak_growth_mb": round(rss_peak - rss_before, 1),
+          "phase_seconds": args.phase_seconds, "round_seconds": args.round_seconds, "run_done": summary["done"]}))
 
 
 if __name__ == "__main__":

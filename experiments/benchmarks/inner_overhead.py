@@ -41,8 +41,7 @@ def benchmark_config():
 def bare_loop(config, devices):
   """The hand-written baseline: params, AdamW, a jitted donated step, batches from numpy."""
   model, params, _ = model_lib.build_model(config.model, config.seed)
-  mesh = jax.make_mesh((len(devices),), ("data",), devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = jax.make_mesh((len(devices),), ("data",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
   replicated, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(config.inner.lr, weight_decay=0.1))
   params = jax.device_put(params, replicated)
@@ -55,8 +54,9 @@ def bare_loop(config, devices):
 
   step = jax.jit(step, donate_argnums=(0, 1))
   rng = np.random.default_rng(0)
-  batches = [rng.integers(0, 256, (config.learners.batch_size[0], config.model.seq_len + 1), dtype=np.int32)
-             for _ in range(STEPS_PER_BLOCK)]
+  batches = [
+      rng.integers(0, 256, (config.learners.batch_size[0], config.model.seq_len + 1), dtype=np.int32)
+      for _ in range(STEPS_PER_BLOCK)]
   state = {"params": params, "opt_state": opt_state}
 
   def run_block():
@@ -64,6 +64,7 @@ def bare_loop(config, devices):
       state["params"], state["opt_state"], loss = step(state["params"], state["opt_state"],
                                                        jax.device_put(batch, split))
     jax.block_until_ready(loss)
+
   return run_block
 
 
@@ -75,6 +76,7 @@ def framework_loop(config, devices):
     for _ in range(STEPS_PER_BLOCK):
       learner.step()
     learner.drain_losses()
+
   return run_block
 
 
@@ -88,9 +90,10 @@ def main():
   medians = common.interleaved_medians(runners, BLOCKS)
   per_step = {name: seconds / STEPS_PER_BLOCK for name, seconds in medians.items()}
   print(f"framework {per_step['framework'] * 1e3:.2f} ms/step, bare {per_step['bare'] * 1e3:.2f} ms/step")
-  common.emit({"ratio": round(per_step["framework"] / per_step["bare"], 4),
-               "framework_ms_per_step": round(per_step["framework"] * 1e3, 3),
-               "bare_ms_per_step": round(per_step["bare"] * 1e3, 3)})
+  common.emit({
+      "ratio": round(per_step["framework"] / per_step["bare"],
+                     4), "framework_ms_per_step": round(per_step["framework"] * 1e3, 3),
+      "bare_ms_per_step": round(per_step["bare"] * 1e3, 3)})
 
 
 if __name__ == "__main__":

@@ -36,9 +36,9 @@ def main():
   args = parser.parse_args()
   overlap = args.inner_steps - 1 if args.overlap_steps is None else args.overlap_steps
   with tempfile.TemporaryDirectory() as workdir:
-    cluster = LocalCluster("configs/demo.py", workdir, [*OVERRIDES, f"--config.outer_steps={args.outer_steps}",
-                                                        f"--config.inner_steps={args.inner_steps}",
-                                                        f"--config.streaming.overlap_steps={overlap}"], 2)
+    cluster = LocalCluster("configs/demo.py", workdir, [
+        *OVERRIDES, f"--config.outer_steps={args.outer_steps}", f"--config.inner_steps={args.inner_steps}",
+        f"--config.streaming.overlap_steps={overlap}"], 2)
     begin = time.perf_counter()
     common.run_to_end(cluster, 1800)
     summaries = common.learner_summaries(cluster)
@@ -54,8 +54,7 @@ def main():
       "blocked_fraction_per_learner": [round(s["blocked_fraction"], 4) for s in summaries],
       "exchange_fraction": round(max(s["exchange_seconds"] / s["wall_seconds"] for s in summaries), 4),
       "final_ack_fraction": round(max(s["final_ack_seconds"] / s["wall_seconds"] for s in summaries), 4),
-      "rounds": [s["rounds"] for s in summaries],
-  })
+      "rounds": [s["rounds"] for s in summaries],})
 
 
 if __name__ == "__main__":

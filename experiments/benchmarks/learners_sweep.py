@@ -30,8 +30,9 @@ def main(argv) -> None:
   print(f"\n{'M':>3s} {'eval loss':>10s} {'paper text score':>17s}")
   for m, value in loss.items():
     print(f"{m:>3s} {value:10.4f} {PUBLISHED.get(m, float('nan')):17.1f}")
-  common.emit({"eval_loss": loss, "virtual_seconds": {m: round(r["virtual_seconds"], 1) for m, r in results.items()},
-               "wall_seconds": {m: r["wall_seconds"] for m, r in results.items()}, "published": PUBLISHED})
+  common.emit({
+      "eval_loss": loss, "virtual_seconds": {m: round(r["virtual_seconds"], 1) for m, r in results.items()},
+      "wall_seconds": {m: r["wall_seconds"] for m, r in results.items()}, "published": PUBLISHED})
 
 
 if __name__ == "__main__":

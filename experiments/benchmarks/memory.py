@@ -69,10 +69,12 @@ def main():
   device_bytes, host_bytes, num_params = framework_peak(config, devices)
   gc.collect()
   bare_bytes = bare_peak(config, devices)
-  figures = {"device_ratio": round(device_bytes / bare_bytes, 4),
-             "host_bytes_per_param": round((host_bytes - baseline_host) / num_params, 3),
-             "framework_device_bytes": device_bytes, "bare_device_bytes": bare_bytes, "params": num_params}
-  print(f"device: framework {device_bytes:,} B vs bare {bare_bytes:,} B; host {host_bytes:,} B for {num_params:,} params")
+  figures = {
+      "device_ratio": round(device_bytes / bare_bytes, 4), "host_bytes_per_param": round(
+          (host_bytes - baseline_host) / num_params, 3), "framework_device_bytes": device_bytes,
+      "bare_device_bytes": bare_bytes, "params": num_params}
+  print(
+      f"device: framework {device_bytes:,} B vs bare {bare_bytes:,} B; host {host_bytes:,} B for {num_params:,} params")
   common.emit(figures)
 
 

@@ -51,8 +51,9 @@ def main(argv) -> None:
   targets = [np.empty_like(leaf) for leaf in sources]
 
   def merge():
-    reports = [syncer.receive(Push(k, delta, syncer.version, 1024 * (k + 1), 16), now=0.0)[1]
-               for k, delta in enumerate(deltas)]
+    reports = [
+        syncer.receive(Push(k, delta, syncer.version, 1024 * (k + 1), 16), now=0.0)[1] for k, delta in enumerate(deltas)
+    ]
     assert reports[-1] is not None
     jax.block_until_ready(syncer.params)
 
@@ -63,9 +64,11 @@ def main(argv) -> None:
   merge(), copy()  # Compile and warm up.
   medians = common.interleaved_medians({"syncer": merge, "numpy": copy}, _BLOCKS.value)
   size = sum(leaf.nbytes for leaf in sources)
-  common.emit_keys(common.throughput_figures({"benchmark": "merge_throughput", "pushes": m, "params": _PARAMS.value,
-                                              "load_average": round(os.getloadavg()[0], 1)}, size, medians,
-                                             "syncer", "numpy"), ("ratio",))
+  common.emit_keys(
+      common.throughput_figures(
+          {
+              "benchmark": "merge_throughput", "pushes": m, "params": _PARAMS.value, "load_average": round(
+                  os.getloadavg()[0], 1)}, size, medians, "syncer", "numpy"), ("ratio",))
 
 
 if __name__ == "__main__":

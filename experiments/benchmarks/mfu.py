@@ -45,11 +45,13 @@ from decoupled_diloco import hardware, inner, mesh, model as model_lib  # noqa: 
 from decoupled_diloco.model import attention  # noqa: E402
 
 # Peak dense bf16 FLOP/s per device, by jax device_kind prefix.
-_PEAKS = {"TPU v4": hardware.CHIP_PEAK_FLOPS["v4"], "TPU v5 lite": hardware.CHIP_PEAK_FLOPS["v5e"],
-          "TPU v5": hardware.CHIP_PEAK_FLOPS["v5p"], "TPU v6 lite": hardware.CHIP_PEAK_FLOPS["v6e"],
-          "NVIDIA H100": 989e12, "NVIDIA H200": 989e12}
-SIZES = {"125m": dict(d_model=768, num_layers=12, num_heads=12, d_ff=2048),
-         "350m": dict(d_model=1024, num_layers=24, num_heads=16, d_ff=2816)}
+_PEAKS = {
+    "TPU v4": hardware.CHIP_PEAK_FLOPS["v4"], "TPU v5 lite": hardware.CHIP_PEAK_FLOPS["v5e"],
+    "TPU v5": hardware.CHIP_PEAK_FLOPS["v5p"], "TPU v6 lite": hardware.CHIP_PEAK_FLOPS["v6e"], "NVIDIA H100": 989e12,
+    "NVIDIA H200": 989e12}
+SIZES = {
+    "125m": dict(d_model=768, num_layers=12, num_heads=12, d_ff=2048), "350m": dict(d_model=1024, num_layers=24,
+                                                                                    num_heads=16, d_ff=2816)}
 # attention/remat: the plain model, the fused kernel per backend, and the remat policies that trade FLOPs for memory.
 VARIANTS = ("xla/none", "dot_product/none", "auto/minimal", "auto/full")
 
@@ -62,8 +64,9 @@ def model_config(size: str, variant: str, on_cpu: bool, scan_layers: bool = True
     shape = dict(d_model=shape["d_model"] // 8, num_layers=shape["num_layers"] // 4, num_heads=shape["num_heads"],
                  d_ff=shape["d_ff"] // 8, vocab_size=1024, seq_len=128)
   attention_kind, remat = variant.split("/")
-  cfg.update(dict(shape, dtype="bfloat16", position="rope", mlp="swiglu", scan_layers=scan_layers,
-                  attention=attention_kind, remat=remat))
+  cfg.update(
+      dict(shape, dtype="bfloat16", position="rope", mlp="swiglu", scan_layers=scan_layers, attention=attention_kind,
+           remat=remat))
   return cfg
 
 
@@ -72,7 +75,7 @@ def xla_vs_analytic_flops(size: str) -> float:
   cfg = model_config(size, "xla/none", on_cpu=False, scan_layers=False)
   model, shapes, _ = model_lib.abstract_params(cfg)
   cost = jax.jit(jax.value_and_grad(model.loss)).lower(shapes, jax.ShapeDtypeStruct((1, cfg.seq_len + 1),
-                                                                                     "int32")).cost_analysis()
+                                                                                    "int32")).cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   return round(float(cost["flops"]) / (model_lib.flops_per_token(cfg) * cfg.seq_len), 4)
 
@@ -91,8 +94,7 @@ def runners(cfg, devices, batch_size, steps):
   """
   model, params, axes = model_lib.build_model(cfg, seed=0)
   optimizer = inner.inner_optimizer(default.get_config().inner, 10_000)
-  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(devices), jax.eval_shape(lambda p: p, params),
-                                axes)
+  loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(devices), jax.eval_shape(lambda p: p, params), axes)
   rng = np.random.default_rng(0)
   batches = [rng.integers(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), dtype=np.int32) for _ in range(steps)]
   framework = {"state": loop.init(params)}
@@ -162,8 +164,9 @@ def paired_ratios(run_framework, run_bare, blocks: int) -> dict:
   figures = {}
   for clock in ("cpu", "wall"):
     ratios = sorted(f / b for f, b in zip(times["framework", clock], times["bare", clock]))
-    figures[clock] = {"framework_s": statistics.median(times["framework", clock]),
-                      "ratio": statistics.median(ratios), "ratio_range": (ratios[0], ratios[-1])}
+    figures[clock] = {
+        "framework_s": statistics.median(times["framework", clock]), "ratio": statistics.median(ratios),
+        "ratio_range": (ratios[0], ratios[-1])}
   return figures
 
 
@@ -189,17 +192,20 @@ def measure(sizes, variants, blocks: int, steps: int) -> tuple[dict, dict]:
         continue  # `auto` resolved to a kernel already timed with the same remat.
       run_framework, run_bare, costs[name] = runners(cfg, devices, batch_size, steps)
       run_framework(), run_bare()  # compile and warm up
-      timed[name] = {c: {"ms_per_step": round(f["framework_s"] / steps * 1e3, 2), "ratio": round(f["ratio"], 4),
-                         "ratio_range": [round(r, 4) for r in f["ratio_range"]]}
-                     for c, f in paired_ratios(run_framework, run_bare, blocks).items()}
+      timed[name] = {
+          c: {
+              "ms_per_step": round(f["framework_s"] / steps * 1e3, 2), "ratio": round(f["ratio"], 4),
+              "ratio_range": [round(r, 4) for r in f["ratio_range"]
+                             ]} for c, f in paired_ratios(run_framework, run_bare, blocks).items()}
       flops = model_lib.flops_per_token(cfg) * batch_size * cfg.seq_len
       step_s = timed[name]["wall"]["ms_per_step"] / 1e3
       mfu[name] = None if peak is None else round(flops / step_s / (peak * len(devices)), 4)
       print(f"{name}: {timed[name]}, mfu {mfu[name]}, compiled {costs[name]}", flush=True)
-  context = {"device": devices[0].device_kind, "load_average": os.getloadavg(), "devices": len(devices),
-             "batch_size": batch_size, "steps_per_block": steps, "blocks": blocks, "ratio_clock": clock,
-             "timed": timed, "compiled_framework_vs_bare": costs,
-             "flops_xla_vs_analytic": {size: xla_vs_analytic_flops(size) for size in sizes}}
+  context = {
+      "device": devices[0].device_kind, "load_average": os.getloadavg(), "devices": len(devices),
+      "batch_size": batch_size, "steps_per_block": steps, "blocks": blocks, "ratio_clock": clock, "timed": timed,
+      "compiled_framework_vs_bare": costs,
+      "flops_xla_vs_analytic": {size: xla_vs_analytic_flops(size) for size in sizes}}
   return context, {"backend": backend, "mfu": mfu, "ratio": max(t[clock]["ratio"] for t in timed.values())}
 
 

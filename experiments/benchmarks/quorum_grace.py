@@ -35,23 +35,24 @@ from experiments.benchmarks import shakespeare  # noqa: E402
 
 LEARNERS, OUTER_STEPS, OVERLAP = 8, 8, 4
 SPEED_GAP, JITTER = 1.18, 0.1
-PUBLISHED = {"text_score": {"k_all": 54.4, "k1": 51.4, "k1_grace": 55.3},
-             "goodput": {"k_all": 0.84, "k1": 1.0, "k1_grace": 1.0}}
+PUBLISHED = {
+    "text_score": {"k_all": 54.4, "k1": 51.4, "k1_grace": 55.3}, "goodput": {"k_all": 0.84, "k1": 1.0, "k1_grace": 1.0}}
 
 
 def rows() -> dict:
   """Row name -> config; tiny size keeps the rows with 2 learners (one fast, one slow) and τ = 2 (H = 4 there)."""
   learners, overlap = (2, 2) if shakespeare.tiny() else (LEARNERS, OVERLAP)
-  mixed = {"learners.speed": (SPEED_GAP,) * (learners // 2) + (1.0,) * (learners // 2), "learners.jitter": JITTER,
-           "streaming.overlap_steps": overlap}
+  mixed = {
+      "learners.speed": (SPEED_GAP,) * (learners // 2) + (1.0,) * (learners // 2), "learners.jitter": JITTER,
+      "streaming.overlap_steps": overlap}
   quorum_1 = {**mixed, "policy.kind": "dylu"}
   return {
       "k_all": shakespeare.config(learners, OUTER_STEPS, **mixed, mode="diloco",
                                   **{"outer.optimizer": "sgd", "outer.buffer_size": 1}),
       "k1": shakespeare.config(learners, OUTER_STEPS, **quorum_1),
-      "k1_grace": shakespeare.config(learners, OUTER_STEPS, **quorum_1, **{
-          "syncer.grace_gamma": 0.8, "syncer.grace_overlap_steps": float(overlap), "outer.buffer_size": 2}),
-  }
+      "k1_grace": shakespeare.config(
+          learners, OUTER_STEPS, **quorum_1,
+          **{"syncer.grace_gamma": 0.8, "syncer.grace_overlap_steps": float(overlap), "outer.buffer_size": 2}),}
 
 
 def main(argv) -> None:

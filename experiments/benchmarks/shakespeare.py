@@ -23,7 +23,7 @@ _SIZE = flags.DEFINE_enum("size", "full", ["full", "tiny"], "'tiny': a few steps
 _OUTER = flags.DEFINE_integer("outer_steps", 0, "Rounds of H steps per learner; 0 = the benchmark's own.")
 
 GLOBAL_BATCH = 32  # Sequences per step summed over learners: every row sees the same tokens per step.
-INNER_STEPS = 20   # H.
+INNER_STEPS = 20  # H.
 
 
 def tiny() -> bool:
@@ -59,8 +59,9 @@ def run(name: str, cfg) -> dict:
   with tempfile.TemporaryDirectory() as workdir:
     summary = sim.run(experiment.build(cfg), workdir)
   summary["wall_seconds"] = round(time.time() - begin)
-  print(f"{name}: eval {summary['eval_loss']:.4f}, goodput {summary['goodput']:.3f}, virtual "
-        f"{summary['virtual_seconds']:.0f} s, {summary['wall_seconds']} s wall", flush=True)
+  print(
+      f"{name}: eval {summary['eval_loss']:.4f}, goodput {summary['goodput']:.3f}, virtual "
+      f"{summary['virtual_seconds']:.0f} s, {summary['wall_seconds']} s wall", flush=True)
   return summary
 
 
@@ -75,13 +76,14 @@ def compare(rows: dict, published_goodput: dict, counts: tuple[str, ...] = ()) -
   loss, good = ({n: round(r[k], 4) for n, r in results.items()} for k in ("eval_loss", "goodput"))
   base = next(iter(loss))
   width = max(len(name) for name in rows) + 2
-  print(f"\n{'row':{width}s} {'eval loss':>10s} {'vs ' + base:>{len(base) + 4}s} {'goodput':>8s} {'paper':>6s} "
-        + "".join(f"{c:>10s} " for c in counts) + f"{'virtual s':>10s}")
+  print(f"\n{'row':{width}s} {'eval loss':>10s} {'vs ' + base:>{len(base) + 4}s} {'goodput':>8s} {'paper':>6s} " +
+        "".join(f"{c:>10s} " for c in counts) + f"{'virtual s':>10s}")
   for name, r in results.items():
     print(f"{name:{width}s} {loss[name]:10.4f} {loss[name] / loss[base]:{len(base) + 4}.4f} {good[name]:8.1%} "
-          f"{published_goodput[name]:6.0%} " + "".join(f"{r.get(c) or 0:10d} " for c in counts)
-          + f"{r['virtual_seconds']:10.0f}")
+          f"{published_goodput[name]:6.0%} " + "".join(f"{r.get(c) or 0:10d} " for c in counts) +
+          f"{r['virtual_seconds']:10.0f}")
   return results, {
-      "eval_loss": loss, "goodput": good, **{c: {n: r.get(c) or 0 for n, r in results.items()} for c in counts},
-      "virtual_seconds": {n: round(r["virtual_seconds"], 1) for n, r in results.items()},
+      "eval_loss": loss, "goodput": good,
+      **{c: {n: r.get(c) or 0 for n, r in results.items()} for c in counts}, "virtual_seconds": {
+          n: round(r["virtual_seconds"], 1) for n, r in results.items()},
       "wall_seconds": {n: r["wall_seconds"] for n, r in results.items()}}

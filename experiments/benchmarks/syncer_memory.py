@@ -56,8 +56,9 @@ def _write_payload(path: str, fmt: str, n: int) -> int:
   from decoupled_diloco import compression  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.service import wire  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
-  leaves = [rng.standard_normal(shape, dtype=np.float32) * 1e-3
-            for shape in jax.tree.leaves(_shapes(n), is_leaf=lambda x: isinstance(x, tuple))]
+  leaves = [
+      rng.standard_normal(shape, dtype=np.float32) * 1e-3
+      for shape in jax.tree.leaves(_shapes(n), is_leaf=lambda x: isinstance(x, tuple))]
   if fmt == "fp32":
     payload = jax.tree.unflatten(jax.tree.structure(_shapes(n), is_leaf=lambda x: isinstance(x, tuple)), leaves)
   else:
@@ -88,8 +89,8 @@ def _child(fmt: str, count: int, path: str, n: int) -> dict:
   syncer.warm_up()  # As the service does: nothing is compiled during the measured phase.
   size = os.path.getsize(path)
   with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as directory:
-    core = core_lib.SyncerCore(syncer, count, budget_steps=10**9, directory=directory,
-                               checkpoint_every_merges=10**6, lease_seconds=1e9, metadata={})
+    core = core_lib.SyncerCore(syncer, count, budget_steps=10**9, directory=directory, checkpoint_every_merges=10**6,
+                               lease_seconds=1e9, metadata={})
     core.start(time.time())
     core.pull(0, 0, -1, time.time())  # Θ encoded for pulls, as after every merge.
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
@@ -99,9 +100,10 @@ def _child(fmt: str, count: int, path: str, n: int) -> dict:
       with open(path, "rb", buffering=0) as f:  # As the data channel receives: recv_into this buffer.
         assert f.readinto(payload) == size
       payload.flags.writeable = False
-      header = {"learner": learner, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 1024 * (learner + 1),
-                "local_steps": 16, "budget_steps": 16, "budget_tokens": 1024, "compute_seconds": 1.0,
-                "payload_bytes": size, "incarnation": 0}
+      header = {
+          "learner": learner, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 1024 * (learner + 1),
+          "local_steps": 16, "budget_steps": 16, "budget_tokens": 1024, "compute_seconds": 1.0, "payload_bytes": size,
+          "incarnation": 0}
       reply = core.push(header, payload, time.time())
       assert reply["status"] == "applied", reply
       del payload
@@ -115,8 +117,9 @@ def _child(fmt: str, count: int, path: str, n: int) -> dict:
 
 
 def _run_child(fmt: str, count: int, path: str, n: int) -> dict:
-  command = [sys.executable, "-m", "experiments.benchmarks.syncer_memory", f"--child={fmt}:{count}",
-             f"--payload={path}", f"--params={n}"]
+  command = [
+      sys.executable, "-m", "experiments.benchmarks.syncer_memory", f"--child={fmt}:{count}", f"--payload={path}",
+      f"--params={n}"]
   result = subprocess.run(command, capture_output=True, text=True, check=False)
   if result.returncode:
     raise RuntimeError(f"child {fmt} M={count} failed:\n{result.stderr[-3000:]}")
@@ -140,19 +143,20 @@ def main(argv) -> None:
         idle_kb[fmt, count] = _run_child(fmt, count, os.path.join(directory, f"{fmt}_{_IDLE_PARAMS}.payload"),
                                          _IDLE_PARAMS)["peak_kb"]
         row = _run_child(fmt, count, os.path.join(directory, f"{fmt}_{n}.payload"), n)
-        rows[fmt, count] = {**row, "idle_rss_mb": round(idle_kb[fmt, count] / 1024, 1),
-                            "peak_bytes_per_param": round((row["peak_kb"] - idle_kb[fmt, count]) * 1024 / n, 2),
-                            "steady_bytes_per_param": round((row["steady_kb"] - idle_kb[fmt, count]) * 1024 / n, 2)}
+        rows[fmt, count] = {
+            **row, "idle_rss_mb": round(idle_kb[fmt, count] / 1024, 1), "peak_bytes_per_param": round(
+                (row["peak_kb"] - idle_kb[fmt, count]) * 1024 / n, 2), "steady_bytes_per_param": round(
+                    (row["steady_kb"] - idle_kb[fmt, count]) * 1024 / n, 2)}
         print(json.dumps(rows[fmt, count]), flush=True)
-  common.emit_keys({"benchmark": "syncer_memory", "params": n,
-                    "host_bytes_per_param": {m: r["peak_bytes_per_param"] for (f, m), r in rows.items() if f == "fp32"},
-                    "int4_host_bytes_per_param": {m: r["peak_bytes_per_param"]
-                                                  for (f, m), r in rows.items() if f == "int4"},
-                    "steady_bytes_per_param": {m: r["steady_bytes_per_param"]
-                                               for (f, m), r in rows.items() if f == "fp32"},
-                    "idle_rss_mb": max(r["idle_rss_mb"] for r in rows.values()),
-                    "payload_bytes": {f: r["payload_bytes"] for (f, m), r in rows.items()},
-                    "load_average": round(os.getloadavg()[0], 1)}, ("host_bytes_per_param",))
+  common.emit_keys(
+      {
+          "benchmark": "syncer_memory", "params": n, "host_bytes_per_param": {
+              m: r["peak_bytes_per_param"] for (f, m), r in rows.items() if f == "fp32"}, "int4_host_bytes_per_param": {
+                  m: r["peak_bytes_per_param"] for (f, m), r in rows.items() if f == "int4"}, "steady_bytes_per_param": {
+                      m: r["steady_bytes_per_param"] for (f, m), r in rows.items() if f == "fp32"},
+          "idle_rss_mb": max(r["idle_rss_mb"] for r in rows.values()), "payload_bytes": {
+              f: r["payload_bytes"] for (f, m), r in rows.items()}, "load_average": round(os.getloadavg()[0], 1)},
+      ("host_bytes_per_param",))
 
 
 if __name__ == "__main__":

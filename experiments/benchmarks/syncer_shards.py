@@ -90,8 +90,8 @@ def _child(num_shards: int, shard: int, directory: str, n: int, num_fragments: i
   params = _params(n)
   assignment = _assignment(params, num_fragments)
   optimizer = outer.outer_optimizer(ConfigDict({"optimizer": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}))
-  make = lambda part, part_assignment: Syncer(optimizer, part, range(_LEARNERS), Settings(quorum=_LEARNERS),
-                                              assignment=part_assignment)
+  make = lambda part, part_assignment: Syncer(optimizer, part, range(_LEARNERS), Settings(quorum=_LEARNERS), assignment=
+                                              part_assignment)
   syncer = shards.build(make, params, assignment, num_shards, shard)
   owned = shards.ShardMap.of(params, assignment, num_shards).owned(shard)
   del params
@@ -109,17 +109,18 @@ def _child(num_shards: int, shard: int, directory: str, n: int, num_fragments: i
         merges, pushed = merges + (report is not None), pushed + size
   jax.block_until_ready(syncer.params)
   seconds = time.perf_counter() - begin
-  return {"shard": shard, "fragments": len(owned), "merges": merges, "seconds": seconds,
-          "outer_steps_per_second": merges / seconds, "bytes_per_second": pushed / seconds,
-          "peak_kb": _status_kb("VmHWM")}
+  return {
+      "shard": shard, "fragments": len(owned), "merges": merges, "seconds": seconds,
+      "outer_steps_per_second": merges / seconds, "bytes_per_second": pushed / seconds, "peak_kb": _status_kb("VmHWM")}
 
 
 def _run_shards(num_shards: int, directory: str, n: int, num_fragments: int, rounds: int) -> list[dict]:
   """S children started together; released at once when all are ready; their rows."""
-  children = [subprocess.Popen(
-      [sys.executable, "-m", "experiments.benchmarks.syncer_shards", f"--child={num_shards}:{s}",
-       f"--payloads={directory}", f"--params={n}", f"--fragments={num_fragments}", f"--rounds={rounds}"],
-      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for s in range(num_shards)]
+  children = [
+      subprocess.Popen([
+          sys.executable, "-m", "experiments.benchmarks.syncer_shards", f"--child={num_shards}:{s}",
+          f"--payloads={directory}", f"--params={n}", f"--fragments={num_fragments}", f"--rounds={rounds}"],
+                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for s in range(num_shards)]
   for child in children:
     if child.stdout.readline().strip() != "ready":
       raise RuntimeError(f"a shard child of S={num_shards} failed before it was ready (see its stderr above)")
@@ -144,14 +145,16 @@ def measure(n: int, num_fragments: int, rounds: int) -> dict:
     runs = {s: _run_shards(s, directory, n, num_fragments, rounds) for s in (1, 2)}
   steps = {s: sum(r["merges"] for r in rows) / max(r["seconds"] for r in rows) for s, rows in runs.items()}
   net = {s: max(r["peak_kb"] for r in rows) - idle_kb for s, rows in runs.items()}
-  return {"benchmark": "syncer_shards", "params": n, "fragments": num_fragments, "learners": _LEARNERS,
-          "rounds": rounds, "idle_rss_mb": round(idle_kb / 1024, 1),
-          "outer_steps_per_second": {s: round(v, 3) for s, v in steps.items()},
-          "per_shard": {s: [{"outer_steps_per_second": round(r["outer_steps_per_second"], 3),
-                             "bytes_per_second": round(r["bytes_per_second"]), "fragments": r["fragments"],
-                             "rss_mb": round(r["peak_kb"] / 1024, 1)} for r in rows] for s, rows in runs.items()},
-          "memory_per_shard_ratio": round(net[2] / net[1], 3), "throughput_ratio": round(steps[2] / steps[1], 3),
-          "load_average": round(os.getloadavg()[0], 1)}
+  return {
+      "benchmark": "syncer_shards", "params": n, "fragments": num_fragments, "learners": _LEARNERS, "rounds": rounds,
+      "idle_rss_mb": round(idle_kb / 1024, 1), "outer_steps_per_second": {s: round(v, 3) for s, v in steps.items()},
+      "per_shard": {
+          s: [{
+              "outer_steps_per_second": round(r["outer_steps_per_second"],
+                                              3), "bytes_per_second": round(r["bytes_per_second"]),
+              "fragments": r["fragments"], "rss_mb": round(r["peak_kb"] / 1024, 1)}
+              for r in rows] for s, rows in runs.items()}, "memory_per_shard_ratio": round(net[2] / net[1], 3),
+      "throughput_ratio": round(steps[2] / steps[1], 3), "load_average": round(os.getloadavg()[0], 1)}
 
 
 def main(argv) -> None:

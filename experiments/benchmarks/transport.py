@@ -67,8 +67,9 @@ class _DecodeOnlyCore:
 
   @staticmethod
   def _status(acked_seq: int, incarnation: int) -> dict:
-    return {"version": 0, "versions": [0], "acked_seq": acked_seq, "steps_left": 1, "done": False, "max_speed": 0.0,
-            "incarnation": incarnation, "syncer_incarnation": 1}
+    return {
+        "version": 0, "versions": [0], "acked_seq": acked_seq, "steps_left": 1, "done": False, "max_speed": 0.0,
+        "incarnation": incarnation, "syncer_incarnation": 1}
 
 
 def _service(chunk_bytes: int, max_payload: int, theta: list) -> tuple[object, int]:
@@ -88,8 +89,8 @@ def _bare_grpc(chunk_bytes: int) -> tuple[grpc.Server, int]:
     return str(sum(len(m) for m in messages)).encode()
 
   bare = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=server.message_options(chunk_bytes))
-  bare.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-      "benchmark.Bare", {"Drain": grpc.stream_unary_rpc_method_handler(drain)}),))
+  bare.add_generic_rpc_handlers(
+      (grpc.method_handlers_generic_handler("benchmark.Bare", {"Drain": grpc.stream_unary_rpc_method_handler(drain)}),))
   port = bare.add_insecure_port("127.0.0.1:0")
   bare.start()
   return bare, port
@@ -166,17 +167,19 @@ def main(argv) -> None:
       target=_receivers, args=(_MEGABYTES.value, _CHUNK.value, child), daemon=True)
   receivers.start()
   port, bare_port, tcp_port, source_port = parent.recv()
-  clients = {via: client_lib.SyncerClient(f"127.0.0.1:{port}", TOKEN, 0, chunk_bytes=_CHUNK.value,
-                                          timeout_seconds=300, retry_seconds=10, data_channel=via == "push")
-             for via in ("push", "grpc_stream")}
+  clients = {
+      via: client_lib.SyncerClient(f"127.0.0.1:{port}", TOKEN, 0, chunk_bytes=_CHUNK.value, timeout_seconds=300,
+                                   retry_seconds=10, data_channel=via == "push") for via in ("push", "grpc_stream")}
   seq = iter(range(1 << 30))
   bare_channel = grpc.insecure_channel(f"127.0.0.1:{bare_port}", options=server.message_options(_CHUNK.value))
   bare_call = bare_channel.stream_unary("/benchmark.Bare/Drain")
 
   def pushing(via):
+
     def push():
       reply = clients[via].push(next(seq), delta, base_version=0, tokens=1, local_steps=1, compute_seconds=0.0)
       assert reply["status"] == "applied"
+
     return push
 
   def over_bare_grpc():
@@ -199,8 +202,9 @@ def main(argv) -> None:
       while received < size:
         received += connection.recv_into(view[received:])
 
-  runners = {"push": pushing("push"), "grpc_stream": pushing("grpc_stream"), "bare_grpc": over_bare_grpc,
-             "tcp": over_tcp, "pull": pulling, "tcp_download": download_over_tcp}
+  runners = {
+      "push": pushing("push"), "grpc_stream": pushing("grpc_stream"), "bare_grpc": over_bare_grpc, "tcp": over_tcp,
+      "pull": pulling, "tcp_download": download_over_tcp}
   for run in runners.values():  # Warm up every path (connections, allocator).
     run()
   medians = common.interleaved_medians(runners, _BLOCKS.value)
@@ -209,13 +213,12 @@ def main(argv) -> None:
   bare_channel.close()
   parent.send("stop")
   receivers.join()
-  common.emit_throughput_ratio({"benchmark": "transport", "chunk_bytes": _CHUNK.value,
-                                **{f"{via}_ratio": round(medians["tcp"] / medians[via], 3)
-                                   for via in ("grpc_stream", "bare_grpc")},
-                                "pull_ratio": round(medians["tcp_download"] / medians["pull"], 3),
-                                "pull_seconds": round(medians["pull"], 4),
-                                "tcp_download_seconds": round(medians["tcp_download"], 4)},
-                               size, medians, "push", "tcp")
+  common.emit_throughput_ratio(
+      {
+          "benchmark": "transport", "chunk_bytes": _CHUNK.value,
+          **{f"{via}_ratio": round(medians["tcp"] / medians[via], 3) for via in ("grpc_stream", "bare_grpc")}, "pull_ratio":
+              round(medians["tcp_download"] / medians["pull"], 3), "pull_seconds": round(medians["pull"], 4),
+          "tcp_download_seconds": round(medians["tcp_download"], 4)}, size, medians, "push", "tcp")
 
 
 if __name__ == "__main__":

@@ -90,13 +90,13 @@ def main(argv=None):
   print(f"step {alone * 1e3:.1f} ms alone, {step_seconds * 1e3:.1f} ms in the run (slowdown {args.slowdown}), "
         f"model {model_bytes} B: links at {mbps:.2f} Mbps, {args.latency_ms} ms, one fp32 exchange ~ "
         f"{args.inner_steps} steps")
-  overrides = ["--config.mode=decoupled", "--config.syncer.quorum=1", "--config.outer.optimizer=delayed_nesterov",
-               f"--config.outer.buffer_size={LEARNERS}", "--config.eval_every=100000",
-               "--config.service.learner_checkpoint_every=0", f"--config.inner_steps={args.inner_steps}",
-               f"--config.outer_steps={args.outer_steps}",
-               f"--config.learners.slowdown={(args.slowdown,) * LEARNERS}",
-               f"--config.service.link_mbps={(round(mbps, 3),) * LEARNERS}",
-               f"--config.service.link_latency_ms={(args.latency_ms,) * LEARNERS}"]
+  overrides = [
+      "--config.mode=decoupled", "--config.syncer.quorum=1", "--config.outer.optimizer=delayed_nesterov",
+      f"--config.outer.buffer_size={LEARNERS}", "--config.eval_every=100000",
+      "--config.service.learner_checkpoint_every=0", f"--config.inner_steps={args.inner_steps}",
+      f"--config.outer_steps={args.outer_steps}", f"--config.learners.slowdown={(args.slowdown,) * LEARNERS}",
+      f"--config.service.link_mbps={(round(mbps, 3),) * LEARNERS}",
+      f"--config.service.link_latency_ms={(args.latency_ms,) * LEARNERS}"]
   fractions, figures = {}, {}
   for name in RUNS:
     begin = time.perf_counter()
@@ -110,16 +110,15 @@ def main(argv=None):
             f"{s['exchange_seconds']:.1f}s")
     print(f"{name}: run wall-clock {time.perf_counter() - begin:.0f}s (with start-up and compilation)")
     fractions[name] = round(statistics.mean(s["blocked_fraction"] for s in summaries), 4)
-    figures[name] = {"max_blocked_fraction": round(max(s["blocked_fraction"] for s in summaries), 4),
-                     "final_ack_fraction": round(statistics.mean(s["final_ack_seconds"] / s["wall_seconds"]
-                                                                 for s in summaries), 4),
-                     "step_seconds": round(statistics.mean(s["busy_seconds"] / s["steps"] for s in summaries), 4),
-                     "exchange_seconds_per_push": round(statistics.mean(s["exchange_seconds"] / s["rounds"]
-                                                                         for s in summaries), 4)}
-  common.emit({"benchmark": "wan_service", "blocked_fraction": fractions, "link_mbps": round(mbps, 3),
-               "latency_ms": args.latency_ms, "inner_steps": args.inner_steps, "planned_step_seconds":
-               round(step_seconds, 4), "model_bytes": model_bytes, "streaming_downlink_format": args.downlink,
-               "runs": figures})
+    figures[name] = {
+        "max_blocked_fraction": round(max(s["blocked_fraction"] for s in summaries), 4),
+        "final_ack_fraction": round(statistics.mean(s["final_ack_seconds"] / s["wall_seconds"] for s in summaries), 4),
+        "step_seconds": round(statistics.mean(s["busy_seconds"] / s["steps"] for s in summaries), 4),
+        "exchange_seconds_per_push": round(statistics.mean(s["exchange_seconds"] / s["rounds"] for s in summaries), 4)}
+  common.emit({
+      "benchmark": "wan_service", "blocked_fraction": fractions, "link_mbps": round(mbps, 3),
+      "latency_ms": args.latency_ms, "inner_steps": args.inner_steps, "planned_step_seconds": round(step_seconds, 4),
+      "model_bytes": model_bytes, "streaming_downlink_format": args.downlink, "runs": figures})
 
 
 if __name__ == "__main__":

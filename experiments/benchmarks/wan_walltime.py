@@ -57,8 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def make_setup(links, budget: float, tokens_per_step: int = TOKENS_PER_STEP,
                latency: float = LATENCY_SECONDS) -> wan.Setup:
   """The four regions of the module docstring with these per-region link speeds."""
-  regions = tuple(wan.Region(HardwareProfile(chip, chips, mfu, 1.0), tokens_per_step, gbps, latency)
-                  for (chip, chips, mfu), gbps in zip(SLICES, links))
+  regions = tuple(
+      wan.Region(HardwareProfile(chip, chips, mfu, 1.0), tokens_per_step, gbps, latency)
+      for (chip, chips, mfu), gbps in zip(SLICES, links))
   return wan.Setup(PARAMS, LAYERS, budget, regions)
 
 
@@ -67,13 +68,12 @@ def ablations(budget: float) -> dict[str, tuple[wan.Setup, wan.Scheme]]:
   base = make_setup(LINKS[HEADLINE], budget)
   return {
       "as above (int4, P=24, tau=2, 2^21 tok)": (base, SCHEMES["streaming"]),
-      "2^20 tokens/step (steps 2x shorter)": (make_setup(LINKS[HEADLINE], budget, TOKENS_PER_STEP // 2),
-                                              SCHEMES["streaming"]),
+      "2^20 tokens/step (steps 2x shorter)": (make_setup(LINKS[HEADLINE], budget,
+                                                         TOKENS_PER_STEP // 2), SCHEMES["streaming"]),
       "tau=0 (wait for each fragment)": (base, wan.streaming(H, P, 0)),
       "bf16 on the wire": (base, wan.streaming(H, P, TAU, "bf16")),
       "P=1 (whole model every H steps)": (base, wan.streaming(H, 1, TAU)),
-      "latency 100 ms one way": (make_setup(LINKS[HEADLINE], budget, latency=0.1), SCHEMES["streaming"]),
-  }
+      "latency 100 ms one way": (make_setup(LINKS[HEADLINE], budget, latency=0.1), SCHEMES["streaming"]),}
 
 
 def link_load(setup: wan.Setup, scheme: wan.Scheme) -> list[float]:
@@ -94,8 +94,8 @@ def main(argv=None):
   headline_setup = make_setup(LINKS[HEADLINE], budget)
   steps = [r.step_seconds(PARAMS) for r in headline_setup.regions]
   fragment = wan.fragment_wire_bytes(headline_setup, SCHEMES["streaming"])[0]
-  print(f"{PARAMS / 1e9:.0f}B params, {LAYERS} layers, {budget:.3g} tokens; regions "
-        + ", ".join(f"{c} x{n} MFU {u}" for c, n, u in SLICES) + f"; {TOKENS_PER_STEP} tokens/step/region; "
+  print(f"{PARAMS / 1e9:.0f}B params, {LAYERS} layers, {budget:.3g} tokens; regions " +
+        ", ".join(f"{c} x{n} MFU {u}" for c, n, u in SLICES) + f"; {TOKENS_PER_STEP} tokens/step/region; "
         f"steps {', '.join(f'{s:.3f}' for s in steps)} s; latency {LATENCY_SECONDS * 1e3:.0f} ms one way")
   print(f"ddp: bf16 ring all-reduce every step; diloco: fp32 ring all-reduce every H={H}; streaming: H={H}, "
         f"P={P}, tau={TAU}, int4 both ways, {fragment / 1e6:.0f} MB per fragment sync "
@@ -114,27 +114,26 @@ def main(argv=None):
   print(f"\nstreaming at 2 Gbit/s, one assumption changed\n{'row':<42}{'hours':>8}{'vs ddp':>9}{'util':>8}")
   for name, r in ablated.items():
     print(f"{name:<42}{r.seconds / 3600:>8.2f}{ddp_seconds / r.seconds:>8.1f}x{r.utilization:>8.1%}")
-  sweep = {gbps: simulate(make_setup((gbps,) * len(SLICES), budget), SCHEMES["streaming"]).utilization
-           for gbps in SWEEP_GBPS}
-  print("\nstreaming utilization, every link at: "
-        + ", ".join(f"{g:g} Gbit/s {u:.1%}" for g, u in sweep.items()))
+  sweep = {
+      gbps: simulate(make_setup((gbps,) * len(SLICES), budget), SCHEMES["streaming"]).utilization for gbps in SWEEP_GBPS
+  }
+  print("\nstreaming utilization, every link at: " + ", ".join(f"{g:g} Gbit/s {u:.1%}" for g, u in sweep.items()))
   print(f"runtime {time.perf_counter() - begin:.1f} s")
   headline = results[HEADLINE]
   common.emit({
-      "speedup_vs_ddp": round(headline["ddp"].seconds / headline["streaming"].seconds, 2),
-      "utilization": round(headline["streaming"].utilization, 4),
+      "speedup_vs_ddp": round(headline["ddp"].seconds / headline["streaming"].seconds,
+                              2), "utilization": round(headline["streaming"].utilization, 4),
       "speedup_vs_diloco": round(headline["diloco"].seconds / headline["streaming"].seconds, 2),
       "hours": {name: {s: round(r.seconds / 3600, 3) for s, r in rows.items()} for name, rows in results.items()},
-      "utilization_by_scheme": {name: {s: round(r.utilization, 4) for s, r in rows.items()}
-                                for name, rows in results.items()},
-      "wan_terabytes": {name: {s: round(r.wan_bytes / 1e12, 3) for s, r in rows.items()}
-                        for name, rows in results.items()},
-      "ablation_utilization_2gbps": {name: round(r.utilization, 4) for name, r in ablated.items()},
+      "utilization_by_scheme": {
+          name: {s: round(r.utilization, 4) for s, r in rows.items()} for name, rows in results.items()}, "wan_terabytes":
+              {name: {s: round(r.wan_bytes / 1e12, 3) for s, r in rows.items()} for name, rows in results.items()
+              }, "ablation_utilization_2gbps": {name: round(r.utilization, 4) for name, r in ablated.items()},
       "streaming_utilization_by_gbps": {str(g): round(u, 4) for g, u in sweep.items()},
-      "published": {"speedup_vs_conventional": ">20x", "utilization_1_5gbps": 0.95},
-      "parameters": {"params": PARAMS, "layers": LAYERS, "token_budget": budget, "tokens_per_step": TOKENS_PER_STEP,
-                     "slices": [list(s) for s in SLICES], "latency_seconds": LATENCY_SECONDS,
-                     "schemes": {name: dataclasses.asdict(spec) for name, spec in SCHEMES.items()}}})
+      "published": {"speedup_vs_conventional": ">20x", "utilization_1_5gbps": 0.95}, "parameters": {
+          "params": PARAMS, "layers": LAYERS, "token_budget": budget, "tokens_per_step": TOKENS_PER_STEP,
+          "slices": [list(s) for s in SLICES], "latency_seconds": LATENCY_SECONDS,
+          "schemes": {name: dataclasses.asdict(spec) for name, spec in SCHEMES.items()}}})
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from experiments.launch.options import Options, check
 VERBS = ("up", "start", "status", "watch", "logs", "down")
 STEPPED = ("launch", "up", "start", "logs", "down")  # The verbs that are a list of steps.
 
+
 def define_flags() -> dict:
   """The CLI's absl flags. Defined only when run as a program, so that tests (and other tools)
   import the planner without claiming flag names such as --config."""
@@ -29,43 +30,53 @@ def define_flags() -> dict:
                                                 lock_config=True),
       "slices": flags.DEFINE_string("slices", "", f"One slice per learner group: TYPE-SIZE@ZONE,..., {EXAMPLE}."),
       "project": flags.DEFINE_string("project", "", "Google Cloud project."),
-      "run_name": flags.DEFINE_string("run_name", "dd-run", "Names the slices (<run_name>-<i>), the syncer VM "
-                                      "(<run_name>-syncer) and the remote directory ~/dd/<run_name>."),
+      "run_name": flags.DEFINE_string(
+          "run_name", "dd-run", "Names the slices (<run_name>-<i>), the syncer VM "
+          "(<run_name>-syncer) and the remote directory ~/dd/<run_name>."),
       "dry_run": flags.DEFINE_bool("dry_run", False, "Print every command, run nothing."),
       "reuse": flags.DEFINE_bool("reuse", False, "Without a verb: the slices and the syncer VM exist already, skip "
                                  "`up`."),
-      "syncer_vm": flags.DEFINE_string("syncer_vm", "", "NAME@ZONE of the syncer's CPU VM ('' = <run_name>-syncer "
-                                       "in slice 0's zone)."),
-      "syncer_on_slice": flags.DEFINE_bool("syncer_on_slice", False, "Run the syncer on worker 0 of slice 0 (off "
-                                           "its TPU, sharing its host) instead of its own CPU VM."),
-      "syncer_machine_type": flags.DEFINE_string("syncer_machine_type", "", "Machine type of the syncer VM ('' = "
-                                                 "the smallest n2-highmem holding the plan's syncer host bytes)."),
+      "syncer_vm": flags.DEFINE_string(
+          "syncer_vm", "", "NAME@ZONE of the syncer's CPU VM ('' = <run_name>-syncer "
+          "in slice 0's zone)."),
+      "syncer_on_slice": flags.DEFINE_bool(
+          "syncer_on_slice", False, "Run the syncer on worker 0 of slice 0 (off "
+          "its TPU, sharing its host) instead of its own CPU VM."),
+      "syncer_machine_type": flags.DEFINE_string(
+          "syncer_machine_type", "", "Machine type of the syncer VM ('' = "
+          "the smallest n2-highmem holding the plan's syncer host bytes)."),
       "port": flags.DEFINE_integer("port", 50051, "Port the syncer serves gRPC on; its data channel takes port + 1."),
       "syncer_address": flags.DEFINE_string("syncer_address", "", "Syncer host learners dial ('' = its internal IP)."),
-      "workdir": flags.DEFINE_string("workdir", "", "Workdir of every process, gs://BUCKET/PATH ('' = "
-                                     "gs://<project>-decoupled-diloco/<run_name>, a bucket `up` creates)."),
-      "token_file": flags.DEFINE_string("token_file", "", "Local file holding the shared token ('' = "
-                                        "~/.config/decoupled_diloco/<run_name>.token, created 0600 if missing)."),
-      "token_secret": flags.DEFINE_string("token_secret", "", "Secret Manager secret holding the token, fetched on "
-                                          "each host instead of copying a file."),
+      "workdir": flags.DEFINE_string(
+          "workdir", "", "Workdir of every process, gs://BUCKET/PATH ('' = "
+          "gs://<project>-decoupled-diloco/<run_name>, a bucket `up` creates)."),
+      "token_file": flags.DEFINE_string(
+          "token_file", "", "Local file holding the shared token ('' = "
+          "~/.config/decoupled_diloco/<run_name>.token, created 0600 if missing)."),
+      "token_secret": flags.DEFINE_string(
+          "token_secret", "", "Secret Manager secret holding the token, fetched on "
+          "each host instead of copying a file."),
       "tls_cert": flags.DEFINE_string("tls_cert", "", "Local PEM certificate of the syncer (TLS; learners trust it)."),
       "tls_key": flags.DEFINE_string("tls_key", "", "Local PEM private key of the syncer."),
       "version": flags.DEFINE_string("version", "", "TPU software version ('' = hardware.ACCELERATORS' per type)."),
       "spot": flags.DEFINE_bool("spot", False, "Create Spot slices (preemptible; `watch` brings them back)."),
       "queued": flags.DEFINE_bool("queued", False, "Create the slices as queued resources, waiting until granted."),
-      "insecure": flags.DEFINE_bool("insecure", False, "Serve without TLS: credentials and parameters cross the "
-                                    "network in clear. Only for networks you trust entirely."),
-      "xpk_cluster": flags.DEFINE_string("xpk_cluster", "", "Run the learner slices as XPK workloads on GKE "
-                                         "clusters <xpk_cluster>-<type> ('' = TPU VMs)."),
-      "image": flags.DEFINE_string("image", "", "Container image of the XPK mode ('' = "
-                                   "gcr.io/<project>/decoupled-diloco:<run_name>)."),
-      "evaluator_slice": flags.DEFINE_string("evaluator_slice", "", "TYPE-SIZE@ZONE of the evaluator's single-host "
-                                             "slice <run_name>-eval (service.evaluate_on='evaluator'; '' = slice "
-                                             "0's type and zone sized to service.evaluator_devices)."),
+      "insecure": flags.DEFINE_bool(
+          "insecure", False, "Serve without TLS: credentials and parameters cross the "
+          "network in clear. Only for networks you trust entirely."),
+      "xpk_cluster": flags.DEFINE_string(
+          "xpk_cluster", "", "Run the learner slices as XPK workloads on GKE "
+          "clusters <xpk_cluster>-<type> ('' = TPU VMs)."),
+      "image": flags.DEFINE_string(
+          "image", "", "Container image of the XPK mode ('' = "
+          "gcr.io/<project>/decoupled-diloco:<run_name>)."),
+      "evaluator_slice": flags.DEFINE_string(
+          "evaluator_slice", "", "TYPE-SIZE@ZONE of the evaluator's single-host "
+          "slice <run_name>-eval (service.evaluate_on='evaluator'; '' = slice "
+          "0's type and zone sized to service.evaluator_devices)."),
       "watch_seconds": flags.DEFINE_float("watch_seconds", 60.0, "`watch`: seconds between two looks at the slices."),
       "watch_rounds": flags.DEFINE_integer("watch_rounds", 0, "`watch`: looks before it exits (0 = until stopped)."),
-      "lines": flags.DEFINE_integer("lines", 50, "`logs`: lines of each process's log."),
-  }
+      "lines": flags.DEFINE_integer("lines", 50, "`logs`: lines of each process's log."),}
 
 
 def fail(message: str) -> None:
@@ -111,11 +122,11 @@ def options_from_flags(f: dict, argv: list[str], verb: str) -> Options:
       workdir=f["workdir"].value, token_file=token_file, token_secret=f["token_secret"].value,
       tls_cert=f["tls_cert"].value, tls_key=f["tls_key"].value, version=f["version"].value, spot=f["spot"].value,
       archive=os.path.join(tempfile.gettempdir(), f"{run}_src.tar.gz"), insecure=f["insecure"].value,
-      local_dir=os.path.join(os.path.dirname(default_token_file(run)), run),
-      syncer_on_slice=f["syncer_on_slice"].value, queued=f["queued"].value, xpk_cluster=f["xpk_cluster"].value,
+      local_dir=os.path.join(os.path.dirname(default_token_file(run)), run), syncer_on_slice=f["syncer_on_slice"].value,
+      queued=f["queued"].value, xpk_cluster=f["xpk_cluster"].value,
       image=f["image"].value, wal_dir="wal_dir" in config.service, syncer_shards=config.service.shards,
-      **_data(config.data),
-      evaluator_slice=_evaluator_slice(f["evaluator_slice"].value, config.service, parse_slices(f["slices"].value)))
+      **_data(config.data), evaluator_slice=_evaluator_slice(f["evaluator_slice"].value, config.service,
+                                                             parse_slices(f["slices"].value)))
   check(options, tuple(config.learners.devices), tuple(config.learners.hardware or ()))
   if options.xpk_cluster:
     xpk.check(options)
@@ -170,6 +181,8 @@ def plan(options: Options, verb: str = "launch", lines: int = 50) -> list[Step]:
   if verb == "logs":
     return watch.logs(options, lines)
   return {"up": provision.up, "start": deploy.start, "down": provision.down}[verb](options)
+
+
 def main(f: dict, argv: list[str]) -> None:
   """Checks the verb, the slices and the config locally, then prints (--dry_run) or runs the verb's commands."""
   verb = argv[1] if len(argv) > 1 else "launch"

@@ -44,16 +44,19 @@ def start(o: Options) -> list[Step]:
   if o.tfds_name:
     prepare = (f"D={o.remote}; \"$D/venv/bin/tfds\" build {shlex.quote(o.tfds_name)} "
                f"--data_dir={shlex.quote(o.tfds_dir)} --file_format=array_record")
-    steps.append(Step(f"prepare {o.tfds_name} once into {o.tfds_dir} on {syncer.name} (skipped if it is there)",
-                      tuple(syncer.ssh(o.project, prepare))))
+    steps.append(
+        Step(f"prepare {o.tfds_name} once into {o.tfds_dir} on {syncer.name} (skipped if it is there)",
+             tuple(syncer.ssh(o.project, prepare))))
   where = f"{syncer.name} (worker {syncer.worker})" if syncer.tpu else syncer.name
-  steps.extend(Step(f"start the syncer{f' shard {s}' if o.syncer_shards > 1 else ''} on {where}",
-                    tuple(syncer.ssh(o.project, _syncer_command(o, syncer.tpu, s)))) for s in range(o.syncer_shards))
+  steps.extend(
+      Step(f"start the syncer{f' shard {s}' if o.syncer_shards > 1 else ''} on {where}",
+           tuple(syncer.ssh(o.project, _syncer_command(o, syncer.tpu, s)))) for s in range(o.syncer_shards))
   start_learner = xpk.start_learner if o.xpk_cluster else _learner_step
   steps += [start_learner(o, i, address) for i in range(len(o.slices))]
   if evaluator is not None:
-    steps.append(Step(f"start the evaluator on {evaluator.name}",
-                      tuple(evaluator.ssh(o.project, _train(o, "evaluator", "", *evaluator_args(o, address))))))
+    steps.append(
+        Step(f"start the evaluator on {evaluator.name}",
+             tuple(evaluator.ssh(o.project, _train(o, "evaluator", "", *evaluator_args(o, address))))))
   return steps
 
 
@@ -84,8 +87,9 @@ def _copy(o: Options, host: Host, what: str, local: str, name: str) -> Step:
 
 def _host_steps(o: Options, host: Host, index: int | None) -> list[Step]:
   """The run directory, the code in a venv and (for learner `index`'s slice) its credential on `host`."""
-  steps = [Step(f"make the run directory on {host.name}", tuple(host.ssh(o.project, f"mkdir -p -m 700 {o.remote}"))),
-           _copy(o, host, "the code", o.archive, "src.tar.gz")]
+  steps = [
+      Step(f"make the run directory on {host.name}", tuple(host.ssh(o.project, f"mkdir -p -m 700 {o.remote}"))),
+      _copy(o, host, "the code", o.archive, "src.tar.gz")]
   if o.tls == "given":  # The syncer serves with it, learners trust it.
     steps.append(_copy(o, host, "the TLS certificate", o.tls_cert, "tls.crt"))
   steps.append(Step(f"install into a venv on {host.name}", tuple(host.ssh(o.project, _setup(o, host.tpu)))))
@@ -97,24 +101,26 @@ def _address(o: Options, steps: list[Step]) -> tuple[list[Step], str]:
   if o.syncer_address:
     return steps, o.syncer_address
   syncer = o.syncer()
-  return steps + [Step(f"look up the internal IP of {syncer.name}", tuple(syncer.internal_ip(o.project)),
-                       SYNCER_IP)], SYNCER_IP
+  return steps + [Step(f"look up the internal IP of {syncer.name}", tuple(syncer.internal_ip(o.project)), SYNCER_IP)
+                 ], SYNCER_IP
 
 
 def _credential_steps(o: Options, host: Host, index: int | None) -> list[Step]:
   """Learner `index`'s credential (None: the evaluator's) into $D/token on `host`: derived here and copied, or
   derived on the host from a Secret Manager fetch piped through (the secret is never stored there)."""
-  who, command, which, name = ((f"learner {index}", "learner", [f"--learner={index}"], f"learner_{index}")
-                               if index is not None else ("the evaluator", "evaluator", [], "evaluator"))
+  who, command, which, name = ((f"learner {index}", "learner", [f"--learner={index}"],
+                                f"learner_{index}") if index is not None else
+                               ("the evaluator", "evaluator", [], "evaluator"))
   if o.token_secret:
     derive = (f"D={o.remote}; umask 077 && cd \"$D/src\" && gcloud secrets versions access latest "
               f"--secret={shlex.quote(o.token_secret)} --project={shlex.quote(o.project)} | \"$D/venv/bin/python\" "
               f"-m experiments.credentials {' '.join([command, '--secret_file=-', *which])} --out=\"$D/token\"")
     return [Step(f"derive {who}'s credential on {host.name} from Secret Manager", tuple(host.ssh(o.project, derive)))]
   local = os.path.join(o.local_dir, f"{name}.token")
-  return [Step(f"derive {who}'s credential", (sys.executable, "-m", "experiments.credentials", command,
-                                             f"--secret_file={o.token_file}", *which, f"--out={local}")),
-          _copy(o, host, f"{who}'s credential", local, "token")]
+  return [
+      Step(f"derive {who}'s credential", (sys.executable, "-m", "experiments.credentials", command,
+                                          f"--secret_file={o.token_file}", *which, f"--out={local}")),
+      _copy(o, host, f"{who}'s credential", local, "token")]
 
 
 def _secret_steps(o: Options, syncer: Host) -> list[Step]:
@@ -129,8 +135,9 @@ def _secret_steps(o: Options, syncer: Host) -> list[Step]:
 def _certificate_steps(o: Options, syncer: Host, address: str) -> list[Step]:
   """The run's CA (made once, kept here) signs a certificate naming `address`; the syncer gets it and its key."""
   tls = os.path.join(o.local_dir, "tls")
-  steps = [Step(f"make the TLS certificate for {address}", (sys.executable, "-m", "experiments.credentials", "certs",
-                                                           f"--dir={tls}", f"--host={address}"))]
+  steps = [
+      Step(f"make the TLS certificate for {address}",
+           (sys.executable, "-m", "experiments.credentials", "certs", f"--dir={tls}", f"--host={address}"))]
   for name, target in (("syncer.pem", "tls.crt"), ("syncer.key", "tls.key")):
     steps.append(_copy(o, syncer, name, os.path.join(tls, name), target))
   return steps
@@ -154,8 +161,9 @@ def _setup(o: Options, tpu: bool) -> str:
 
 def _train(o: Options, log: str, env: str, *args: str, token: str = "token") -> str:
   """A detached `experiments.train` process on a host: its secret by file path, output in its log."""
-  command = ["\"$D/venv/bin/python\" -m experiments.train", *map(shlex.quote, train_args(o)), *args,
-             f"--config.service.token_file=\"$D/{token}\""]
+  command = [
+      "\"$D/venv/bin/python\" -m experiments.train", *map(shlex.quote, train_args(o)), *args,
+      f"--config.service.token_file=\"$D/{token}\""]
   return f"D={o.remote}; cd \"$D/src\" && {env}nohup {' '.join(command)} > \"$D/{log}.log\" 2>&1 < /dev/null &"
 
 
@@ -164,11 +172,11 @@ def _syncer_command(o: Options, on_tpu: bool, shard: int = 0) -> str:
   write-ahead log stays on local disk (it needs fsync) while checkpoints and metrics go to the workdir.
   Shard s of S binds port + s and its data channel port + S + s (service/shardrun.py adds the s)."""
   tls = ["--config.service.tls_cert=\"$D/tls.crt\"", "--config.service.tls_key=\"$D/tls.key\""
-         ] if o.tls != "none" else []
+        ] if o.tls != "none" else []
   wal = ["--config.service.wal_dir=\"$D/wal\""] if o.wal_dir else []
   sharded = [f"--shard={shard}"] if o.syncer_shards > 1 else []
-  return _train(o, f"syncer_{shard}" if sharded else "syncer", "JAX_PLATFORMS=cpu " if on_tpu else "",
-                "--role=syncer", *sharded, "--config.service.host=0.0.0.0", f"--config.service.port={o.port}",
+  return _train(o, f"syncer_{shard}" if sharded else "syncer", "JAX_PLATFORMS=cpu " if on_tpu else "", "--role=syncer",
+                *sharded, "--config.service.host=0.0.0.0", f"--config.service.port={o.port}",
                 f"--config.service.data_port={o.port + o.syncer_shards}", *tls, *wal, token="secret")
 
 

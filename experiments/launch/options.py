@@ -149,15 +149,15 @@ def train_args(o: Options) -> list[str]:
 def learner_args(o: Options, index: int, address: str, home: str = "$D") -> list[str]:
   """Learner `index`'s flags on every host of its slice (shell words; `home` holds its CA): --group_coordinator=auto
   makes the slice's hosts one JAX program; with S syncer shards, --syncer lists them, shard 0's first."""
-  return ["--role=learner", f"--learner_id={index}", _syncers(o, address), "--group_coordinator=auto",
-          *_trust(o, home)]
+  return ["--role=learner", f"--learner_id={index}", _syncers(o, address), "--group_coordinator=auto", *_trust(o, home)]
 
 
 def evaluator_args(o: Options, address: str) -> list[str]:
   """The evaluator's flags (shell words): the syncer (every shard), the CA it trusts, and its slice's chips as its
   devices."""
-  return ["--role=evaluator", _syncers(o, address), *_trust(o, "$D"),
-          f"--config.service.evaluator_devices={o.evaluator_slice.chips}"]
+  return [
+      "--role=evaluator",
+      _syncers(o, address), *_trust(o, "$D"), f"--config.service.evaluator_devices={o.evaluator_slice.chips}"]
 
 
 def _syncers(o: Options, address: str) -> str:
@@ -167,5 +167,6 @@ def _syncers(o: Options, address: str) -> str:
 
 def _trust(o: Options, home: str) -> list[str]:
   """What a process that dials the syncer trusts for its certificate (none with --insecure)."""
-  return {"given": [f"--config.service.tls_ca=\"{home}/tls.crt\""],
-          "generated": [f"--config.service.tls_ca=\"{home}/tls_ca.pem\""], "none": []}[o.tls]
+  return {
+      "given": [f"--config.service.tls_ca=\"{home}/tls.crt\""],
+      "generated": [f"--config.service.tls_ca=\"{home}/tls_ca.pem\""], "none": []}[o.tls]

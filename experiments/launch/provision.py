@@ -30,19 +30,23 @@ def syncer_machine_type(host_bytes: int) -> str:
 def up(o: Options) -> list[Step]:
   """The bucket, every slice and the syncer's VM, created unless they exist."""
   bucket = ("gcloud", "storage", "buckets")
-  steps = [Step(f"create the run's bucket {o.bucket} (skipped if it exists)",
-                (*bucket, "create", o.bucket, f"--project={o.project}", f"--location={o.slices[0].region}",
-                 "--uniform-bucket-level-access"), unless=(*bucket, "describe", o.bucket, f"--project={o.project}"))]
+  steps = [
+      Step(f"create the run's bucket {o.bucket} (skipped if it exists)",
+           (*bucket, "create", o.bucket, f"--project={o.project}", f"--location={o.slices[0].region}",
+            "--uniform-bucket-level-access"), unless=(*bucket, "describe", o.bucket, f"--project={o.project}"))]
   if o.xpk_cluster:
     steps.extend(xpk.up(o))
   for index in range(0 if o.xpk_cluster else len(o.tpus())):
     steps.extend(create_slice(o, index))
   syncer = o.syncer()
   if not syncer.tpu:
-    steps.append(Step(f"create the syncer VM {syncer.name} ({o.machine_type}, no accelerator)", tuple(syncer.gcloud(
-        "create", f"--machine-type={o.machine_type}", "--image-family=ubuntu-2204-lts",
-        "--image-project=ubuntu-os-cloud", "--boot-disk-size=200GB", f"--project={o.project}")),
-                      unless=tuple(syncer.describe(o.project, "status"))))
+    steps.append(
+        Step(
+            f"create the syncer VM {syncer.name} ({o.machine_type}, no accelerator)",
+            tuple(
+                syncer.gcloud("create", f"--machine-type={o.machine_type}", "--image-family=ubuntu-2204-lts",
+                              "--image-project=ubuntu-os-cloud", "--boot-disk-size=200GB", f"--project={o.project}")),
+            unless=tuple(syncer.describe(o.project, "status"))))
   return steps
 
 
@@ -53,23 +57,26 @@ def create_slice(o: Options, index: int) -> list[Step]:
   version = f"--version={o.version or tpu.spec.runtime_version}"
   spot = ("--spot",) if o.spot else ()
   if not o.queued:
-    return [Step(f"create slice {host.name} ({kind})", (
-        *host.gcloud("create", f"--accelerator-type={tpu.accelerator}", version, f"--project={o.project}"), *spot),
-                 unless=tuple(host.describe(o.project, "state")))]
+    return [
+        Step(
+            f"create slice {host.name} ({kind})",
+            (*host.gcloud("create", f"--accelerator-type={tpu.accelerator}", version, f"--project={o.project}"), *spot),
+            unless=tuple(host.describe(o.project, "state")))]
   queued = _queued(host, o.project)
-  return [Step(f"queue slice {host.name} ({kind})", (
-      *queued("create"), f"--node-id={host.name}", f"--accelerator-type={tpu.accelerator}",
-      f"--runtime-version={version.split('=', 1)[1]}", *spot), unless=tuple(queued("describe"))),
-          dataclasses.replace(state_step(o, index), what=f"wait until the queued slice {host.name} is ACTIVE",
-                              until="ACTIVE")]
+  return [
+      Step(f"queue slice {host.name} ({kind})",
+           (*queued("create"), f"--node-id={host.name}", f"--accelerator-type={tpu.accelerator}",
+            f"--runtime-version={version.split('=', 1)[1]}", *spot), unless=tuple(queued("describe"))),
+      dataclasses.replace(state_step(o, index), what=f"wait until the queued slice {host.name} is ACTIVE",
+                          until="ACTIVE")]
 
 
 def state_step(o: Options, index: int) -> Step:
   """The command printing slice `index`'s state (its queued resource's with --queued)."""
   host = o.tpus()[index][0]
   if o.queued:
-    return Step(f"state of the queued slice {host.name}", (*_queued(host, o.project)("describe"),
-                                                           "--format=value(state.state)"))
+    return Step(f"state of the queued slice {host.name}",
+                (*_queued(host, o.project)("describe"), "--format=value(state.state)"))
   return Step(f"state of slice {host.name}", tuple(host.describe(o.project, "state")))
 
 
@@ -95,8 +102,8 @@ def down(o: Options) -> list[Step]:
   steps = xpk.down(o) if o.xpk_cluster else [delete_slice(o, index) for index in range(len(o.tpus()))]
   syncer = o.syncer()
   if not syncer.tpu:
-    steps.append(Step(f"delete the syncer VM {syncer.name}", (*syncer.gcloud("delete", f"--project={o.project}"),
-                                                              "--quiet")))
+    steps.append(
+        Step(f"delete the syncer VM {syncer.name}", (*syncer.gcloud("delete", f"--project={o.project}"), "--quiet")))
   return steps
 
 

@@ -19,7 +19,7 @@ POLL_LIMIT_SECONDS = 24 * 3600.0  # A queued resource not granted in a day is le
 def describe(step: Step) -> list[str]:
   """The dry run's lines for `step`: what it does (and how it is skipped or repeated), then its command."""
   note = (f" (prints {step.captures})" if step.captures else "") + (f" (repeated until it prints {step.until})"
-                                                                      if step.until else "")
+                                                                    if step.until else "")
   lines = [f"# {step.what}{note}"]
   if step.unless:
     lines.append(f"#   skipped when this succeeds: {shlex.join(step.unless)}")

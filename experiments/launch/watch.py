@@ -54,8 +54,9 @@ def watch(o: Options, rounds: int, seconds: float) -> None:
   done = 0
   while True:
     for index, listed in lost(o):
-      print(f"# slice {o.slice_hosts()[index].name} is {'lost' if listed else 'gone'}: recreating it and "
-            f"restarting learner {index}", flush=True)
+      print(
+          f"# slice {o.slice_hosts()[index].name} is {'lost' if listed else 'gone'}: recreating it and "
+          f"restarting learner {index}", flush=True)
       runner.execute(recover(o, index, listed))
     done += 1
     if rounds and done >= rounds:
@@ -74,10 +75,11 @@ def dry_run(o: Options, seconds: float) -> None:
 
 def status_steps(o: Options) -> list[Step]:
   """Each slice's state, then the syncer's records (read-only commands)."""
-  steps = [dataclasses.replace(provision.state_step(o, i), captures=f"state_{i}")
-           for i in range(0 if o.xpk_cluster else len(o.slices))]
-  return steps + [Step("the syncer's records", ("gcloud", "storage", "cat", f"{o.run_workdir}/metrics.jsonl"),
-                       "records")]
+  steps = [
+      dataclasses.replace(provision.state_step(o, i), captures=f"state_{i}")
+      for i in range(0 if o.xpk_cluster else len(o.slices))]
+  return steps + [
+      Step("the syncer's records", ("gcloud", "storage", "cat", f"{o.run_workdir}/metrics.jsonl"), "records")]
 
 
 def summarise(lines: list[str]) -> dict[int, dict]:
@@ -109,8 +111,9 @@ def summarise(lines: list[str]) -> dict[int, dict]:
 def status_table(o: Options, values: dict[str, str]) -> str:
   """The lines `status` prints: one per learner (slice state and its row), learners without pushes included."""
   rows = summarise(values.get("records", "").splitlines())
-  lines = [f"{'learner':>7} {'slice':<20} {'state':<12} {'steps':>9} {'version':>7} {'staleness':>9} "
-           f"{'last push':>10} {'age':>8}"]
+  lines = [
+      f"{'learner':>7} {'slice':<20} {'state':<12} {'steps':>9} {'version':>7} {'staleness':>9} "
+      f"{'last push':>10} {'age':>8}"]
   for i, host in enumerate(o.slice_hosts()):
     row = rows.get(i)
     figures = (f"{row['steps']:>9} {row['version']:>7} {row['staleness']:>9} {row['last_push']:>9.0f}s "
@@ -123,14 +126,18 @@ def logs(o: Options, lines: int) -> list[Step]:
   """The last `lines` lines of the syncer's log and of each learner's (worker 0 of its slice; an XPK workload's
   pods log to Cloud Logging instead)."""
   syncer = o.syncer()
-  steps = [Step(f"the syncer's log on {syncer.name}", tuple(syncer.ssh(o.project, f"tail -n {lines} dd/{o.run_name}/"
-                                                                                   "syncer.log")))]
+  steps = [
+      Step(f"the syncer's log on {syncer.name}",
+           tuple(syncer.ssh(o.project, f"tail -n {lines} dd/{o.run_name}/"
+                            "syncer.log")))]
   for i, host in enumerate([] if o.xpk_cluster else o.slice_hosts()):
     worker0 = dataclasses.replace(host, worker="0")
-    steps.append(Step(f"learner {i}'s log on {host.name} (worker 0)",
-                      tuple(worker0.ssh(o.project, f"tail -n {lines} dd/{o.run_name}/learner_{i}.log"))))
+    steps.append(
+        Step(f"learner {i}'s log on {host.name} (worker 0)",
+             tuple(worker0.ssh(o.project, f"tail -n {lines} dd/{o.run_name}/learner_{i}.log"))))
   evaluator = o.evaluator_host()
   if evaluator is not None:
-    steps.append(Step(f"the evaluator's log on {evaluator.name}",
-                      tuple(evaluator.ssh(o.project, f"tail -n {lines} dd/{o.run_name}/evaluator.log"))))
+    steps.append(
+        Step(f"the evaluator's log on {evaluator.name}",
+             tuple(evaluator.ssh(o.project, f"tail -n {lines} dd/{o.run_name}/evaluator.log"))))
   return steps

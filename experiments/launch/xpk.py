@@ -55,24 +55,25 @@ def workload(o: Options, index: int) -> str:
 
 def up(o: Options) -> list[Step]:
   """One GKE cluster with one slice's node pool per slice type (Spot with --spot)."""
-  return [Step(f"create the XPK cluster for slice {i} ({tpu.accelerator})",
-               ("xpk", "cluster", "create", *cluster(o, i), f"--tpu-type={tpu.accelerator}", "--num-slices=1",
-                "--spot" if o.spot else "--on-demand"))
-          for i, tpu in enumerate(o.slices)]
+  return [
+      Step(f"create the XPK cluster for slice {i} ({tpu.accelerator})",
+           ("xpk", "cluster", "create", *cluster(o, i), f"--tpu-type={tpu.accelerator}", "--num-slices=1",
+            "--spot" if o.spot else "--on-demand")) for i, tpu in enumerate(o.slices)]
 
 
 def build(o: Options) -> list[Step]:
   """The container image, built from this checkout's Dockerfile and pushed."""
   extras = f"--build-arg=EXTRAS={o.extras}" if o.extras else "--build-arg=EXTRAS="
-  return [Step(f"build the image {image(o)} from this checkout", ("docker", "build", extras, "-t", image(o),
-                                                                  options_lib.repo())),
-          Step(f"push {image(o)}", ("docker", "push", image(o)))]
+  return [
+      Step(f"build the image {image(o)} from this checkout",
+           ("docker", "build", extras, "-t", image(o), options_lib.repo())),
+      Step(f"push {image(o)}", ("docker", "push", image(o)))]
 
 
 def publish_ca(o: Options) -> Step:
   """The run's CA (public) into the bucket, where pods fetch it."""
-  return Step("copy the run's CA to the bucket", ("gcloud", "storage", "cp", options_lib.ca_file(o),
-                                                  f"{o.run_workdir}/tls_ca.pem"))
+  return Step("copy the run's CA to the bucket",
+              ("gcloud", "storage", "cp", options_lib.ca_file(o), f"{o.run_workdir}/tls_ca.pem"))
 
 
 def learner_command(o: Options, index: int, address: str) -> str:
@@ -82,9 +83,9 @@ def learner_command(o: Options, index: int, address: str) -> str:
             f"--project={shlex.quote(o.project)}")
   args = [*map(shlex.quote, options_lib.train_args(o)), *options_lib.learner_args(o, index, address, d)]
   return (f"set -e; mkdir -p -m 700 {d}; {secret} | python -m experiments.credentials learner --secret_file=- "
-          f"--learner={index} --out={d}/token; "
-          + (f"gcloud storage cp {o.run_workdir}/tls_ca.pem {d}/tls_ca.pem; " if o.tls == "generated" else "")
-          + f"python -m experiments.train {' '.join(args)} --config.service.token_file={d}/token")
+          f"--learner={index} --out={d}/token; " +
+          (f"gcloud storage cp {o.run_workdir}/tls_ca.pem {d}/tls_ca.pem; " if o.tls == "generated" else "") +
+          f"python -m experiments.train {' '.join(args)} --config.service.token_file={d}/token")
 
 
 def start_learner(o: Options, index: int, address: str) -> Step:
@@ -97,8 +98,10 @@ def start_learner(o: Options, index: int, address: str) -> Step:
 
 def down(o: Options) -> list[Step]:
   """Every learner workload and its cluster."""
-  steps = [Step(f"delete the workload {workload(o, i)}", ("xpk", "workload", "delete", *cluster(o, i),
-                                                            f"--workload={workload(o, i)}", "--force"))
-           for i in range(len(o.slices))]
-  return steps + [Step(f"delete the XPK cluster of slice {i}", ("xpk", "cluster", "delete", *cluster(o, i), "--force"))
-                  for i in range(len(o.slices))]
+  steps = [
+      Step(f"delete the workload {workload(o, i)}",
+           ("xpk", "workload", "delete", *cluster(o, i), f"--workload={workload(o, i)}", "--force"))
+      for i in range(len(o.slices))]
+  return steps + [
+      Step(f"delete the XPK cluster of slice {i}", ("xpk", "cluster", "delete", *cluster(o, i), "--force"))
+      for i in range(len(o.slices))]
