@@ -61,16 +61,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.learners.devices = (2, 2, 2, 2)  # Devices per learner group; groups get disjoint device slices.
   config.learners.batch_size = (16, 16, 16, 16)  # Sequences per inner step per group (divisible by its devices).
   config.learners.fsdp = False  # Also shard params and AdamW moments over each group's devices (when layouts is ()).
-  config.learners.layouts = (
-  )  # Per-group mesh, e.g. ('fsdp=8,tensor=2', 'data=4,fsdp=4') (docs/plan.md); () = from fsdp.
-  config.learners.hardware = (
-  )  # Per-group chip ('v4', 'v5e', 'v5p', 'v6e', 'h100', 'h200') or 'relative'; () = all relative.
+  config.learners.layouts = ()  # Per-group mesh, e.g. ('fsdp=8,tensor=2', 'data=4,fsdp=4') (docs/plan.md); () = fsdp.
+  config.learners.hardware = ()  # Per-group chip (v4, v5e, v5p, v6e, h100, h200) or 'relative'; () = all relative.
   config.learners.chips = ()  # Per-group chips of the simulated slice; () = the group's device count.
   config.learners.speed = ()  # Per-group relative speed for 'relative' hardware; () = all 1.0.
   config.learners.mfu = 0.4  # Model FLOPs utilisation of every simulated TPU slice.
   config.learners.jitter = 0.0  # Log-std of per-step time noise in the simulation (0 = none).
-  config.learners.slowdown = (
-  )  # Wall-clock runtimes (threads, service): group m sleeps slowdown[m] x each step's time after it, emulating slower chips on one machine; () = none.
+  # Wall-clock runtimes (threads, service): group m sleeps slowdown[m] x each step's time after it, emulating
+  # slower chips on one machine.
+  config.learners.slowdown = ()  # Per-group sleep factor; () = none.
 
   config.inner = ml_collections.ConfigDict()
   config.inner.lr = 3e-3  # Peak AdamW learning rate (DiLoCo uses 4e-4 at 150M params).
@@ -143,8 +142,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.compression.error_feedback_beta = 1.0  # beta of e <- beta * e + delta (1 = keep everything).
   config.compression.downlink_format = "fp32"  # Theta_p sent back to learners: 'fp32' or 'bf16' (syncer keeps fp32).
 
-  config.service = ml_collections.ConfigDict(
-  )  # Syncer as a gRPC service, learners as processes (--role=syncer|learner).
+  # The syncer as a gRPC service, learners as processes (--role=syncer|learner).
+  config.service = ml_collections.ConfigDict()
   config.service.host = "127.0.0.1"  # Address the syncer binds: this machine only unless set (e.g. 0.0.0.0, then use TLS).
   config.service.port = 0  # Syncer port; 0 = a free one, written to <workdir>/syncer_address.
   config.service.data_port = 0  # Push payloads' TCP data channel (gRPC issues tickets); 0 = a free one, -1 = off.

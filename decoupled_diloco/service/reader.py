@@ -27,7 +27,7 @@ class Reader:
 
   def __init__(self, core: core_lib.SyncerCore, is_final=None):
     self.core = core
-    self.is_final = is_final or core.all_told_done  # Whether Θ can no longer move (the module doc).
+    self.is_final = is_final or (lambda: core.all_told_done())  # Whether Θ can no longer move (the module doc).
     self._final_reads: set[int] = set()  # Fragments the evaluator read while Θ was final.
     self._lock = threading.Lock()
 
