@@ -64,12 +64,26 @@ def outer(clock: dict, report, **extra) -> dict:
       "staleness": list(report.staleness), "weights": list(report.weights), **extra}
 
 
-def totals(weights, accounts, end: float, useful) -> dict:
-  """Summary fields over the learners: goodput (`useful` seconds, weighted by each group's devices or
-  chips, over the device-time allocated for `end` seconds) and compute utilization (busy likewise)."""
+def write_summaries(write, exp, clock: dict, accounts, end: float, weights, useful, learner_fields, **fields) -> dict:
+  """Writes the learner_summary records and the summary of an in-process run (sim, threads) that ended at `end`
+  seconds; returns the summary. Each learner's record has its steps, tokens, utilization and `learner_fields[m]`;
+  the summary has goodput (`useful` seconds, weighted by each group's devices or chips `weights`, over the
+  device-time allocated for `end` seconds), compute utilization (busy likewise), the push counts and `fields`."""
+  for m, (account, learner, extra) in enumerate(zip(accounts, exp.learners, learner_fields)):
+    write(
+        learner_summary(clock, account, learner=m, steps=learner.steps,
+                        tokens=learner.steps * learner.batches.tokens_per_batch,
+                        finished_early_seconds=end - (end if account.done_at is None else account.done_at),
+                        compute_utilization=account.busy / end if end else 0.0, **extra))
   allocated = sum(w * end for w in weights)
   share = lambda seconds: sum(w * s for w, s in zip(weights, seconds)) / allocated if allocated else 0.0
-  return {"goodput": share(useful), "compute_utilization": share([a.busy for a in accounts])}
+  steps = [l.steps for l in exp.learners]
+  record = summary(clock, optimal_loss=exp.corpus.optimal_loss, outer_updates=clock["outer_step"], steps=steps,
+                   steps_done=sum(steps), done=True, goodput=share(useful),
+                   compute_utilization=share([a.busy for a in accounts]),
+                   **(push_counts(exp.syncer.counts) if exp.syncer else {}), **fields)
+  write(record)
+  return record
 
 
 def push_counts(counts: dict) -> dict:

@@ -326,31 +326,19 @@ class Simulation:
 
   def _summarize(self, version: int) -> dict:
     """Per-learner accounting records and the run's totals (goodput = useful / allocated chip-time)."""
-    chips = [p.chips for p in self.plan.profiles]
-    clock = self._clock(version)
-    for m, (account, learner) in enumerate(zip(self.clocks, self.exp.learners)):
+    for account in self.clocks:
       if account.idle_since is not None:  # Pushed last and the run ended before a reply was needed.
         account.idle += self.now - account.idle_since
         account.done_at, account.idle_since = self.now, None
-      self.writer.write(
-          records.learner_summary(clock, account, learner=m, steps=learner.steps,
-                                  tokens=learner.steps * learner.batches.tokens_per_batch,
-                                  finished_early_seconds=self.now - (account.done_at or self.now),
-                                  overlapped_steps=account.overlapped_steps,
-                                  compute_utilization=account.busy / self.now if self.now else 0.0,
-                                  bytes_sent=account.up.bytes, bytes_received=account.down.bytes,
-                                  uplink_busy_seconds=account.up.busy, downlink_busy_seconds=account.down.busy))
-    summary = records.summary(
-        clock, eval_loss=self.last_eval["eval_loss"], optimal_loss=self.exp.corpus.optimal_loss, outer_updates=version,
-        steps=[l.steps for l in self.exp.learners], steps_done=sum(l.steps for l in self.exp.learners), done=True,
-        virtual_seconds=self.now,
-        **records.totals(chips, self.clocks, self.now, [a.useful if self.syncer else a.busy for a in self.clocks]),
-        bytes_sent=sum(c.up.bytes for c in self.clocks),
+    per_learner = [
+        dict(overlapped_steps=c.overlapped_steps, bytes_sent=c.up.bytes, bytes_received=c.down.bytes,
+             uplink_busy_seconds=c.up.busy, downlink_busy_seconds=c.down.busy) for c in self.clocks]
+    return records.write_summaries(
+        self.writer.write, self.exp, self._clock(version), self.clocks, self.now, [p.chips for p in self.plan.profiles],
+        [a.useful if self.syncer else a.busy for a in self.clocks], per_learner, eval_loss=self.last_eval["eval_loss"],
+        virtual_seconds=self.now, bytes_sent=sum(c.up.bytes for c in self.clocks),
         idle_fraction=[round(c.idle / self.now, 4) if self.now else 0.0 for c in self.clocks],
-        **(records.push_counts(self.syncer.counts) if self.syncer else {}),
         **(self.failures.summary(self.now) if self.failures else {}))
-    self.writer.write(summary)
-    return summary
 
 
 def run(exp: Experiment, workdir: str) -> dict:

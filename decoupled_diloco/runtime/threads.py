@@ -298,28 +298,17 @@ class ThreadedRun:
 
   def _summarize(self, end: float) -> dict:
     """Per-learner accounting records and the run's totals (goodput = useful / allocated device-time)."""
-    version, devices = self.syncer.version, self.config.learners.devices
-    clock = self._clock(version)
     theta_bytes = sum(x.nbytes for x in jax.tree.leaves(self.syncer.params))
-    for m, (account, learner) in enumerate(zip(self.accounts, self.exp.learners)):
+    for account in self.accounts:
       account.idle = max(0.0, account.done_at - account.busy - account.blocked)
       account.bytes_received = (account.pushes + account.rejected + 1) * theta_bytes
-      self.writer.write(
-          records.learner_summary(clock, account, learner=m, steps=learner.steps,
-                                  tokens=learner.steps * learner.batches.tokens_per_batch,
-                                  finished_early_seconds=end - account.done_at, wall_seconds=end,
-                                  compute_utilization=account.busy / end, blocked_fraction=account.blocked / end))
-    summary = records.summary(clock, eval_loss=self.evaluator.last["eval_loss"],
-                              optimal_loss=self.exp.corpus.optimal_loss, outer_updates=version,
-                              steps=[l.steps for l in self.exp.learners
-                                    ], steps_done=sum(l.steps for l in self.exp.learners), done=True, wall_seconds=end,
-                              syncer_seconds=self.syncer_seconds,
-                              **records.totals(devices, self.accounts, end, [a.useful for a in self.accounts]),
-                              bytes_sent=sum(a.bytes_sent for a in self.accounts),
-                              blocked_fraction=[round(a.blocked / end, 4) for a in self.accounts],
-                              **records.push_counts(self.syncer.counts))
-    self.writer.write(summary)
-    return summary
+    per_learner = [dict(wall_seconds=end, blocked_fraction=a.blocked / end) for a in self.accounts]
+    return records.write_summaries(self.writer.write, self.exp, self._clock(self.syncer.version), self.accounts, end,
+                                   self.config.learners.devices, [a.useful for a in self.accounts], per_learner,
+                                   eval_loss=self.evaluator.last["eval_loss"], wall_seconds=end,
+                                   syncer_seconds=self.syncer_seconds,
+                                   bytes_sent=sum(a.bytes_sent for a in self.accounts),
+                                   blocked_fraction=[round(a.blocked / end, 4) for a in self.accounts])
 
 
 def run(exp: Experiment, workdir: str) -> dict:
