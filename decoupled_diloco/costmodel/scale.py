@@ -1,34 +1,11 @@
 """Goodput under chip failures at scale: cost-model learners driven by the real syncer.
 
-A scale study (a million chips, hours of training, thousands of failures) cannot run
-real steps, and needs none: what decides goodput is *when* groups compute, fail, wait and
-push. So each learner group here is a cost model (a step takes `step_seconds`; a round is
-H steps, sized by `decoupled_diloco.policy`), while every push goes through the real
-`Syncer` (tiny zero pseudo-gradients on the host), so versions, staleness, quorum and
-merges are the state machine's own, not a re-implementation.
-
-Failures: every chip fails as a Poisson process of rate 1 / `mtbi_seconds`, so a group of
-c chips sees failures at rate c / MTBI (seeded, one numpy Generator per group). What a
-failure costs depends on whether the group is elastic:
-- non-elastic (data-parallel, or any group that needs all its chips): the group loses
-  everything it computed since its last push, is down for `restart_seconds` (re-scheduling
-  onto healthy spare chips + restoring), then rejoins by pulling the current Θ;
-- elastic: the group loses only the step in progress (the surviving data-parallel replicas
-  hold the inner state), is down for `resize_seconds`, then continues its round without
-  the failed domain of `domain_chips` chips, which is repaired after `repair_seconds` and
-  rejoins at the group's next push. Step time is unchanged (each replica keeps its batch),
-  so throughput is proportional to the chips still in the job.
-A failure that strikes a group which is already down is folded into the ongoing recovery
-(the scheduler re-checks health before it relaunches), so a failure rate λ and a
-recovery time R give the familiar goodput 1 / (1 + λR).
-
-Goodput = chip-seconds whose work reached a syncer merge / (allocated chips × duration):
-lost work, downtime, absent domains and the unmerged tail of the run are not useful.
-Elastic groups start in the stationary state of their repair queue, so short runs are
-not biased by a start with every domain healthy. Events are processed in (time, priority, sequence)
-order and each group draws from its own Generator in a fixed order, so a seed gives the
-same figures twice, and the failure times do not depend on the recovery parameters
-(common random numbers: a fit over those parameters sees a smooth curve).
+Why: a scale study (a million chips, thousands of failures) cannot run real steps and needs
+none, since what decides goodput is *when* groups compute, fail, wait and push. So each
+learner group is a cost model, while every push goes through the real `Syncer` (tiny zero
+pseudo-gradients), so versions, staleness, quorum and merges are the state machine's own.
+The failure model (elastic or not), the goodput definition and the seeding are in
+docs/costmodels.md.
 """
 
 import dataclasses

@@ -1,37 +1,10 @@
 """Wide-area training time: data-parallel, DiLoCo and decoupled streaming DiLoCo, priced.
 
-Whether a scheme can train across regions is decided by how long its groups wait on the
-WAN, not by the math, so this is a cost model in which no training step runs: M learner
-groups (regions), each a TPU slice whose step takes
-6 · params · tokens_per_step / (chips · peak · MFU) (`hardware.HardwareProfile`), each
-behind a full-duplex wide-area link of `gbps` per direction and a one-way latency. For a
-token budget it gives the time to train, the compute utilization (compute seconds / wall
-seconds, averaged over chips) and the bytes that crossed the WAN, for three schemes:
-
-- 'ddp': every step, a ring all-reduce of the gradients (bf16 by default) over the WAN,
-  after the step and not overlapped with it: 2(M − 1) phases, each sending S/M bytes on
-  the slowest link and paying the largest latency. The slowest group sets the pace.
-- 'diloco': synchronous DiLoCo, the same blocking ring all-reduce of the full fp32
-  pseudo-gradient (S bytes) every H steps; the slowest group sets the pace. 'ddp' is its
-  H = 1 case.
-- 'streaming': decoupled + streaming DiLoCo. The L layers go to P fragments strided
-  (layer i → fragment i mod P, like `fragments.partition`); fragment p syncs at its
-  staggered offset of every H-step period (`fragments.sync_offsets`, as the simulator).
-  A sync pushes the fragment, compressed by `compression.wire_bytes` (int4 by default),
-  to the syncer and gets the merged fragment back in the same format (the published
-  system sends 4 bits both ways). Transfers queue FIFO on each learner's up and down link
-  (`link.Link`); the syncer sends the reply once the whole push has arrived (store and
-  forward) and its own links are never the bottleneck. The learner keeps computing and
-  stalls only when the fragment it pushed after step k has not landed by the end of step
-  k + τ. Each learner runs at its own speed and never waits for another; the run ends
-  when the learners together have processed the budget (a discrete-event merge of their
-  step ends), so the outstanding syncs of the last steps are not priced.
-
-Utilization of 'streaming' is compute / (compute + stalls); of the synchronous schemes,
-each group's H steps of compute over the round (steps + all-reduce). WAN bytes count
-every byte once, when it is sent. The model is a list of L equal flat layers of
-params / L values, which is what `wire_bytes` prices (its int4 scales are per block of
-64 values, so the tensor shapes do not matter beyond their sizes).
+Why a cost model: whether a scheme can train across regions is decided by how long its
+groups wait on the WAN, not by the math, so no training step runs here. M regions, each a
+slice whose step time follows its hardware profile behind its own link, train a token
+budget under 'ddp', 'diloco' or 'streaming'; the result is the time to train, the compute
+utilization and the WAN bytes. The model of each scheme is in docs/costmodels.md.
 """
 
 import dataclasses

@@ -1,42 +1,13 @@
-"""A plain TCP data channel for push payloads, opened by a ticket the gRPC service issues.
+"""A plain TCP data channel for pushes and pulls, opened by a one-time ticket the gRPC service issues.
 
-Why: over loopback, grpcio moves a streamed payload at about half of what a raw socket
-does on this 2-core machine (benchmarks/transport: its own ceiling, a handler that only
-counts chunks, is 0.49 of the socket), because every chunk crosses its Python and C-core
-layers. gRPC keeps the control: authentication (token, TLS), the push header's checks
-and the reply; the bytes move on a socket, received straight into the aligned buffer the
-syncer decodes without a copy.
-
-  learner                               syncer
-  PushTicket(push header)     -- gRPC -> checks token, header, size; a one-time ticket
-  connect data port, send: ticket (16 bytes) | payload (exactly header.payload_bytes)
-                              <- TCP --  u8 ok | u32 length | reply header, or {code, details}
-
-Pulls come back the same way: PullTicket (gRPC) answers the status and, when Θ_p moved, a
-ticket bound to its encoded parts (the syncer's one copy per fragment version); the learner
-connects, sends the ticket and reads  u8 ok | u32 length | (empty, or {code, details})  then
-exactly payload_bytes of Θ_p, sent from those parts without a copy.
-
-Each learner's transfers are paced at their sender by its link (link.py: service.link_mbps,
-service.link_latency_ms): the learner paces its pushes, the syncer the Θ it sends back.
-
-A ticket is 128 random bits, bound to its push header (or pull), usable once, for
-`ttl_seconds`, one outstanding per learner and direction. A connection with an unknown ticket, or one that ends early,
-applies nothing; an unknown ticket is refused ABORTED (retried with a new ticket: a
-restarted syncer knows none of its predecessor's), and the handshake must finish within
-HANDSHAKE_SECONDS. With TLS configured the socket is wrapped with the same certificate.
-
-Starvation: connections without a ticket yet and ticketed ones are kept apart. At most
-`max_connections` unticketed connections are open, at most half of them from one source
-address; a new connection past either limit evicts the oldest (of its source, or of all),
-so a flood of idle or reconnecting connections cannot keep a learner, which sends its
-ticket at once, from being read. Ticketed connections are not limited by that pool (one
-ticket per learner bounds them), and each must deliver its whole payload within
-`transfer_seconds(payload_bytes)`: a fixed allowance plus the payload at
-MIN_RATE_BYTES_PER_SECOND (or at the learner's shaped link rate, if slower), so a trickling
-sender cannot hold its slot.
-A refusal is raised on the learner as `DataRefused`, a `grpc.RpcError` with a status code,
-so the client retries and reports it exactly as it would a gRPC push.
+Why: over loopback, grpcio moves a streamed payload at about half of what a raw socket does
+(benchmarks/transport), because every chunk crosses its Python and C-core layers. So gRPC
+keeps the control (token, TLS, the header's checks, the reply) and the bytes move on a
+socket, straight into the aligned buffer the syncer decodes without a copy. The protocol,
+tickets and pacing are in docs/exchange.md, the starvation defences (ticketless pool,
+eviction, transfer deadlines) in docs/security.md. A refusal is raised on the learner as
+`DataRefused`, a `grpc.RpcError` with a status code, so the client retries and reports it
+exactly as it would a gRPC push.
 """
 
 import contextlib

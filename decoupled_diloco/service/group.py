@@ -1,34 +1,14 @@
 """A learner group spanning several JAX processes: process 0 talks to the syncer for all of them.
 
-On a multi-host slice every host runs the same learner program (one multi-controller JAX
-program over the slice's mesh). Each host feeds the same batches and runs the same jitted
-steps, so all of them must make the same decisions: how many steps to take, which Θ to
-start from, when the run is over. Only process 0 holds a syncer connection; what it hears
-reaches the other processes through the group's own collectives (ICI/DCN on TPU, gloo on
-CPU). Nothing that crosses the WAN is sent twice.
-
-The exchange moves one leaf at a time, never a whole θ or Θ (GroupLink.share_tree,
-GroupLink.gather_to_leader):
-  push  process 0 alone forms Δ = Θ_p − θ_p: θ_p comes off the mesh leaf by leaf (each
-        process contributes its addressable shards of the leaf); the others drop each leaf
-        at once and push a placeholder of Δ's shapes, which nobody sends.
-  pull  Θ_p goes from process 0 to the others leaf by leaf; each process places the leaf
-        straight into the group's sharding of it and drops the host copy (process 0 keeps
-        Θ_p on its host as the next push's anchor; the others keep no anchor).
-So, beyond what it keeps (its params, and on process 0 the anchor and Δ), no host and no
-device holds more than the largest leaf at once, where a whole-tree collective would hold all
-of Θ_p on every device. The learner summary reports both: `group_peak_bytes`, the largest
-buffer one collective placed on each device, and `group_host_bytes`, every process's most bytes
-of numpy buffers allocated by an exchange and alive as one leaf's collective returns (traced by
-tracemalloc in numpy's domain: the leaf's host copies, not XLA's own buffers).
-
-  experiments.train --role=learner --learner_id=0 --group_coordinator=HOST:PORT \
-      --group_processes=2 --group_process_id=K ...          (CPU, or any explicit setup)
-  experiments.train --role=learner --learner_id=0 --group_coordinator=auto ...   (Cloud TPU)
-
-A group is the unit of failure: if one of its processes dies the others cannot step
-(their collectives have no partner), so launchers kill and restart the whole group, which
-then rejoins like any restarted learner.
+On a multi-host slice every host runs the same multi-controller program, so all must make
+the same decisions (how many steps, which Θ, when the run is over): only process 0 holds a
+syncer connection, and what it hears reaches the others through the group's own
+collectives (ICI/DCN on TPU, gloo on CPU), so nothing that crosses the WAN is sent twice.
+The exchange moves one leaf per collective (`share_tree`, `gather_to_leader`), so no host or
+device holds more than the largest leaf beyond what it keeps (docs/exchange.md, with the
+`group_peak_bytes` / `group_host_bytes` figures). A group is the unit of failure: if one
+process dies the others cannot step, so launchers restart the whole group, which rejoins
+like any restarted learner.
 """
 
 import contextlib

@@ -1,44 +1,11 @@
 """The syncer as a gRPC service: authentication, limits and streaming around `SyncerCore`.
 
-Methods of service `decoupled_diloco.Syncer` (bytes in, bytes out; see wire.py):
-  Join      unary -> stream   {learner}                    -> status header, Θ chunks
-  Pull      unary -> stream   {learner, fragment, have_version} -> status header, Θ_fragment chunks
-                                                              (none if have_version is current)
-  Push      stream -> unary   push header, payload chunks  -> {status, ...status header}
-  PushTicket unary -> unary   push header                  -> {ticket, port}: send the payload on the
-                                                              data channel instead (datachannel.py)
-  PullTicket unary -> unary   {learner, fragment, have_version} -> status header with {ticket, port}: fetch
-                                                              Θ_fragment on the data channel (ticket '' if none,
-                                                              as when the status says done)
-  Heartbeat unary -> unary    {learner}                    -> status header
-Pull, PullTicket and Heartbeat naming learner security.EVALUATOR (-2) are the evaluator's reads (reader.py):
-no lease, no quorum, and a status header with reader.EXTRA_FIELDS besides.
-A status header is {version, versions, acked_seq, steps_left, done, max_speed, incarnation, syncer_incarnation,
-payload_bytes}; a push
-reply's `status` is 'applied', 'dropped' (over-stale), 'duplicate' (already acked) or
-'late' (after the run ended). Every refusal is a gRPC status with a message saying why,
-and is counted in `SyncerServer.rejections`:
-  UNAUTHENTICATED   missing or wrong token ('unauthenticated')
-  PERMISSION_DENIED a learner's credential used for another learner ('impersonation'), or the
-                    evaluator's for anything but Pull, PullTicket or Heartbeat ('read_only')
-  INVALID_ARGUMENT  malformed header or payload, NaN/Inf, wrong shapes or dtypes, bad versions,
-                    header values beyond their bounds ('out_of_bounds', see limits.py)
-  RESOURCE_EXHAUSTED  payload or chunk over the limits
-  NOT_FOUND         unknown learner id
-  UNAVAILABLE       no bulk slot free ('busy'; the learner retries)
-  DEADLINE_EXCEEDED a stream slower than MIN_RATE_BYTES_PER_SECOND ('too_slow')
-Starvation: Join, Pull and Push ("bulk" calls, which move Θ or a payload) hold one of
-`workers` slots (gRPC has CONTROL_WORKERS threads more), at most PER_CALLER_BULK of them per
-credential (the run secret excepted), taken without waiting; so Heartbeat, PushTicket and
-PullTicket always find a worker and a learner with a stalled stream blocks only itself.
-Every stream has a whole-call deadline sized from its bytes (datachannel.transfer_seconds): when it passes the server
-cancels the call. gRPC itself enforces keepalive (no ping floods) and bounds queued calls.
-Messages larger than chunk_bytes + 64 KiB are refused by gRPC itself (RESOURCE_EXHAUSTED
-from gRPC), so no single message can exhaust memory. Those are counted (as 'empty') only
-when gRPC had already started the push handler, whose stream then ends before its header.
-Data-channel pushes are refused the same way, with the same codes and counters, plus
-'truncated' (the connection ended before its payload did), 'too_slow' (past its transfer
-deadline) and 'evicted' (still without a ticket when too many others came).
+The methods and their headers are listed in docs/exchange.md; what is refused, with which
+gRPC status (each counted in `SyncerServer.rejections`), and the starvation defences in
+docs/security.md. Why bulk slots: Join, Pull and Push move Θ or a payload, so each holds one
+of `workers` slots (PER_CALLER_BULK per credential) taken without waiting, and Heartbeat and
+the ticket calls always find one of CONTROL_WORKERS more threads: a stalled stream blocks
+only its own learner.
 """
 
 import collections
