@@ -1,24 +1,11 @@
 """Virtual-clock runtime: real JAX steps, simulated time, deterministic event order.
 
-Every learner runs its real inner steps, but time advances by what its hardware profile
-says a step costs, and transfers cost latency + bytes / bandwidth on the learner's own
-wide-area link, queueing behind earlier transfers (up and down are separate). Streaming
-learners push fragment p at its offset in each H-step period and keep computing; the
-merged fragment must land within `overlap_steps` steps, else the learner stalls (τ = 0:
-it waits at once, which is plain DiLoCo when P = 1). Events are processed
-in (time, priority, sequence) order, so a seeded run gives identical metrics twice.
-At equal times, finished steps and arrivals at the syncer go first and replies after
-them, so learners that report together all receive the merge they completed.
-
-Modes: 'decoupled' (the syncer replies with the newest Θ at once, or, to a push waiting in a
-grace window, with that window's merge: the learner goes on for its streaming.overlap_steps,
-then waits for it),
-'diloco' (blocking: a learner waits for the merge that includes its push, so the slowest
-learner sets the pace) and 'ddp' (one group, no syncer). The run ends when the learners
-have taken outer_steps × inner_steps × M inner steps in total (same tokens in every mode).
-Seeded chip failures (`config.failures`, off by default) are injected by runtime/failures.py
-through hooks: at each period's start (checkpoints), at each step's start (its duration on the
-chips left) and as events of their own, after all others at equal times.
+Why: heterogeneous hardware and wide-area links are studied on one machine, so every
+learner runs its real inner steps while time advances by what its hardware profile says a
+step costs and transfers cost latency + bytes / bandwidth on its own link. Events run in
+(time, priority, sequence) order, so a seeded run gives identical metrics twice. Modes
+'decoupled', 'diloco' and 'ddp'; streaming, grace windows and failures are detailed in
+docs/runtimes.md.
 """
 
 import collections

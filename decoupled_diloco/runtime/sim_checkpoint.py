@@ -1,18 +1,10 @@
 """Virtual-clock checkpoints: a simulation stopped anywhere continues as if it never stopped.
 
-Rounds do not exist on the virtual clock: at any moment pushes are on the wire, Θ_p is on
-its way back, merges wait for a quorum or a grace window, and every learner is somewhere
-in its period. A checkpoint therefore holds the whole simulation between two events:
-  * the device trees as every in-process runtime saves them (run/state.py: each learner's
-    TrainState on its own mesh, Θ and the outer states on the host), through orbax;
-  * everything else, pickled into one host byte array saved in the same orbax step (so
-    both are written, or neither): the event queue (handlers by name), every learner's
-    clock, links, RNG and sync bookkeeping (anchors, versions, counts, residuals, losses
-    not yet logged), the syncer's open pushes (headers and running sums), grace windows, counters and ξ EMAs, the
-    speed tracker, the budget left, and how many metric records had been written.
-jax.Arrays are pickled as numpy arrays of the same values: every later computation on
-them is the same float32 arithmetic. Steps are the learners' inner steps in total, so
-the final checkpoint (the whole budget) always comes after every mid-run one.
+Why a blob besides the trees: rounds do not exist on the virtual clock (pushes are on the
+wire, merges wait, every learner is somewhere in its period), so a checkpoint holds the
+whole simulation between two events: the device trees as every in-process runtime saves
+them (run/state.py), and everything else pickled into one host byte array in the same orbax
+step, so both are written or neither (what it holds: docs/runtimes.md).
 """
 
 import io

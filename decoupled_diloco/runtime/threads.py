@@ -1,34 +1,11 @@
 """Real-time runtime: every learner group in one process, one thread each, wall-clock time.
 
-For a single TPU VM or a Colab. The groups already sit on disjoint device subsets (each
-learner has its own mesh), so one Python thread per group keeps every subset busy: JAX
-dispatch is thread-safe and releases the GIL while devices compute. The syncer is the same
-state machine as on the virtual clock, behind one lock (a condition variable) that a
-thread holds only to hand a push over (the syncer may merge right there) or to read Θ.
-The step budget has a lock of its own, never held across a merge, so a long merge never
-stops anyone's next step. No learner holds either lock while it computes inner steps, its
-pseudo-gradient, a pull or an evaluation. `now` is `time.monotonic()` seconds since the start.
-
-Modes: 'decoupled' (a learner pushes and goes on from the newest Θ at once, or, if its push
-waits in a grace window, from that window's merge, as on the virtual clock with τ = 0; merges
-follow config.syncer, and a timer thread closes grace windows on time) and 'diloco' (a learner
-waits for the merge that includes its push; pushes are handed over in learner order, so
-the merge adds them up in the lockstep runtime's order and gives its numbers). DyLU sizes
-rounds from measured step times under policy.speed_source='measured' (inner steps are
-compiled before the clock starts; a learner's first step, which pays one-off dispatch
-costs, is not measured); a time budget (policy.round_seconds) is in wall-clock seconds.
-`config.learners.slowdown` emulates slower hardware on a homogeneous machine: learner m
-sleeps slowdown[m] × its measured step time after every step, which counts as part of the
-step. The run ends when the learners have taken outer_steps × inner_steps × M inner steps
-in total, as on the virtual clock; the budget is claimed one step at a time under its
-lock, so the total is exact whatever the timing.
-
-Θ is evaluated on its own thread (on learner 0's mesh), from a snapshot taken at the merge
-that crossed the next eval_every × inner_steps × Σ batch tokens, so no learner waits for it.
-Each learner's wall-clock splits into busy (inner steps, slowdown included), blocked
-(waiting for a lock or for a merge), idle (its own communication and bookkeeping:
-pseudo-gradient, hand-over, pull) and finished early; they add up to the run. Metrics
-records are those of the virtual clock, with `time` in wall-clock seconds.
+For a single TPU VM or a Colab. The groups sit on disjoint device subsets, so one Python
+thread per group keeps every subset busy (JAX dispatch releases the GIL while devices
+compute). The syncer is the virtual clock's state machine behind one condition variable,
+held only to hand a push over or read Θ, and the step budget has a lock of its own, so no
+learner holds a lock while it computes. Modes, DyLU on measured speeds, slowdown, the
+budget and the accounting are detailed in docs/runtimes.md.
 """
 
 import concurrent.futures

@@ -1,19 +1,11 @@
 """A learner process (`experiments.train --role=learner --learner_id=i --syncer=HOST:PORT`).
 
-It builds only its own group, on this process's devices, and runs periods of H steps (under
-DyLU ⌊v/max v · H⌋, v this learner's speed, declared or measured against the fastest learner
-the syncer has seen; learners.slowdown emulates a slower slice) as the virtual clock does
-(runtime/sim.py): fragment p is pushed after step t_p of the period (fragments.sync_offsets),
-its exchange (the push, then the pull of Θ_p if it moved) runs on a background thread while
-the steps go on, and τ = streaming.overlap_steps steps later Θ_p lands: θ_p ← α·θ_p + (1 − α)·Θ_p,
-waited for if it is not back (`blocked`). The next push of p counts from that landing.
-
-The run's budget counts every step once, in the first push after it (admission.budget_share).
-At its end a learner pushes and lands what is left, fragment 0 last, then says goodbye (a pull).
-Restarted after a crash it joins again: Θ and its last acknowledged sequence number come from
-the syncer, its AdamW state and data position from its checkpoint in <workdir>/learner_<i>/.
-A group may span several JAX processes (a multi-host slice, `group.py`): all run this loop in
-step; process 0 alone talks to the syncer and writes metrics, and shares what it heard.
+It builds only its own group and runs periods of H steps (DyLU-sized) as the virtual clock
+does: fragment p is pushed after step t_p of the period, its exchange runs on a background
+thread while the steps go on, and τ steps later Θ_p lands (waited for if it is not back).
+Restarted after a crash it joins again from the syncer's Θ and its own checkpoint; a
+multi-process group runs this loop in step with process 0 alone talking to the syncer.
+Budget counting, the end of the run and restarts are detailed in docs/runtimes.md.
 """
 import concurrent.futures
 import os
