@@ -1,30 +1,12 @@
 """Run-state checkpoints at outer-step boundaries, built on an orbax CheckpointManager.
 
-A run's state is a dict of named pytrees that live in two places at once: the syncer's
-global params and outer-optimizer state are host numpy arrays, while every learner's
-AdamW state is made of jax.Arrays sharded over that learner's own device mesh. Each
-named pytree is saved as one orbax `StandardSave` item and a small JSON-able metadata
-dict (outer step, config, ...) as a `JsonSave` item of the same step.
-
-Abstract-tree convention for `Checkpointer.restore` (leaf by leaf):
-  * `jax.ShapeDtypeStruct` with a `.sharding` -> a jax.Array laid out with that sharding
-    (so each learner's state comes back on its own mesh, whatever mesh wrote it);
-  * `jax.Array` -> restored with that array's shape, dtype and sharding;
-  * `np.ndarray` -> a host numpy array of that shape and dtype (the values of the
-    placeholder are ignored; the array itself is the "host" marker).
-A `ShapeDtypeStruct` without a sharding is rejected, because silently placing it on the
-default device would put one learner's state on another learner's devices.
-`abstract_like(tree)` builds such an abstract tree from a concrete one.
-
-Integrity: every array a process can read whole is hashed into the metadata at save time
-(`CHECKSUMS_KEY`) and checked on restore, so flipped bytes on disk raise
-`CorruptCheckpoint` instead of coming back as finite but wrong parameters.
-
-Crash safety: orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to
-`<step>` only once every item is on disk, and `latest_step` only sees finished steps.
-Saves here are synchronous, so when `save` returns the step is complete. Leftover tmp
-directories of a crashed run are deleted by orbax in the background once the next
-`Checkpointer` opens (at the latest before its first save completes).
+A run's state is a dict of named pytrees that live in two places at once (the syncer's host
+numpy arrays, every learner's jax.Arrays sharded over its own mesh), plus a JSON metadata
+dict. Why an abstract tree on restore: it fixes each leaf's placement (a sharded
+ShapeDtypeStruct or jax.Array: that sharding; a numpy array: the host), so one learner's
+state never lands on another's devices. Digests of every array checked on restore turn
+flipped bytes into `CorruptCheckpoint`, and saves are synchronous and atomic (orbax's tmp
+directory and rename). The conventions in full: docs/storage.md.
 """
 
 from __future__ import annotations

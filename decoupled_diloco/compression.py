@@ -1,27 +1,11 @@
 """Pseudo-gradient compression: what a learner puts on the wire, byte for byte.
 
-A push carries Δ for every tensor of a fragment. Each format turns a float tensor into a
-payload dict whose arrays are exactly the bytes sent, so `Compressed.nbytes` is the wire
-size and `wire_bytes` reproduces it from the shapes alone (the cost models price 12B-
-parameter pushes without allocating them). Formats, for a tensor of n values:
-  fp32  {"values": float32[shape]}                              4n bytes
-  bf16  {"values": bfloat16[shape]}                             2n bytes
-  int8  {"codes": int8[B*b], "scales": float32[B]}              B*b + 4B
-  int4  {"codes": uint8[B*b/2], "scales": float32[B]}           B*b/2 + 4B
-  fp4   {"codes": uint8[B*b/2], "scales": float32[B]}           B*b/2 + 4B
-  int2  {"codes": uint8[B*ceil(b/4)], "scales": float32[B]}     B*ceil(b/4) + 4B
-  topk  {"indices": int32[k], "values": float32[k]}             8k, k = ceil(fraction * n)
-with b = block_size (even) and B = ceil(n / b) blocks: the flattened tensor is zero-padded
-to B*b, and each block has one absmax scale. int formats round x/scale * L to the nearest integer
-q in [-L, L] (L = 127, 7, 1: int2 is ternary). fp4 is E3M0 as in Streaming DiLoCo (arXiv
-2501.18512): a sign bit and a 3-bit code c, c = 0 for zero and c = k + 1 for magnitude
-scale * 2^-k (k = 0..6), with |x|/scale rounded to the nearest power of two in the log
-domain (below 2^-6.5 it becomes zero). Packed formats fill whole bytes per block, 8/bits
-adjacent codes per byte with the first in the low bits (int2 pads a block to a multiple
-of 4 codes; int codes are q + L).
-
+Each format turns a float tensor into a payload dict whose arrays are exactly the bytes
+sent, so `Compressed.nbytes` is the wire size and `wire_bytes` reproduces it from the shapes
+alone (why: the cost models price 12B-parameter pushes without allocating them). Formats
+(fp32, bf16, blockwise int8/int4/int2, fp4 E3M0, top-k) and their layouts: docs/streaming.md.
 Error feedback (Karimireddy et al. 2019) keeps what compression lost, e = β e + Δ, and
-sends it later: top-k then sends the entries it skipped once they have accumulated.
+sends it later.
 """
 
 import dataclasses

@@ -4,28 +4,9 @@ Why this shape: Decoupled DiLoCo learners run asynchronously, restart independen
 be re-spawned mid-run, so a learner's batch must be a pure function of (data, learner, step,
 seed): no iterator state to checkpoint, and resuming at step k replays exactly the batches an
 uninterrupted run would have seen. Shards are disjoint so learners never train on the same
-window, which is what makes their outer gradients carry different information.
-
-Windows: the token stream is cut into non-overlapping windows of seq_len + 1 starting at
-offset 0 (the tail shorter than a window is dropped). Offset 0 matters for the synthetic
-corpus, whose chains are window-aligned (see synthetic.py).
-
-Sharding over M learners:
-  'iid':    a seeded permutation of all window indices, dealt round-robin (learner m gets
-            perm[m::M]), so every learner sees the same distribution.
-  'noniid': contiguous blocks (learner m gets the m-th of M near-equal chunks), so learners
-            see different parts of the text (e.g. different plays or documents).
-
-Batches: the shard is visited epoch by epoch, each epoch in its own order seeded by
-(seed, learner, epoch). Batch `step` holds the stream positions [step*B, (step+1)*B), so a
-batch may straddle two epochs, and a shard smaller than the batch simply wraps (a window can
-then appear more than once in one batch): small shards work rather than error. A process of a
-multi-process group computes only its `rows` of that batch.
-
-This is the window path (synthetic language, byte-level text files): a grain MapDataset over
-this index function, so its batches are bit-identical to the pre-grain pipeline's. Document
-sources (TFDS, ArrayRecord, subword text) go through the packed pipeline (pipeline.py);
-`learner_batches` and `eval_batches` pick the path from the corpus.
+window, which is what makes their outer gradients carry different information. This is the
+window path (synthetic language, byte-level text); document sources go through the packed
+pipeline (pipeline.py). Windows, 'iid' / 'noniid' sharding and epochs: docs/data.md.
 """
 
 import math

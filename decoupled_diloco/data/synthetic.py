@@ -3,20 +3,9 @@
 Why: a training run needs data that exists offline and a yardstick. Text from a random
 order-k chain over printable characters is generated in well under a second, and its
 information content is computable exactly, so a run can report how far its eval loss is
-from the best any model could do (`optimal_loss`), not just that the loss went down.
-
-The chain: symbols are the first `alphabet_size` characters of `ALPHABET`; the state is the
-last `order` symbols (a k-gram, encoded base A with the oldest symbol most significant); each
-state's next-symbol distribution is one Dirichlet(concentration) draw.
-
-Window alignment (the honest-optimum design): the corpus is many independent chains, each
-`chain_length` symbols long and started from the stationary k-gram distribution, so every
-chain is a stationary process. `chain_length` is a multiple of `seq_len + 1` and the batcher
-cuts non-overlapping windows of `seq_len + 1` from offset 0, so no window straddles two chains
-and each window is a stretch of one stationary process. For such a window the best possible
-mean cross-entropy of the `seq_len` next-token predictions is exactly `optimal_loss(seq_len)`:
-the first `order - 1` predictions see a shorter context than the chain's order and pay the
-stationary conditional entropy of that shorter context; the rest pay the entropy rate.
+from the best any model could do (`optimal_loss`), not just that the loss went down. The
+corpus is many independent stationary chains aligned to the batcher's windows, so the
+optimum of a window is exact (the chain and the alignment: docs/data.md).
 """
 
 import math

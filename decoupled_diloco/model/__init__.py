@@ -1,27 +1,11 @@
 """Decoder-only Transformer language model, exposed as pure functions over pure-dict params.
 
-Architecture (defaults GPT-2-like, no dropout so runs are bit-for-bit repeatable):
-  token embedding (+ learned position embedding, or rotary positions: model.position)
-  -> num_layers x [RMSNorm -> causal grouped-query attention -> residual,
-                   RMSNorm -> GELU or SwiGLU MLP -> residual]
-  -> final RMSNorm -> output projection to vocab logits (untied, or the embedding: tie_embeddings).
-There are no bias terms. Params are always float32; `model.dtype` only sets the compute dtype.
-Softmaxes, norms and the output logits are computed in float32 for stability under bfloat16.
-How it runs at scale (remat, scan_layers, attention kernels, chunked loss) changes no result
-beyond float rounding; see docs/scale.md.
-
-Why pure dicts: the rest of the framework averages, checkpoints and ships params over the wire,
-so it must not depend on NNX objects. NNX is used only to declare the parameters (with logical
-sharding annotations) and to apply them: `LanguageModel` keeps the hashable NNX graphdef and
-rebuilds the module from a pure dict on every (traced) call.
-
-Param tree layout (string keys only, so checkpoints restore to the same keys), e.g.
-  params['block_0']['attn']['query']['kernel']   float32 [d_model, num_heads, head_dim]
-and `param_axes` has the same dict structure with a tuple of logical axis names at every leaf
-position, e.g. param_axes['block_0']['attn']['query']['kernel'] == ('embed', 'heads', 'kv').
-Because tuples are pytree nodes (and None is an empty pytree), always map with params FIRST:
-`jax.tree.map(f, params, param_axes)` hands `f` whole axes tuples. To traverse param_axes on its
-own use `jax.tree.map(f, param_axes, is_leaf=is_axes_leaf)`.
+Why pure dicts: the rest of the framework averages, checkpoints and ships params over the
+wire, so it must not depend on NNX objects; NNX only declares the parameters (with logical
+sharding annotations) and applies them. No dropout, so runs are bit-for-bit repeatable.
+Because the axes tuples of `param_axes` are pytree nodes, always map with params FIRST
+(`jax.tree.map(f, params, param_axes)`), or pass `is_leaf=is_axes_leaf`. Architecture and
+param tree layout: docs/scale.md.
 """
 
 from typing import Any

@@ -1,20 +1,10 @@
 """Causal self-attention: rotary positions, grouped-query heads and interchangeable kernels.
 
-Implementations (model.attention), all computing the same function:
-  'xla'          einsums + softmax in float32; the causal mask is a [T, T] additive bias made from
-                 iotas, never a [B, H, T, T] tensor; the [B, H, T, T] probabilities are saved for
-                 the backward pass, so memory grows with T^2 (fine at short T, on CPU).
-  'dot_product'  jax.nn.dot_product_attention with is_causal: cuDNN flash attention on GPU,
-                 XLA elsewhere.
-  'splash'       JAX's Pallas TPU splash-attention kernel (jax.experimental.pallas.ops.tpu): a
-                 block-sparse flash kernel that skips the masked half and never stores T x T.
-                 Compiled on TPU; on other backends it runs in Pallas interpret mode, which the
-                 tests use to check it against 'xla' on CPU, and which is far too slow to train.
-  'auto'         splash on TPU, dot_product on GPU, xla on CPU.
-Every kernel also takes optional segment ids [B, T] (packed documents, model.document_eod_id):
-a query then sees only the keys of its own segment, so no token attends across documents.
-Grouped-query attention: num_kv_heads key/value heads, each shared by num_heads / num_kv_heads
-query heads (num_kv_heads = num_heads is plain multi-head attention).
+The kernels (model.attention: 'xla', 'dot_product', 'splash', 'auto') all compute the same
+function, so a config picks what its backend runs fastest (docs/scale.md). Every kernel also
+takes optional segment ids [B, T] (packed documents), so no token attends across documents.
+Grouped-query attention: num_kv_heads key/value heads, each shared by num_heads /
+num_kv_heads query heads.
 """
 
 import functools

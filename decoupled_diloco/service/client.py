@@ -1,25 +1,11 @@
 """A learner's side of the syncer service: calls with the token, chunked streams, retries.
 
-Every call is retried with exponential backoff (and jitter) while the syncer is
-unreachable — restarting, or briefly overloaded — for up to `retry_seconds`; then
-`SyncerUnreachable` is raised. A retried push is the same (learner, seq), so the syncer
-applies it once even if the first attempt's ack was lost. Refusals (bad token, malformed
-push, unknown learner) are not retried: they raise `grpc.RpcError` at once.
-
-With `data_channel`, a push asks for a ticket over gRPC and sends its payload on the
-syncer's data channel (datachannel.py), and a pull asks for one (PullTicket) and reads Θ_p
-from it; each exchange is one attempt, retried alike. After DATA_FAILURES_BEFORE_STREAMING
-failed data-channel attempts of one push or pull (unreachable, cut off, too slow: e.g. a
-flooded data port) it streams over gRPC instead, and so do the transfers of the next
-DATA_CHANNEL_PAUSE_SECONDS; then the data channel is tried again. A learner on a shaped
-`link` (link.py) never falls back: gRPC would carry its bytes unshaped; it keeps retrying.
-A syncer without a data channel (service.data_port=-1) gets every transfer over gRPC.
-
-Every reply names the syncer's incarnation (one more at each start on its workdir). A higher
-one than before means the syncer restarted: counted (`syncer_restarts`) and logged; its log
-restored everything acknowledged, and a retried push is the same seq, so nothing else is
-needed. A lower one is a reply of a replaced syncer still answering: never acted on, retried
-like an unreachable syncer (`StaleSyncer`).
+Why retries are safe: a retried push is the same (learner, seq), so the syncer applies it
+once even if the first attempt's ack was lost; so every call is retried with jittered
+exponential backoff while the syncer is unreachable, for up to `retry_seconds`, and
+refusals are not retried. Transfers go on the data channel when the syncer has one, falling
+back to gRPC streams; replies from a replaced (older) syncer incarnation are never acted on.
+Details: docs/exchange.md.
 """
 
 import random

@@ -1,18 +1,11 @@
 """Where the syncer's state lives on disk: its write-ahead log and verified checkpoints, fail-stop.
 
 `Store` owns both and nothing of the state machine: `SyncerCore` decides what to log and
-what a checkpoint holds, the store makes it durable.
-  * The log: validate → log (fsync) → apply → ack. A failed append (a full disk, EIO) is
-    cut back to the last good record and stops the store for good (`Stopped`): the syncer
-    must not run ahead of what it can make durable, and a restart from the log holds every
-    acknowledged push.
-  * Checkpoints: each starts a new log segment (rotated in first, so a crash between the two
-    leaves a replayable pair); a failed save is retried `CHECKPOINT_RETRY_SECONDS` later (the
-    log holds everything meanwhile). A restart takes the newest checkpoint that restores,
-    matches its digests and has its log segment; unusable newer ones are moved aside.
-  * Incarnations: each start of a syncer on the workdir takes the next number from
-    `syncer.incarnation` (written before it serves, fsync'ed); every reply carries it, so a
-    learner can tell a restarted syncer (and refuse replies of a replaced one).
+what a checkpoint holds, the store makes it durable. Why fail-stop: the syncer must not run
+ahead of what it can make durable, so a failed append stops the store for good (`Stopped`)
+and a restart from the log holds every acknowledged push. Checkpoints rotate the log
+segment first (a crash between the two leaves a replayable pair), and each start takes the
+next syncer incarnation (docs/service-durability.md).
 """
 
 import os

@@ -1,22 +1,11 @@
 """Wide-area links in real time: each learner's data-channel traffic paced at its sender.
 
-Why: the virtual clock models a learner's link (sim.link_gbps), but a wall-clock run on one
-machine moves its bytes over loopback at gigabytes per second, so overlap, streaming and
-compression cannot be measured for real. `service.link_mbps` and `service.link_latency_ms`
-(one value per learner, () = unshaped) make every data-channel transfer of learner i take
-latency + bytes·8 / Mbps seconds: the learner paces its pushes, the syncer paces the Θ it
-sends back to that learner. A token bucket at the sender does it, in user space: shaping the
-NIC with `tc` would need privileges users may not have.
-
-  the bucket holds up to BURST_SECONDS of the link's bytes (at least one slice) and refills at
-  the link's rate; a slice of at most SLICE_BYTES takes its bytes and, if that leaves the
-  bucket owing, waits until they are refilled before it goes out; the first byte of a
-  transfer waits the link's one-way latency first.
-
-The bucket is shared by every transfer of one learner in one direction (a push and a pull
-never share a direction), so concurrent transfers split the link as they would on a wire.
-Control calls (gRPC tickets, heartbeats) and the start-up Join are not shaped: they are
-small, or happen once.
+Why: a wall-clock run on one machine moves its bytes over loopback at gigabytes per second,
+so overlap, streaming and compression could not be measured for real. `service.link_mbps`
+and `service.link_latency_ms` make every data-channel transfer of learner i take about
+latency + bytes·8 / Mbps seconds, through a token bucket at the sender in user space (`tc`
+would need privileges users may not have), shared by every transfer of one learner in one
+direction (docs/exchange.md).
 """
 
 import dataclasses

@@ -1,24 +1,12 @@
 """Write-ahead log of the syncer service: an acknowledged push is on disk before its ack.
 
-Checkpoints (orbax) are taken every N merges; between two of them the log holds every
-push the syncer applied (and every merge it took outside a push), so a syncer restarted
-after SIGKILL restores the checkpoint, replays the log and is exactly where it was: no
-acknowledged update is lost, none is applied twice (replay skips sequence numbers the
-checkpoint already holds), and versions never go back.
-
-Layout: `<dir>/<segment:012d>.log`, one segment per checkpoint; a record is
-  u32 magic | u64 meta length | u64 payload length | u32 crc32(meta + payload) | u32 crc32(the frame so far)
-  | meta (msgpack map) | payload
-appended and fsync'ed; the payload (a push's bytes as received) is written from its own
-buffer. The frame's own checksum makes its lengths trustworthy, which is what tells the
-two kinds of damage apart:
-  * a torn tail: the LAST record is incomplete (a crash mid-append; it was never
-    acknowledged). Recovered: `Log` truncates it, with a log line;
-  * corruption: any other bad record (a flipped bit mid-segment, or in a complete last
-    record that was acknowledged). `CorruptLog` names segment and offset and start-up
-    stops, unless the operator asks to truncate there (`truncate_corrupt=True`).
-A failed append (ENOSPC, EIO) truncates the segment back to its last good record and
-raises `LogWriteError`: the caller must stop serving (nothing unlogged was applied).
+Why: between two checkpoints the log holds every push the syncer applied (and every merge
+it took outside a push), so a syncer restarted after SIGKILL restores the checkpoint,
+replays the log and is exactly where it was: no acknowledged update lost, none applied
+twice, versions never going back. Each record's frame carries its own checksum, which
+tells a torn tail (truncated by `Log`) from corruption (`CorruptLog`, start-up stops unless
+`truncate_corrupt=True`); a failed append truncates back to the last good record and raises
+`LogWriteError`. Layout and damage table: docs/service-durability.md.
 """
 
 import os

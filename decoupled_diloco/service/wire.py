@@ -1,27 +1,11 @@
 """The syncer service's wire format: msgpack headers and self-describing array payloads.
 
-No protoc: every gRPC method carries plain bytes, so the format is defined here.
-
-Header: one msgpack map per call (request and reply), at most MAX_HEADER_BYTES, checked
-against a schema (exact keys, exact types) by `parse_header` before anything reads it.
-
-Payload (a pytree of arrays, or a `compression.Compressed`), as one byte string:
-  u32 little-endian skeleton length | skeleton (msgpack) | zeros to a multiple of 64 |
-  array bytes, each array starting at a multiple of 64 (zeros in between)
-The skeleton is {"kind": "tree" | "compressed", "value": ...}: nested maps (str keys),
-lists, None and scalars, with every array replaced by msgpack ext type 1 holding
-[dtype name, shape, offset into the array section]. Arrays must follow each other in
-order at the next 64-byte boundary, with zero padding and nothing after the last, so a
-payload cannot alias or hide bytes. A "compressed" value is [format, shapes, leaves] and
-decodes back into a `compression.Compressed`.
-
-Why 64: `assemble` receives into a 64-byte-aligned buffer, so every decoded array is
-aligned as XLA's CPU client needs to take it without a copy (`push.host_view`).
-
-Streams: a push is its header message followed by the payload cut into chunks of at most
-`chunk_bytes`; the header's `payload_bytes` says how many bytes follow, so a receiver
-rejects a short, long or oversized stream before decoding it. Pull/Join replies stream
-the same way. Any violation raises WireError (a ValueError) with a message naming it.
+No protoc: every gRPC method carries plain bytes, so the format is defined here (layout:
+docs/exchange.md). Why so strict: headers are checked against a schema (exact keys and
+types) before anything reads them, and a payload's arrays must follow each other at the
+next 64-byte boundary with zero padding, so a payload cannot alias or hide bytes; 64, so
+that every decoded array is aligned as XLA's CPU client needs to take it without a copy.
+Any violation raises WireError (a ValueError) with a message naming it.
 """
 
 import math
