@@ -107,8 +107,7 @@ class Evaluator:
       raise self.failure
 
 
-def evaluate(exp, clock: dict, params=None) -> dict:
-  """The eval record of the run's global params (or of a snapshot of them, `params`) at `clock`,
-  computed on learner 0's mesh: in line for the virtual clock and lockstep, in `Evaluator` for threads."""
-  params = exp.global_params if params is None else params
-  return exp.evals.record(exp.learners[0].evaluate(params, exp.evals), clock)
+def evaluate(exp, clock: dict) -> dict:
+  """The eval record of the run's global params at `clock`, computed in line on learner 0's mesh (the
+  virtual clock and lockstep: their order is the record order)."""
+  return exp.evals.record(exp.learners[0].evaluate(exp.global_params, exp.evals), clock)

@@ -103,7 +103,7 @@ class ThreadedRun:
     with self._holding(m, self.budget):
       target = self._target(m)
     while self._claim_step(m, target, steps, compute):
-      seconds = self._timed_step(m)
+      seconds = learner.timed_step(self.plan.slowdown[m])  # Waited for: its wall-clock time is what DyLU measures.
       compute, steps = compute + seconds, steps + 1
       with self._holding(m, self.budget):
         self._account_step(m, seconds)
@@ -143,10 +143,6 @@ class ThreadedRun:
         return False
       self.steps_left -= 1
       return True
-
-  def _timed_step(self, m: int) -> float:
-    """One inner step, waited for (its wall-clock time is what DyLU measures), plus the slowdown."""
-    return self.exp.learners[m].timed_step(self.plan.slowdown[m])
 
   def _account_step(self, m: int, seconds: float) -> None:
     """A finished step (budget lock held): tokens, busy time and, after the first, the speed."""
