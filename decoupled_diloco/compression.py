@@ -41,8 +41,7 @@ class Codec:
     if self.format not in FORMATS:
       raise ConfigError(f"compression.format={self.format!r} is unknown: set --config.compression.format "
                         f"to one of {FORMATS}")
-    if (not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 2 or
-        self.block_size % 2):
+    if (not settings_lib.is_int(self.block_size) or self.block_size < 2 or self.block_size % 2):
       raise ConfigError(f"compression.block_size={self.block_size!r} must be an even int >= 2 (two 4-bit codes "
                         f"share a byte): set --config.compression.block_size, e.g. 64")
     if not 0 < self.topk_fraction <= 1:
@@ -280,8 +279,7 @@ def _check_payload(codec: Codec, index: int, shape, payload) -> None:
 
 def _valid_shapes(shapes) -> bool:
   return isinstance(shapes, tuple) and all(
-      isinstance(shape, tuple) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-      for shape in shapes)
+      isinstance(shape, tuple) and all(settings_lib.is_int(d) and d >= 0 for d in shape) for shape in shapes)
 
 
 def check(codec: Codec, compressed: Compressed) -> None:

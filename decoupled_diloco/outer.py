@@ -58,7 +58,7 @@ def delayed_nesterov(learning_rate: float, momentum: float, buffer_size: int,
   so Θ keeps moving along the momentum between its updates.
   Jit-able: the window boundary is a traced select, not Python control flow.
   """
-  if not isinstance(buffer_size, int) or isinstance(buffer_size, bool) or buffer_size < 1:
+  if not settings_lib.is_int(buffer_size) or buffer_size < 1:
     raise ValueError(f"delayed_nesterov buffer_size={buffer_size!r} must be an int >= 1: pass arrivals per window")
   if not 0 <= momentum < 1:
     raise ValueError(f"delayed_nesterov momentum={momentum} must be in [0, 1): pass e.g. 0.9")

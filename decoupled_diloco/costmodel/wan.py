@@ -15,6 +15,7 @@ from decoupled_diloco import compression
 from decoupled_diloco import fragments
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.hardware import CHIP_PEAK_FLOPS, RELATIVE, HardwareProfile
+from decoupled_diloco.settings import is_int
 from decoupled_diloco.costmodel.link import Link
 
 SCHEMES = ("ddp", "diloco", "streaming")
@@ -82,7 +83,7 @@ class Result:
 
 def validate(setup: Setup, scheme: Scheme) -> None:
   """One ConfigError naming the fix for each impossible setup or scheme."""
-  if not _is_int(setup.params) or not _is_int(setup.layers) or not 1 <= setup.layers <= setup.params:
+  if not is_int(setup.params) or not is_int(setup.layers) or not 1 <= setup.layers <= setup.params:
     raise ConfigError(f"params={setup.params!r}, layers={setup.layers!r}: need ints with 1 <= layers <= params")
   if not setup.token_budget > 0 or not math.isfinite(setup.token_budget):
     raise ConfigError(f"token_budget={setup.token_budget!r} must be a finite number > 0: pass the tokens to train")
@@ -92,17 +93,17 @@ def validate(setup: Setup, scheme: Scheme) -> None:
     raise ConfigError(f"scheme {scheme.kind!r} is unknown: use one of {SCHEMES}")
   if scheme.wire_format not in compression.FORMATS:
     raise ConfigError(f"wire_format={scheme.wire_format!r} is unknown: use one of {compression.FORMATS}")
-  if not _is_int(scheme.inner_steps) or scheme.inner_steps < 1:
+  if not is_int(scheme.inner_steps) or scheme.inner_steps < 1:
     raise ConfigError(f"inner_steps={scheme.inner_steps!r} must be an int >= 1: pass H, e.g. 24")
   if scheme.kind == "ddp" and scheme.inner_steps != 1:
     raise ConfigError(f"ddp syncs every step, got inner_steps={scheme.inner_steps}: use scheme 'diloco' for H > 1")
   if scheme.kind != "streaming" and (scheme.fragments != 1 or scheme.overlap_steps != 0):
     raise ConfigError(f"{scheme.kind} blocks on whole-model syncs (fragments={scheme.fragments}, overlap_steps="
                       f"{scheme.overlap_steps}): use scheme 'streaming' for fragments and overlap")
-  if not _is_int(scheme.fragments) or not 1 <= scheme.fragments <= setup.layers:
+  if not is_int(scheme.fragments) or not 1 <= scheme.fragments <= setup.layers:
     raise ConfigError(f"fragments={scheme.fragments!r} must be an int in [1, layers={setup.layers}]: "
                       "each fragment needs at least one layer")
-  if not _is_int(scheme.overlap_steps) or not 0 <= scheme.overlap_steps < scheme.inner_steps:
+  if not is_int(scheme.overlap_steps) or not 0 <= scheme.overlap_steps < scheme.inner_steps:
     raise ConfigError(f"overlap_steps={scheme.overlap_steps!r} must be an int in [0, inner_steps="
                       f"{scheme.inner_steps}): a fragment must land before its next sync")
   for m, region in enumerate(setup.regions):
@@ -110,20 +111,16 @@ def validate(setup: Setup, scheme: Scheme) -> None:
     if hw.chip != RELATIVE and hw.chip not in CHIP_PEAK_FLOPS:
       raise ConfigError(f"region {m}: chip {hw.chip!r} is unknown: use one of {sorted(CHIP_PEAK_FLOPS)} or "
                         f"{RELATIVE!r}")
-    if not _is_int(hw.chips) or hw.chips < 1 or not 0 < hw.mfu <= 1 or not hw.speed > 0:
+    if not is_int(hw.chips) or hw.chips < 1 or not 0 < hw.mfu <= 1 or not hw.speed > 0:
       raise ConfigError(f"region {m}: chips={hw.chips!r}, mfu={hw.mfu}, speed={hw.speed}: need chips >= 1, "
                         "0 < mfu <= 1, speed > 0")
-    if not _is_int(region.tokens_per_step) or region.tokens_per_step < 1:
+    if not is_int(region.tokens_per_step) or region.tokens_per_step < 1:
       raise ConfigError(f"region {m}: tokens_per_step={region.tokens_per_step!r} must be an int >= 1")
     if not region.gbps > 0:
       raise ConfigError(f"region {m}: gbps={region.gbps!r} must be > 0: give the link's bandwidth in Gbit/s "
                         "(math.inf for free transfers)")
     if not 0 <= region.latency_seconds < math.inf:
       raise ConfigError(f"region {m}: latency_seconds={region.latency_seconds!r} must be finite and >= 0")
-
-
-def _is_int(value) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
 
 
 def layer_shapes(setup: Setup) -> tuple[tuple[int, ...], ...]:

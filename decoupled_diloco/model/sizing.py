@@ -54,7 +54,7 @@ class Settings:
   def __post_init__(self):
     for name in _SHAPE:
       value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+      if not settings_lib.is_int(value) or value <= 0:
         _refuse(f'model.{name} is {value!r}: set --config.model.{name} to a positive int')
     if self.d_model % self.num_heads:
       _refuse(f'model.d_model {self.d_model} is not divisible by model.num_heads {self.num_heads}: '

@@ -17,6 +17,7 @@ import msgpack
 import numpy as np
 
 from decoupled_diloco import compression
+from decoupled_diloco.settings import is_int
 
 MAX_HEADER_BYTES = 64 << 10
 MAX_SKELETON_BYTES = 16 << 20
@@ -233,7 +234,7 @@ def _array(ref, body: memoryview, previous_end: int) -> np.ndarray:
   name, shape, offset = ref
   if name not in DTYPES:
     raise WireError(f"array dtype {name!r} is not allowed; allowed: {sorted(DTYPES)}")
-  if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+  if not all(is_int(d) and d >= 0 for d in shape):
     raise WireError(f"array shape {shape} must be non-negative ints")
   dtype = DTYPES[name]
   count = math.prod(shape)  # Python ints: a product that overflows int64 is just too large, never negative.
@@ -274,7 +275,7 @@ def _compressed(value) -> compression.Compressed:
   if fmt not in compression.FORMATS:
     raise WireError(f"compression format {fmt!r} is unknown; known: {compression.FORMATS}")
   for shape, leaf in zip(shapes, leaves):
-    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+    if not (isinstance(shape, list) and all(is_int(d) and d >= 0 for d in shape)):
       raise WireError(f"compressed shape {shape} must be a list of non-negative ints")
     if not (isinstance(leaf, dict) and all(isinstance(a, np.ndarray) for a in leaf.values())):
       raise WireError("each compressed leaf must be a map of arrays")
