@@ -87,32 +87,26 @@ class LearnerProcess:
       self.writer.write(record)
 
   def _exchange(self, seq: int, push, budget: tuple[int, int]):
-    """Background: the push (retried until acked or refused), then the newest Θ if it moved.
-
-    Followers in a multi-process group have nothing to send: the leader's result reaches
-    them in `_land`.
-    """
+    """Background: the push (retried until acked or refused), then the newest Θ if it moved: (seq, push reply,
+    status, new Θ or None). Followers in a multi-process group have nothing to send: the leader's result
+    reaches them in `_land`."""
     if not self.group.leader:
       return None
     begin = time.perf_counter()
     try:
-      return self._push_and_pull(seq, push, budget)
+      try:
+        reply = self.client.push(seq, push.delta, base_version=push.base_version, tokens=push.tokens,
+                                 local_steps=push.local_steps, compute_seconds=push.compute_seconds,
+                                 fragment=push.fragment, budget_steps=budget[0], budget_tokens=budget[1])
+      except grpc.RpcError as error:  # Refused (malformed, NaN, ...): counted, the learner carries on.
+        logging.warning("push %d refused: %s %s", seq, error.code(), error.details())
+        reply = {"status": "refused", "done": False}
+      if reply["done"]:  # The syncer is winding down: no Θ to fetch, nothing more to push.
+        return seq, reply, {**reply, "payload_bytes": 0}, None
+      status, theta = self.client.pull(push.base_version, push.fragment)
+      return seq, reply, status, theta
     finally:
       self.account.exchange += time.perf_counter() - begin
-
-  def _push_and_pull(self, seq: int, push, budget: tuple[int, int]):
-    """The leader's exchange: (seq, push reply, status, new Θ or None)."""
-    try:
-      reply = self.client.push(seq, push.delta, base_version=push.base_version, tokens=push.tokens,
-                               local_steps=push.local_steps, compute_seconds=push.compute_seconds,
-                               fragment=push.fragment, budget_steps=budget[0], budget_tokens=budget[1])
-    except grpc.RpcError as error:  # Refused (malformed, NaN, ...): counted, the learner carries on.
-      logging.warning("push %d refused: %s %s", seq, error.code(), error.details())
-      reply = {"status": "refused", "done": False}
-    if reply["done"]:  # The syncer is winding down: no Θ to fetch, nothing more to push.
-      return seq, reply, {**reply, "payload_bytes": 0}, None
-    status, theta = self.client.pull(push.base_version, push.fragment)
-    return seq, reply, status, theta
 
   def _restore(self) -> None:
     """AdamW state, step and data position from this learner's own checkpoint, if it has one.
@@ -130,12 +124,6 @@ class LearnerProcess:
       if data_state:
         self.learner.batches.restore(data_state)
       logging.info("learner %d restored its inner state at step %d", self.index, self.learner.steps)
-
-  def _record_ack(self, seq: int, reply: dict) -> None:
-    self.account.statuses[reply["status"]] += 1
-    self._write({
-        "kind": "ack", "outer_step": reply.get("version", self.learner.base_versions[0]), "learner": self.index,
-        "seq": seq, "status": reply["status"], "wall_time": time.perf_counter() - self.account.begin})
 
   def run(self) -> dict:
     """Trains until the syncer says the budget is spent; returns the learner's summary."""
@@ -189,32 +177,17 @@ class LearnerProcess:
     """The learner_summary record: wall-clock split into busy and blocked, and the syncer's acks."""
     account, wall = self.account, time.perf_counter() - self.account.begin
     clock = {"outer_step": self.status["version"], "inner_step": self.learner.steps, "time": wall, "wall_time": wall}
+    # Null what a learner process does not measure: the syncer's side of its pushes, and stalls by count.
     return records.learner_summary(
-        clock,
-        account,
-        learner=self.index,
-        steps=self.learner.steps,
-        tokens=self.learner.steps * self.learner.batches.tokens_per_batch,
-        wall_seconds=wall,
+        clock, account, learner=self.index, steps=self.learner.steps,
+        tokens=self.learner.steps * self.learner.batches.tokens_per_batch, wall_seconds=wall,
         compute_utilization=account.busy / wall if wall else 0.0,
-        blocked_fraction=account.blocked / wall if wall else 0.0,
-        final_ack_seconds=account.final_ack,
-        exchange_seconds=account.exchange,
-        rounds=self.pushes,
-        retries=self.client.retries if self.client else 0,
-        syncer_restarts=self.client.syncer_restarts if self.client else 0,
-        processes=self.group.processes,
-        group_peak_bytes=self.group.peak_bytes,
-        group_host_bytes=self.group.host_peaks(),
-        ack_statuses=dict(account.statuses),
-        pushes=sum(account.statuses.values()),
-        dropped=account.statuses["dropped"],
-        rejected=account.statuses["refused"],
-        # What a learner process does not measure: the syncer's side of its pushes, and stalls by count.
-        idle_seconds=None,
-        stalls=None,
-        bytes_sent=None,
-        bytes_received=None,
+        blocked_fraction=account.blocked / wall if wall else 0.0, final_ack_seconds=account.final_ack,
+        exchange_seconds=account.exchange, rounds=self.pushes, retries=self.client.retries if self.client else 0,
+        syncer_restarts=self.client.syncer_restarts if self.client else 0, processes=self.group.processes,
+        group_peak_bytes=self.group.peak_bytes, group_host_bytes=self.group.host_peaks(),
+        ack_statuses=dict(account.statuses), pushes=sum(account.statuses.values()), dropped=account.statuses["dropped"],
+        rejected=account.statuses["refused"], idle_seconds=None, stalls=None, bytes_sent=None, bytes_received=None,
         staleness_histogram=None)
 
   def _period(self, steps: int) -> None:
@@ -303,7 +276,10 @@ class LearnerProcess:
     self.account.blocked += waited
     if final:
       self.account.final_ack += waited
-    self._record_ack(seq, reply)
+    self.account.statuses[reply["status"]] += 1
+    self._write({
+        "kind": "ack", "outer_step": reply.get("version", self.learner.base_versions[0]), "learner": self.index,
+        "seq": seq, "status": reply["status"], "wall_time": time.perf_counter() - self.account.begin})
     if not moved:
       self.learner.anchor_on_pushed(fragment)
       return
