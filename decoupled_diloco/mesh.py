@@ -1,15 +1,11 @@
 """Learner groups on disjoint device subsets: one `Mesh` per group, each with its own layout.
 
-Every learner group owns a slice of the devices (a TPU slice on Cloud, a few virtual CPU
-devices here) and lays it out as a 3-D mesh of axes `data` × `fsdp` × `tensor`
-(`learners.layouts`, e.g. 'fsdp=8,tensor=2' on one group and 'data=4,fsdp=4' on another):
-- the batch is split over `data` × `fsdp` (plain data parallelism on both);
-- parameters (and with them the AdamW moments) shard their first `embed` dimension over
-  `fsdp` (ZeRO-3 style) and their first `heads`, `mlp` or `vocab` dimension over `tensor`
-  (Megatron-style model parallelism); a dimension the axis does not divide stays whole;
-- activations follow ACTIVATION_RULES (batch over data × fsdp; heads, MLP and vocab over tensor).
-Arrays never move between groups implicitly: the runtime moves them with `jax.device_put`
-to the target group's shardings, so pushes and pulls work between any two layouts.
+Every learner group owns a slice of the devices and lays it out as a 3-D mesh `data` × `fsdp`
+× `tensor` (`learners.layouts`): the batch is split over `data` × `fsdp`, parameters shard
+their `embed` dimension over `fsdp` and their `heads`, `mlp` or `vocab` dimension over
+`tensor`, activations follow ACTIVATION_RULES (docs/plan.md). Why explicit moves: arrays
+never move between groups implicitly; the runtime `jax.device_put`s them onto the target
+group's shardings, so pushes and pulls work between any two layouts.
 """
 
 from collections.abc import Sequence

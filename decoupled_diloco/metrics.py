@@ -1,23 +1,10 @@
 """Run outputs: metrics.jsonl (the source of truth), TensorBoard scalars, progress lines.
 
-Record convention: a dict with 'kind' ('train', 'eval', 'outer', ...), 'outer_step' (the
-outer step the record belongs to: the checkpoint saved at outer step k covers every
-record with outer_step <= k), optionally 'inner_step' (the preferred x-axis) and
-'learner' (learner index), plus numeric fields.
-
-TensorBoard (`tensorboard --logdir WORKDIR`, or a sweep's root): every numeric field is
-a scalar tagged `<kind>/<field>`. Records of learner i go to the run
-`tensorboard/learner_<i>`, the rest to `tensorboard`: TensorBoard draws one chart per
-tag with one line per run, so `train/loss` overlays the learners' curves (fast and slow
-learners side by side), and a sweep's points show as runs `<point>/tensorboard/...`.
-The histogram `push/staleness_distribution` counts the staleness of every push so far
-(all learners in `tensorboard`, each learner's in its run); its last step equals the
-learner_summary records' staleness_histogram.
-
-Resuming from checkpoint k drops the crashed run's records with outer_step > k from
-metrics.jsonl, so the resumed run's file equals an uninterrupted run's. TensorBoard
-gets a purge step past the last kept record; that dedup is exact when every record
-carries 'inner_step' (all tags then share one x-axis).
+A record is a dict with a 'kind' and the 'outer_step' it belongs to (the checkpoint saved at
+outer step k covers every record with outer_step <= k), so a run resumed from checkpoint k
+drops the crashed run's later records and its file equals an uninterrupted run's. Every
+numeric field is also a TensorBoard scalar `<kind>/<field>`, one run per learner so curves
+overlay. Conventions in full: docs/records.md.
 """
 
 from __future__ import annotations
@@ -245,17 +232,9 @@ def format_duration(seconds: float) -> str:
   return f"{secs}s"
 
 
-def format_progress(
-    *,
-    outer_step: int,
-    num_outer_steps: int,
-    step: int,
-    loss: float | None = None,
-    eval_loss: float | None = None,
-    optimum: float | None = None,
-    tokens_per_sec: float | None = None,
-    eta_seconds: float | None = None,
-) -> str:
+def format_progress(*, outer_step: int, num_outer_steps: int, step: int, loss: float | None = None,
+                    eval_loss: float | None = None, optimum: float | None = None, tokens_per_sec: float | None = None,
+                    eta_seconds: float | None = None) -> str:
   """One human progress line; parts whose value is unknown (None) are left out.
 
   e.g. 'outer 3/20 | step 60 | loss 2.310 | eval 2.402 (optimum 1.950, gap 0.452) |

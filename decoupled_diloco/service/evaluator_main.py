@@ -2,22 +2,10 @@
 
 Why a process of its own (service.evaluate_on='evaluator', issue 16): at 1B one eval is ~4e15
 FLOPs and 150 GB of XLA temporaries, which the syncer's host CPU must never run (every
-learner waits on the syncer). This process runs the model where it can run, on its own
-devices (service.evaluator_devices = N: N devices, params and batches sharded fsdp over all of
-them; 0: learner group 0's devices and layout), and reads Θ like a learner: over the same
-client (one per shard with service.shards > 1), with its own read-only credential
-(security.EVALUATOR: pulls and status only, no lease, no quorum, never a push).
-
-Every `eval_every` rounds' worth of tokens (the cadence the syncer used) it reads Θ, one
-fragment at a time, each only when its version moved, until a pass in which none moved: the
-Θ it holds is then exactly the syncer's Θ at one version, which its `eval` record names
-(outer_step = version, `versions` per fragment, with the syncer's tokens, mean inner steps and
-run seconds at it; with shards each fragment is at its own shard's version: docs/syncer-shards.md). Evals
-run on a background thread (run.evaluator.Evaluator, at most one waiting: the newest Θ wins and
-records count the replaced ones in `evals_skipped`). When the syncer says Θ is final (the
-budget is spent and every learner heard it), the final Θ is read and evaluated, an
-`evaluator_summary` record is written, and the process exits. Records go to
-<workdir>/evaluator/metrics.jsonl, where research/report.py finds them.
+learner waits on the syncer). This process runs the model on its own devices and reads Θ
+like a learner, with a read-only credential, one fragment at a time until a pass in which
+none moved, so the Θ it evaluates is exactly the syncer's at one version. How it reads,
+records and ends: docs/evaluation.md.
 """
 
 import os

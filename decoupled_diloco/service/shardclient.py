@@ -1,16 +1,11 @@
 """A learner's calls to S syncer shards, behind the one-syncer client interface the learner loop uses.
 
+Why one interface: the learner loop (and the evaluator) stay as they are with one syncer.
 Each fragment lives on one shard (`shards.ShardMap`) under a local id; this client keeps a
-`SyncerClient` per shard, sends each push and pull of fragment p to its owner under its
-local id, and answers with the run's status as one syncer would: `versions` per global
-fragment from the shards' latest replies, `version` their sum, the budget (`steps_left`,
-`done`) and `max_speed` from shard 0, which alone counts the budget (service/shardrun.py),
-and `acked_seq` the highest any shard acknowledged (a learner's seqs rise across shards, so
-each shard's exactly-once check holds on its own subsequence). The evaluator reads through the
-same client (its read-only status adds the run's clock, taken from shard 0 like the budget,
-and `final`, which holds only once every shard says so: a shard's Θ can move until it does). A
-fragment pulled in a reply that said final cannot move again, and its shard stops once the
-evaluator has read all of its own (service/reader.py), so that shard is not called again.
+`SyncerClient` per shard, sends each push and pull of fragment p to its owner, and answers
+with the run's status as one syncer would, merged from the shards' replies (the budget from
+shard 0, which alone counts it; `final` only once every shard says so). How each field is
+merged: docs/syncer-shards.md.
 """
 
 from decoupled_diloco import fragments, shards
