@@ -75,6 +75,14 @@ class Learner:
       self.anchors[p], self.base_versions[p] = fragments.select(global_params, self.assignment, p), versions[p]
       self.tokens_since_push[p] = self.steps_since_push[p] = 0
 
+  def restore(self, state, data_state=None) -> None:
+    """Takes a checkpointed TrainState (block_i's) and its data position (None: not saved), so a resumed
+    learner goes on where it stopped: packed pipelines from their saved position instead of replaying."""
+    self.state = self.loop.to_step(state)
+    self.steps = int(self.state.step)
+    if data_state:
+      self.batches.restore(data_state)
+
   def land(self, fragment: int, fragment_params, version: int, anchor=None) -> None:
     """A merged fragment lands: θ_p ← α·θ_p + (1 − α)·Θ_p, and Θ_p anchors the next push.
 

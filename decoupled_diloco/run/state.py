@@ -32,12 +32,8 @@ def restore(exp, checkpointer: checkpoint_lib.Checkpointer, step: int) -> dict:
   """Loads checkpoint `step` into the experiment, each tree back onto its own devices; returns its metadata."""
   abstract = checkpoint_lib.abstract_like(run_state(exp))
   state, meta = checkpointer.restore(step, abstract)
-  for learner in exp.learners:
-    learner.state = learner.loop.to_step(state[f"learner_{learner.index}"])
-    learner.steps = int(learner.state.step)
-  for learner, data_state in zip(exp.learners, meta.get("data") or ()):
-    if data_state:  # Packed pipelines continue from their saved position instead of replaying.
-      learner.batches.restore(data_state)
+  for learner, data_state in zip(exp.learners, meta.get("data") or [None] * len(exp.learners)):
+    learner.restore(state[f"learner_{learner.index}"], data_state)
   if exp.syncer is not None:
     exp.syncer.restore(SyncerState(state["syncer_params"], state["syncer_opt_state"], tuple(meta["syncer_versions"])))
   return meta

@@ -118,11 +118,7 @@ class LearnerProcess:
     if step is not None:
       like = checkpoint_lib.abstract_like(self.learner.loop.from_step(self.learner.state))
       state, meta = self.checkpointer.restore(step, {"state": like})
-      self.learner.state = self.learner.loop.to_step(state["state"])
-      self.learner.steps = int(self.learner.state.step)
-      data_state = meta.get("data", {}).get(str(jax.process_index()))
-      if data_state:
-        self.learner.batches.restore(data_state)
+      self.learner.restore(state["state"], meta.get("data", {}).get(str(jax.process_index())))
       logging.info("learner %d restored its inner state at step %d", self.index, self.learner.steps)
 
   def run(self) -> dict:
