@@ -117,9 +117,9 @@ def print_group(config, group: int, xla: dict | None):
 
 def main(argv):
   del argv
-  config = _CONFIG.value
-  if config is None:
+  if _CONFIG.value is None:
     cli.fail("--config is required: e.g. --config=configs/tpu_1b.py")
+  config = cli.load_config(_CONFIG)
   try:
     experiment.validate(config)
     for group, chip in enumerate(plan.chip_of(config, g) for g in range(len(config.learners.devices))):
@@ -149,16 +149,5 @@ def main(argv):
     cli.fail(misfits[0] + (f" (and {len(misfits) - 1} more group(s))" if len(misfits) > 1 else ""))
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's parser, except that a bad flag or config file is one line and exit status 2."""
-  try:
-    parsed = flags.FLAGS(argv)
-    if _CONFIG.value is not None:
-      _CONFIG.value.keys()  # The config loads lazily: a broken file fails here.
-    return parsed
-  except (flags.Error, KeyError, AttributeError, ValueError, TypeError, OSError) as error:
-    cli.fail(f"{str(error).splitlines()[0] if str(error) else error!r}: check --config and its --config.* overrides")
-
-
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)
