@@ -24,6 +24,7 @@ from ml_collections import config_flags
 from decoupled_diloco import experiment, hardware, mesh, model as model_lib, plan
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.run import schedule
+from experiments import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (a configs/*.py).", lock_config=True)
 _XLA = flags.DEFINE_bool(
@@ -35,12 +36,6 @@ _COMPILE_GROUP = flags.DEFINE_integer(
 GB = 1e9
 
 
-def fail(message: str) -> None:
-  """Bad input or a group that does not fit: one line and exit status 2."""
-  sys.stderr.write(f"error: {' '.join(str(message).split())}\n")
-  sys.exit(2)
-
-
 def compile_in_subprocess(group: int, devices: int) -> dict:
   """Runs `compile_group` in a fresh process that sees `devices` virtual CPU devices."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
@@ -49,8 +44,8 @@ def compile_in_subprocess(group: int, devices: int) -> dict:
                         capture_output=True, text=True, check=False)
   if done.returncode:
     last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    fail(f"compiling group {group} on {devices} virtual CPU devices failed ({last}): fix that, or plan without "
-         "XLA's figures with --xla=false")
+    cli.fail(f"compiling group {group} on {devices} virtual CPU devices failed ({last}): fix that, or plan without "
+             "XLA's figures with --xla=false")
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -122,9 +117,9 @@ def print_group(config, group: int, xla: dict | None):
 
 def main(argv):
   del argv
-  config = _CONFIG.value
-  if config is None:
-    fail("--config is required: e.g. --config=configs/tpu_1b.py")
+  if _CONFIG.value is None:
+    cli.fail("--config is required: e.g. --config=configs/tpu_1b.py")
+  config = cli.load_config(_CONFIG)
   try:
     experiment.validate(config)
     for group, chip in enumerate(plan.chip_of(config, g) for g in range(len(config.learners.devices))):
@@ -132,7 +127,7 @@ def main(argv):
         raise ConfigError(f"learner group {group} has no chip (learners.hardware={tuple(config.learners.hardware)}): "
                           f"set --config.learners.hardware to one of {sorted(hardware.ACCELERATORS)} per group")
   except ConfigError as error:
-    fail(error)
+    cli.fail(error)
   if _COMPILE_GROUP.value is not None:
     print(json.dumps(plan.compile_group(config, _COMPILE_GROUP.value)))
     return
@@ -151,19 +146,8 @@ def main(argv):
   print(f"syncer host: {plan.syncer_bytes(config) / GB:.2f} GB (Θ and outer state in fp32, plus one pending "
         "fp32 pseudo-gradient per learner)")
   if misfits:
-    fail(misfits[0] + (f" (and {len(misfits) - 1} more group(s))" if len(misfits) > 1 else ""))
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's parser, except that a bad flag or config file is one line and exit status 2."""
-  try:
-    parsed = flags.FLAGS(argv)
-    if _CONFIG.value is not None:
-      _CONFIG.value.keys()  # The config loads lazily: a broken file fails here.
-    return parsed
-  except (flags.Error, KeyError, AttributeError, ValueError, TypeError, OSError) as error:
-    fail(f"{str(error).splitlines()[0] if str(error) else error!r}: check --config and its --config.* overrides")
+    cli.fail(misfits[0] + (f" (and {len(misfits) - 1} more group(s))" if len(misfits) > 1 else ""))
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

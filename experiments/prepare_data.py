@@ -16,10 +16,11 @@ before anything is written.
 
 import os
 import pathlib
-import sys
 
 from absl import app
 from absl import flags
+
+from experiments import cli
 
 _INPUT = flags.DEFINE_string("input", "", "Local text file to convert (or use --tfds_name).")
 _TFDS_NAME = flags.DEFINE_string("tfds_name", "", "TFDS dataset to convert, e.g. c4/en (or use --input).")
@@ -136,8 +137,7 @@ def main(argv) -> None:
     else:
       splits = tfds_splits(_TFDS_NAME.value, _TFDS_DATA_DIR.value, _TFDS_TEXT_KEY.value)
   except ConfigError as error:
-    sys.stderr.write(f"error: {error}\n")
-    sys.exit(2)
+    cli.fail(error)
   for split, (records, size) in prepare(_OUTPUT.value, splits, _NUM_SHARDS.value, _MAX_BYTES.value).items():
     print(f"{split}: {records} records, {size} bytes")
 

@@ -11,10 +11,11 @@ decoupled_diloco.research.report, for notebooks.
 """
 
 import os
-import sys
 
 from absl import app
 from absl import flags
+
+from experiments import cli
 
 _OUT = flags.DEFINE_string("out", None, "Directory for the PNGs and report.md (default: <first DIR>/report).")
 
@@ -23,8 +24,7 @@ def main(argv: list[str]) -> None:
   """Loads the runs under every DIR argument and writes the report."""
   paths = argv[1:]
   if not paths:
-    sys.stderr.write("error: no run given: pass one or more workdirs, e.g. python -m experiments.report /tmp/dd_demo\n")
-    sys.exit(2)
+    cli.fail("no run given: pass one or more workdirs, e.g. python -m experiments.report /tmp/dd_demo")
   # Imported here so that `--help` and usage errors stay fast.
   from decoupled_diloco.research import report  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.errors import ConfigError  # pylint: disable=g-import-not-at-top
@@ -32,8 +32,7 @@ def main(argv: list[str]) -> None:
   try:
     runs = report.load_runs(paths)
   except ConfigError as error:
-    sys.stderr.write(f"error: {error}\n")
-    sys.exit(2)
+    cli.fail(error)
   for path in report.write_report(runs, _OUT.value or os.path.join(paths[0], "report")):
     print(path)
 

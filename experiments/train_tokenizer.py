@@ -10,10 +10,10 @@ so bits per byte of a subword run compare exactly with a byte-level run's. Bad i
 `error:` line and exits with status 2.
 """
 
-import sys
-
 from absl import app
 from absl import flags
+
+from experiments import cli
 
 _INPUT = flags.DEFINE_string("input", None, "Text file to train on (one sentence per line is not required).")
 _VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 8192, "Vocabulary size, byte-fallback ids included (>= 260).")
@@ -30,8 +30,7 @@ def main(argv) -> None:
   try:
     path = tokenizer.train_sentencepiece(_INPUT.value, _VOCAB_SIZE.value, _OUTPUT.value, _MODEL_TYPE.value)
   except ConfigError as error:
-    sys.stderr.write(f"error: {error}\n")
-    sys.exit(2)
+    cli.fail(error)
   print(path)
 
 

@@ -7,6 +7,7 @@ nothing refused, 'CLOSED' for a data connection the syncer shut).
 """
 
 import collections
+import itertools
 import socket
 import threading
 import time
@@ -21,6 +22,11 @@ from decoupled_diloco.service import security, server as server_lib, wire
 def metadata(token: str) -> tuple:
   """The call metadata carrying `token` (a credential, the run secret, or a forgery)."""
   return ((security.TOKEN_METADATA_KEY, token),)
+
+
+def _attempts(stop: threading.Event, max_count: int):
+  """Attempt numbers 0, 1, ...: each taken only while `stop` is not set, at most `max_count`."""
+  return itertools.takewhile(lambda _: not stop.is_set(), range(max_count))
 
 
 def push_header(learner: int, payload_bytes: int, **fields) -> dict:
@@ -51,9 +57,7 @@ def reconnect_flood(host: str, port: int, stop: threading.Event, hold_seconds: f
                     max_count: int = 100_000) -> collections.Counter:
   """Connects to the data port again and again sending nothing (held `hold_seconds` each)."""
   outcomes = collections.Counter()
-  for _ in range(max_count):
-    if stop.is_set():
-      break
+  for _ in _attempts(stop, max_count):
     try:
       with socket.create_connection((host, port), timeout=5) as connection:
         if hold_seconds:
@@ -74,9 +78,7 @@ def slow_sender(address: str, data_port: int, token: str, learner: int, stop: th
   """Takes a valid ticket (as `learner`, with its credential) and trickles the payload one byte at a time."""
   outcomes = collections.Counter()
   host = address.rsplit(":", 1)[0]
-  for _ in range(max_count):
-    if stop.is_set():
-      break
+  for _ in _attempts(stop, max_count):
     try:
       granted = ticket(address, push_header(learner, payload_bytes), token)
     except grpc.RpcError as error:
@@ -106,9 +108,7 @@ def stalled_push(address: str, token: str, learner: int, stop: threading.Event, 
       yield wire.pack_header(push_header(learner, payload_bytes))
       stop.wait()
 
-    for _ in range(max_count):
-      if stop.is_set():
-        break
+    for _ in _attempts(stop, max_count):
       try:
         push(stalled(), metadata=metadata(token), timeout=600)
         outcomes["OK"] += 1
@@ -137,9 +137,7 @@ def poison_headers(address: str, token: str, learner: int, victim: int, stop: th
     calls = {
         "Push": channel.stream_unary(f"/{server_lib.SERVICE}/Push"),
         "PushTicket": channel.unary_unary(f"/{server_lib.SERVICE}/PushTicket")}
-    for count in range(max_count):
-      if stop.is_set():
-        break
+    for count in _attempts(stop, max_count):
       method, sender, header = cases[count % len(cases)]
       request = iter([wire.pack_header(header), payload]) if method == "Push" else wire.pack_header(header)
       try:

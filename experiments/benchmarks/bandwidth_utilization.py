@@ -23,7 +23,6 @@ each level, we report the bisected threshold.
   python -m experiments.benchmarks.bandwidth_utilization [--quick]
 """
 
-import argparse
 import math
 import time
 
@@ -51,13 +50,6 @@ LABELS = {
     "streaming": "streaming + overlap + int4"}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  """--quick: fewer simulated periods and a coarser bisection (for tests)."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help=f"{QUICK_PERIODS} periods, tolerance {QUICK_REL_TOL}.")
-  return parser.parse_args(argv)
-
-
 def make_setup(params: int, layers: int, step_seconds: float, periods: int) -> wan.Setup:
   """REPLICAS identical learners whose step takes `step_seconds` (a relative hardware profile)."""
   region = wan.Region(HardwareProfile("relative", 1, 1.0, 1.0, reference_step_seconds=step_seconds), TOKENS_PER_STEP,
@@ -79,7 +71,7 @@ def _cell(gbps: float) -> str:
 
 def main(argv=None):
   """Bisects every (model, scheme, target) and prints the table beside the published rows."""
-  args = parse_args(argv)
+  args = common.parse_quick(__doc__, f"{QUICK_PERIODS} periods, tolerance {QUICK_REL_TOL}.", argv)
   begin = time.perf_counter()
   periods, tol = (QUICK_PERIODS, QUICK_REL_TOL) if args.quick else (PERIODS, REL_TOL)
   needed = {}
@@ -100,11 +92,10 @@ def main(argv=None):
             "".join(f"{g:>12.1f}" for g in published[name]))
   print(f"runtime {time.perf_counter() - begin:.1f} s")
   finite = lambda g: None if math.isinf(g) else round(g, 3)
+  by_target = lambda published: {n: dict(zip((str(round(t * 100)) for t in TARGETS), v)) for n, v in published.items()}
   common.emit({
       "gbps_needed": {m: {n: {t: finite(g) for t, g in c.items()} for n, c in rows.items()} for m, rows in needed.items()},
-      "published_1B": {n: dict(zip((str(round(t * 100)) for t in TARGETS), v)) for n, v in PUBLISHED_1B.items()},
-      "published_10B": {n: dict(zip((str(round(t * 100)) for t in TARGETS), v)) for n, v in PUBLISHED_10B.items()},
-      "parameters": {
+      "published_1B": by_target(PUBLISHED_1B), "published_10B": by_target(PUBLISHED_10B), "parameters": {
           "replicas": REPLICAS, "inner_steps": H, "overlap_steps": TAU, "layers_per_fragment": LAYERS_PER_FRAGMENT,
           "periods": periods, "rel_tol": tol,
           "models": {m: {"params": p, "layers": l, "step_seconds": s} for m, (p, l, s) in MODELS.items()}}})

@@ -5,9 +5,11 @@ another run: it alternates short blocks of the framework and of the baseline and
 the median of each, so both see the same background load.
 """
 
+import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -23,8 +25,31 @@ def use_virtual_devices(count: int = NUM_DEVICES) -> None:
   jax.config.update("jax_num_cpu_devices", count)
 
 
-def interleaved_medians(runners: dict[str, Callable[[], None]], blocks: int) -> dict[str, float]:
-  """Median seconds per call of each runner, calling them in alternation `blocks` times."""
+def parser(doc: str) -> argparse.ArgumentParser:
+  """A benchmark's argument parser, described by the first line of its module docstring."""
+  return argparse.ArgumentParser(description=doc.splitlines()[0])
+
+
+def parse_quick(doc: str, quick_help: str, argv=None) -> argparse.Namespace:
+  """The cost-model benchmarks' one flag, --quick: a smaller run (for tests) whose shrinking `quick_help` names."""
+  quick = parser(doc)
+  quick.add_argument("--quick", action="store_true", help=quick_help)
+  return quick.parse_args(argv)
+
+
+def status_kb(field: str, pid: int | str = "self") -> int:
+  """A kB field of a process's /proc status (VmRSS: resident memory now, VmHWM: its peak), Linux only."""
+  with open(f"/proc/{pid}/status", encoding="ascii") as f:
+    return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def interleaved_medians(runners: dict[str, Callable[[], None]], blocks: int, warm_up: bool = False) -> dict[str, float]:
+  """Median seconds per call of each runner, calling them in alternation `blocks` times.
+
+  `warm_up`: call each once first, untimed, so compilation and first connections are not measured.
+  """
+  for run in runners.values() if warm_up else ():
+    run()
   times = {name: [] for name in runners}
   for _ in range(blocks):
     for name, run in runners.items():
@@ -32,6 +57,20 @@ def interleaved_medians(runners: dict[str, Callable[[], None]], blocks: int) -> 
       run()
       times[name].append(time.perf_counter() - begin)
   return {name: statistics.median(values) for name, values in times.items()}
+
+
+def simulate(config) -> tuple[dict, list[dict]]:
+  """Runs `config` on the virtual clock in a fresh workdir: its summary (plus `wall_seconds`) and its eval records.
+
+  The quality benchmarks' rows are such runs; they differ only in their configs and in what they print.
+  """
+  from decoupled_diloco import experiment  # pylint: disable=g-import-not-at-top  (after use_virtual_devices)
+  from decoupled_diloco.runtime import sim  # pylint: disable=g-import-not-at-top
+  begin = time.time()
+  with tempfile.TemporaryDirectory() as workdir:
+    summary = sim.run(experiment.build(config), workdir)
+    evals = [r for r in metrics_lib.read_metrics(os.path.join(workdir, "metrics.jsonl")) if r["kind"] == "eval"]
+  return {**summary, "wall_seconds": time.time() - begin}, evals
 
 
 def run_to_end(cluster, timeout: float, chaos=None) -> None:
@@ -49,6 +88,27 @@ def run_to_end(cluster, timeout: float, chaos=None) -> None:
   failed = {name: code for name, code in codes.items() if code and name not in excused}
   if failed:
     raise RuntimeError(f"processes failed: {failed}; see {cluster.workdir}/logs")
+
+
+def service_run(overrides, learners: int, timeout: float, config: str = "configs/demo.py",
+                prefix: str = "") -> list[dict]:
+  """A local service run of `config` (syncer and `learners` learner processes) in a fresh workdir, to its end.
+
+  Prints each learner's accounting (`prefix` names the run) and the run's wall-clock; returns the
+  learners' `learner_summary` records.
+  """
+  from experiments.launch_local import LocalCluster  # pylint: disable=g-import-not-at-top  (defines flags)
+  begin = time.perf_counter()
+  with tempfile.TemporaryDirectory() as workdir:
+    cluster = LocalCluster(config, workdir, list(overrides), learners)
+    run_to_end(cluster, timeout)
+    summaries = learner_summaries(cluster)
+  for s in summaries:
+    print(f"{prefix}learner {s['learner']}: {s['steps']} steps in {s['rounds']} rounds, wall {s['wall_seconds']:.1f}s, "
+          f"compute {s['busy_seconds']:.1f}s, blocked {s['blocked_seconds']:.3f}s ({100 * s['blocked_fraction']:.2f}%; "
+          f"final acks {s['final_ack_seconds']:.3f}s), exchanges {s['exchange_seconds']:.2f}s")
+  print(f"{prefix}run wall-clock {time.perf_counter() - begin:.0f}s (with start-up and compilation)")
+  return summaries
 
 
 def learner_summaries(cluster) -> list[dict]:

@@ -26,8 +26,7 @@ from experiments.benchmarks import common
 
 common.use_virtual_devices()
 
-import argparse  # noqa: E402  pylint: disable=g-import-not-at-top,g-bad-import-order
-import contextlib  # noqa: E402
+import contextlib  # noqa: E402  pylint: disable=g-import-not-at-top,g-bad-import-order
 import io  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -179,7 +178,7 @@ def measure(depths: tuple[int, ...], remat_depth: int, width: int, budget_s: flo
 
 def main(argv=None) -> None:
   """Parses the sizes and budget, measures, prints the context line and then the one JSON line."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = common.parser(__doc__)
   parser.add_argument("--depths", default="4,8,16,32", help="layer counts; the ratio is largest over smallest")
   parser.add_argument("--remat_depth", type=int, default=REMAT_DEPTH)
   parser.add_argument("--width", type=int, default=128, help="d_model and seq_len")

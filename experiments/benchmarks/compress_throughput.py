@@ -25,7 +25,7 @@ FORMATS = ("int4", "int8", "fp4", "int2", "bf16", "topk")
 
 def parse_args(argv=None) -> argparse.Namespace:
   """Vector size, timing blocks, block size and top-k fraction."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = common.parser(__doc__)
   parser.add_argument("--size_mb", type=float, default=64.0, help="MiB of float32 to compress.")
   parser.add_argument("--blocks", type=int, default=9, help="Timed calls per runner (median is reported).")
   parser.add_argument("--block_size", type=int, default=64, help="Values per absmax scale.")
@@ -53,9 +53,7 @@ def main(argv=None):
   for fmt in FORMATS:
     codec = compression.Codec(format=fmt, block_size=args.block_size, topk_fraction=args.topk_fraction)
     runners[fmt] = codec_runner(codec, x)
-  for run in runners.values():  # compile and warm up
-    run()
-  medians = common.interleaved_medians(runners, args.blocks)
+  medians = common.interleaved_medians(runners, args.blocks, warm_up=True)
   gbps = {name: x.nbytes / seconds / 1e9 for name, seconds in medians.items()}
   for name, value in gbps.items():
     print(f"{name:>5}: {value:7.2f} GB/s  ({medians[name] * 1e3:8.2f} ms for {x.nbytes / 2**20:.0f} MiB)")

@@ -13,10 +13,7 @@ worse.
   python -m experiments.benchmarks.compression_quality
 """
 
-import argparse
-import pathlib
 import tempfile
-import time
 
 from experiments.benchmarks import common
 
@@ -26,7 +23,6 @@ import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 
 from configs import tiny_shakespeare  # noqa: E402  pylint: disable=g-import-not-at-top
 from decoupled_diloco import experiment  # noqa: E402
-from decoupled_diloco.runtime import sim  # noqa: E402
 
 FORMATS = {
     "fp32": {"compression.format": "fp32"},
@@ -44,16 +40,9 @@ BASE = {
     "eval_every": 100, "eval_batches": 8}
 
 
-def run(overrides: dict, outer_steps: int, workdir: pathlib.Path) -> tuple[float, int]:
-  """Final eval loss and bytes the learners sent, for one row."""
-  config = experiment.with_overrides(tiny_shakespeare.get_config(), {**BASE, "outer_steps": outer_steps, **overrides})
-  summary = sim.run(experiment.build(config), str(workdir))
-  return summary["eval_loss"], summary["bytes_sent"]
-
-
 def main():
   """Runs every row, then prints the table and the JSON line."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = common.parser(__doc__)
   parser.add_argument("--outer_steps", type=int, default=6, help="Outer rounds of 25 inner steps per row.")
   parser.add_argument("--formats", default=DEFAULT_FORMATS, help=f"Comma-separated rows out of {list(FORMATS)}.")
   args = parser.parse_args()
@@ -63,15 +52,17 @@ def main():
   rows = {(name, False): FORMATS[name] for name in formats}
   rows.update({(name, True): {**FORMATS[name], **STREAMING} for name in STREAMED if name in formats})
   loss, sent = {}, {}
-  with tempfile.TemporaryDirectory() as root:
+  with tempfile.TemporaryDirectory() as cache:
     # Every row compiles the same shapes: the persistent cache compiles them once.
-    jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(root) / "jax_cache"))
+    jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     for (name, streamed), overrides in rows.items():
-      begin = time.time()
       key = f"{name}{'_streaming' if streamed else ''}"
-      loss[key], sent[key] = run(overrides, args.outer_steps, pathlib.Path(root) / key)
-      print(f"{key}: eval {loss[key]:.4f}, {sent[key] / 1e6:.2f} MB sent ({time.time() - begin:.0f}s wall)", flush=True)
+      config = {**BASE, "outer_steps": args.outer_steps, **overrides}
+      summary, _ = common.simulate(experiment.with_overrides(tiny_shakespeare.get_config(), config))
+      loss[key], sent[key] = summary["eval_loss"], summary["bytes_sent"]
+      print(f"{key}: eval {loss[key]:.4f}, {sent[key] / 1e6:.2f} MB sent ({summary['wall_seconds']:.0f}s wall)",
+            flush=True)
   print("\n| format | eval loss | vs fp32 | streaming (P=3, tau=1) | vs fp32 | MB sent |\n|---|---|---|---|---|---|")
   for name in formats:
     streamed = f"{name}_streaming"

@@ -10,18 +10,12 @@ DiLoCo under 2:1 heterogeneity; heterogeneous decoupled within 1% of homogeneous
   python -m experiments.benchmarks.hetero_quality
 """
 
-import json
-import pathlib
-import tempfile
-import time
-
 from experiments.benchmarks import common
 
 common.use_virtual_devices()
 
 from configs import hetero_shakespeare  # noqa: E402  pylint: disable=g-import-not-at-top
 from decoupled_diloco import experiment  # noqa: E402
-from decoupled_diloco.runtime import sim  # noqa: E402
 
 TARGET_ABOVE_SYNC = 1.02
 ROWS = {
@@ -35,12 +29,6 @@ ROWS = {
     "decoupled_homogeneous": {"learners.speed": (1.0, 1.0, 1.0, 1.0)},}
 
 
-def evals(workdir: pathlib.Path) -> list[dict]:
-  """The row's eval records, in order."""
-  lines = (workdir / "metrics.jsonl").read_text().splitlines()
-  return [r for r in map(json.loads, lines) if r["kind"] == "eval"]
-
-
 def time_to(target: float, records: list[dict]) -> float | None:
   """Virtual seconds until the first eval at or below `target` (None if never)."""
   return next((r["time"] for r in records if r["eval_loss"] <= target), None)
@@ -49,15 +37,12 @@ def time_to(target: float, records: list[dict]) -> float | None:
 def main():
   """Runs every row, then prints the table and the JSON line."""
   curves, seconds = {}, {}
-  with tempfile.TemporaryDirectory() as root:
-    for name, overrides in ROWS.items():
-      begin = time.time()
-      config = experiment.with_overrides(hetero_shakespeare.get_config(), overrides)
-      sim.run(experiment.build(config), str(pathlib.Path(root) / name))
-      curves[name], seconds[name] = evals(pathlib.Path(root) / name), time.time() - begin
-      print(
-          f"{name}: eval {curves[name][-1]['eval_loss']:.4f} at virtual {curves[name][-1]['time']:.0f}s "
-          f"({seconds[name]:.0f}s wall)", flush=True)
+  for name, overrides in ROWS.items():
+    summary, curves[name] = common.simulate(experiment.with_overrides(hetero_shakespeare.get_config(), overrides))
+    seconds[name] = summary["wall_seconds"]
+    print(
+        f"{name}: eval {curves[name][-1]['eval_loss']:.4f} at virtual {curves[name][-1]['time']:.0f}s "
+        f"({seconds[name]:.0f}s wall)", flush=True)
   eval_loss = {name: round(c[-1]["eval_loss"], 4) for name, c in curves.items()}
   target = TARGET_ABOVE_SYNC * eval_loss["sync_diloco"]
   time_to_target = {name: time_to(target, c) for name, c in curves.items()}

@@ -21,9 +21,7 @@ counters by kind), `syncer_rss_growth_mb` (the syncer's resident memory at the a
 minus at its start; target <= 64), and the attack volume.
 """
 
-import argparse
 import collections
-import json
 import multiprocessing
 import os
 import tempfile
@@ -32,7 +30,7 @@ import time
 import numpy as np
 
 from decoupled_diloco import metrics as metrics_lib
-from experiments.benchmarks import attacks
+from experiments.benchmarks import attacks, common
 from experiments.launch_local import LocalCluster
 
 HONEST, ATTACKER = (0, 1, 2, 3), 4
@@ -44,12 +42,6 @@ OVERRIDES = ("--config.mode=decoupled", "--config.learners.devices=(1,1,1,1,1)",
              "--config.outer.optimizer=delayed_nesterov", "--config.outer.buffer_size=4", "--config.eval_every=100000",
              "--config.service.learner_checkpoint_every=0", "--config.service.linger_seconds=3",
              "--config.service.lease_seconds=600")
-
-
-def _rss_mb(pid: int) -> float:
-  """Resident memory of a process, MiB (Linux)."""
-  with open(f"/proc/{pid}/status", encoding="utf-8") as f:
-    return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 def _honest(address: str, learner: int, start, round_seconds: float, out) -> None:
@@ -106,7 +98,7 @@ def _fraction(rounds, phase: str, start: float, end: float) -> float:
 
 def main():
   """One syncer, two phases; prints the JSON line."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = common.parser(__doc__)
   parser.add_argument("--phase_seconds", type=float, default=45.0, help="Length of each phase.")
   parser.add_argument("--round_seconds", type=float, default=1.0, help="An honest learner's compute per round.")
   args = parser.parse_args()
@@ -130,14 +122,14 @@ def main():
       for _ in HONEST:
         start.put(phases)
       time.sleep(max(0.0, phases[0] - time.time()))
-      rss_before = _rss_mb(pid)
+      rss_before = common.status_kb("VmRSS", pid) / 1024
       attacker = context.Process(target=_attack, args=(address, args.phase_seconds, out))
       attacker.start()
       rss_peak = rss_before
       while time.time() < phases[1]:
-        rss_peak = max(rss_peak, _rss_mb(pid))
+        rss_peak = max(rss_peak, common.status_kb("VmRSS", pid) / 1024)
         time.sleep(0.5)
-      rss_after = _rss_mb(pid)
+      rss_after = common.status_kb("VmRSS", pid) / 1024
       results = [out.get(timeout=600) for _ in range(len(HONEST) + 1)]
       for process in [*honest, attacker]:
         process.join(timeout=60)
@@ -154,18 +146,17 @@ def main():
   failed = [o for rounds in learners.values() for *_, o in rounds if o not in ("applied", "dropped", "late")]
   for outcome in failed[:5]:
     print("honest exchange failed:", outcome)
-  print(
-      json.dumps({
-          "honest_push_p99_seconds": round(float(np.percentile(attacked, 99)),
-                                           4), "honest_push_p50_seconds": round(float(np.percentile(attacked, 50)), 4),
-          "blocked_fraction_undisturbed": round(float(undisturbed),
-                                                4), "blocked_fraction_under_attack": round(float(under_attack), 4),
-          "blocked_ratio": round(float(under_attack / undisturbed), 3), "honest_refused": len(failed),
-          "honest_exchanges": sum(len(r) for r in learners.values()
-                                 ), "refused": summary["refused_calls"], "attack_attempts": attack_volume,
-          "syncer_rss_growth_mb": round(rss_after - rss_before,
-                                        1), "syncer_rss_peak_growth_mb": round(rss_peak - rss_before, 1),
-          "phase_seconds": args.phase_seconds, "round_seconds": args.round_seconds, "run_done": summary["done"]}))
+  p50, p99 = (round(float(np.percentile(attacked, q)), 4) for q in (50, 99))
+  fractions = {"undisturbed": round(float(undisturbed), 4), "under_attack": round(float(under_attack), 4)}
+  common.emit({
+      "honest_push_p99_seconds": p99, "honest_push_p50_seconds": p50,
+      "blocked_ratio": round(under_attack / undisturbed, 3),
+      **{f"blocked_fraction_{phase}": value for phase, value in fractions.items()}, "honest_refused": len(failed),
+      "honest_exchanges": sum(len(r) for r in learners.values()
+                             ), "refused": summary["refused_calls"], "attack_attempts": attack_volume,
+      "syncer_rss_growth_mb": round(rss_after - rss_before,
+                                    1), "syncer_rss_peak_growth_mb": round(rss_peak - rss_before, 1),
+      "phase_seconds": args.phase_seconds, "round_seconds": args.round_seconds, "run_done": summary["done"]})
 
 
 if __name__ == "__main__":

@@ -85,9 +85,7 @@ def main():
   config = benchmark_config()
   devices = jax.devices()[4:8]
   runners = {"framework": framework_loop(config, devices), "bare": bare_loop(config, devices)}
-  for run in runners.values():  # compile and warm up
-    run()
-  medians = common.interleaved_medians(runners, BLOCKS)
+  medians = common.interleaved_medians(runners, BLOCKS, warm_up=True)
   per_step = {name: seconds / STEPS_PER_BLOCK for name, seconds in medians.items()}
   print(f"framework {per_step['framework'] * 1e3:.2f} ms/step, bare {per_step['bare'] * 1e3:.2f} ms/step")
   common.emit({

@@ -15,12 +15,7 @@ wall-clock spent on the last push's acknowledgement (`final_ack_fraction`), whic
 round can hide.
 """
 
-import argparse
-import tempfile
-import time
-
 from experiments.benchmarks import common
-from experiments.launch_local import LocalCluster
 
 OVERRIDES = ("--config.mode=decoupled", "--config.learners.devices=(1,1)", "--config.learners.batch_size=(16,16)",
              "--config.syncer.quorum=1", "--config.outer.optimizer=delayed_nesterov", "--config.outer.buffer_size=2",
@@ -29,26 +24,15 @@ OVERRIDES = ("--config.mode=decoupled", "--config.learners.devices=(1,1)", "--co
 
 def main():
   """One local multi-process run; prints each learner's accounting and the JSON line."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = common.parser(__doc__)
   parser.add_argument("--outer_steps", type=int, default=8, help="Budget: outer_steps x inner_steps x 2 steps.")
   parser.add_argument("--inner_steps", type=int, default=25, help="H: steps per round (one push each).")
   parser.add_argument("--overlap_steps", type=int, default=None, help="τ: steps an exchange may take (H − 1).")
   args = parser.parse_args()
   overlap = args.inner_steps - 1 if args.overlap_steps is None else args.overlap_steps
-  with tempfile.TemporaryDirectory() as workdir:
-    cluster = LocalCluster("configs/demo.py", workdir, [
-        *OVERRIDES, f"--config.outer_steps={args.outer_steps}", f"--config.inner_steps={args.inner_steps}",
-        f"--config.streaming.overlap_steps={overlap}"], 2)
-    begin = time.perf_counter()
-    common.run_to_end(cluster, 1800)
-    summaries = common.learner_summaries(cluster)
-  for summary in summaries:
-    print(f"learner {summary['learner']}: {summary['steps']} steps in {summary['rounds']} rounds, wall "
-          f"{summary['wall_seconds']:.1f}s, compute {summary['busy_seconds']:.1f}s, blocked "
-          f"{summary['blocked_seconds']:.3f}s ({100 * summary['blocked_fraction']:.2f}%; final ack "
-          f"{summary['final_ack_seconds']:.3f}s), exchanges "
-          f"{summary['exchange_seconds']:.2f}s")
-  print(f"run wall-clock {time.perf_counter() - begin:.0f}s (with start-up and compilation)")
+  summaries = common.service_run([
+      *OVERRIDES, f"--config.outer_steps={args.outer_steps}", f"--config.inner_steps={args.inner_steps}",
+      f"--config.streaming.overlap_steps={overlap}"], 2, 1800)
   common.emit({
       "blocked_fraction": round(max(s["blocked_fraction"] for s in summaries), 4),
       "blocked_fraction_per_learner": [round(s["blocked_fraction"], 4) for s in summaries],

@@ -7,14 +7,12 @@ budget so tests run every benchmark end to end in seconds.
 """
 
 import pathlib
-import tempfile
-import time
 
 from absl import flags
 
 from configs import tiny_shakespeare
 from decoupled_diloco import experiment
-from decoupled_diloco.runtime import sim
+from experiments.benchmarks import common
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 _DATA = flags.DEFINE_string("data_path", str(REPO_ROOT / ".." / "shared" / "data" / "tinyshakespeare.txt"),
@@ -55,10 +53,8 @@ def config(learners: int, outer_steps: int, **overrides):
 
 def run(name: str, cfg) -> dict:
   """Runs one row on the virtual clock and returns its summary (plus `wall_seconds`)."""
-  begin = time.time()
-  with tempfile.TemporaryDirectory() as workdir:
-    summary = sim.run(experiment.build(cfg), workdir)
-  summary["wall_seconds"] = round(time.time() - begin)
+  summary, _ = common.simulate(cfg)
+  summary["wall_seconds"] = round(summary["wall_seconds"])
   print(
       f"{name}: eval {summary['eval_loss']:.4f}, goodput {summary['goodput']:.3f}, virtual "
       f"{summary['virtual_seconds']:.0f} s, {summary['wall_seconds']} s wall", flush=True)

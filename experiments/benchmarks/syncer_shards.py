@@ -65,11 +65,6 @@ def _write_payloads(directory: str, n: int, num_fragments: int) -> None:
         f.write(part)
 
 
-def _status_kb(field: str) -> int:
-  with open("/proc/self/status", encoding="ascii") as f:
-    return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 def _receive(path: str):
   """A push's payload as the service holds it: read into an aligned receive buffer, decoded without a copy."""
   from decoupled_diloco.service import wire  # pylint: disable=g-import-not-at-top
@@ -111,7 +106,8 @@ def _child(num_shards: int, shard: int, directory: str, n: int, num_fragments: i
   seconds = time.perf_counter() - begin
   return {
       "shard": shard, "fragments": len(owned), "merges": merges, "seconds": seconds,
-      "outer_steps_per_second": merges / seconds, "bytes_per_second": pushed / seconds, "peak_kb": _status_kb("VmHWM")}
+      "outer_steps_per_second": merges / seconds, "bytes_per_second": pushed / seconds,
+      "peak_kb": common.status_kb("VmHWM")}
 
 
 def _run_shards(num_shards: int, directory: str, n: int, num_fragments: int, rounds: int) -> list[dict]:

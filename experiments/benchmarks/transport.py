@@ -96,41 +96,47 @@ def _bare_grpc(chunk_bytes: int) -> tuple[grpc.Server, int]:
   return bare, port
 
 
-class _TcpSink:
-  """Receives exactly `size` bytes per connection into one buffer, then acks with one byte."""
+class _TcpServer:
+  """The raw-socket side: a loopback port whose every connection `handle` serves, on a daemon thread."""
 
-  def __init__(self, size: int):
-    self.size, self.buffer = size, bytearray(size)
+  def __init__(self, handle):
     self.listener = socket.create_server(("127.0.0.1", 0))
     self.port = self.listener.getsockname()[1]
-    threading.Thread(target=self._serve, daemon=True).start()
+    threading.Thread(target=self._serve, args=(handle,), daemon=True).start()
 
-  def _serve(self) -> None:
-    view = memoryview(self.buffer)
+  def _serve(self, handle) -> None:
     while True:
       connection, _ = self.listener.accept()
       with connection:
-        received = 0
-        while received < self.size:
-          received += connection.recv_into(view[received:])
-        connection.sendall(b"k")
+        handle(connection)
 
 
-class _TcpSource:
-  """Sends `parts` to every connection that connects (the raw-socket side of a pull)."""
+def _receive_into(connection, buffer, size: int) -> None:
+  """Receives exactly `size` bytes into `buffer`, as one buffer (no per-message copies)."""
+  view, received = memoryview(buffer), 0
+  while received < size:
+    received += connection.recv_into(view[received:])
 
-  def __init__(self, parts: list):
-    self.parts = parts
-    self.listener = socket.create_server(("127.0.0.1", 0))
-    self.port = self.listener.getsockname()[1]
-    threading.Thread(target=self._serve, daemon=True).start()
 
-  def _serve(self) -> None:
-    while True:
-      connection, _ = self.listener.accept()
-      with connection:
-        for part in self.parts:
-          connection.sendall(part)
+def _sink(size: int):
+  """A push's receiver: exactly `size` bytes per connection into one buffer, then a one-byte ack."""
+  buffer = bytearray(size)
+
+  def handle(connection) -> None:
+    _receive_into(connection, buffer, size)
+    connection.sendall(b"k")
+
+  return handle
+
+
+def _source(parts: list):
+  """A pull's sender: `parts` to every connection."""
+
+  def handle(connection) -> None:
+    for part in parts:
+      connection.sendall(part)
+
+  return handle
 
 
 def _pseudo_gradient(megabytes: int) -> dict:
@@ -148,7 +154,7 @@ def _receivers(megabytes: int, chunk_bytes: int, connection) -> None:
   size = wire.encoded_size(theta)
   service, port = _service(chunk_bytes, 2 * size, theta)
   bare, bare_port = _bare_grpc(chunk_bytes)
-  tcp, source = _TcpSink(size), _TcpSource(theta)
+  tcp, source = _TcpServer(_sink(size)), _TcpServer(_source(theta))
   connection.send((port, bare_port, tcp.port, source.port))
   connection.recv()
   service.stop(0)
@@ -196,18 +202,13 @@ def main(argv) -> None:
     assert theta["layer_0"]["w"].size == delta["layer_0"]["w"].size
 
   def download_over_tcp():
-    buffer = wire.aligned_buffer(size)
     with socket.create_connection(("127.0.0.1", source_port)) as connection:
-      view, received = memoryview(buffer), 0
-      while received < size:
-        received += connection.recv_into(view[received:])
+      _receive_into(connection, wire.aligned_buffer(size), size)
 
   runners = {
       "push": pushing("push"), "grpc_stream": pushing("grpc_stream"), "bare_grpc": over_bare_grpc, "tcp": over_tcp,
       "pull": pulling, "tcp_download": download_over_tcp}
-  for run in runners.values():  # Warm up every path (connections, allocator).
-    run()
-  medians = common.interleaved_medians(runners, _BLOCKS.value)
+  medians = common.interleaved_medians(runners, _BLOCKS.value, warm_up=True)
   for client in clients.values():
     client.close()
   bare_channel.close()

@@ -25,14 +25,10 @@ the mean over learners of blocked / wall. Target: streaming_int4 <= 0.05 where p
 
 import argparse
 import statistics
-import tempfile
-import time
 
 from experiments.benchmarks import common
-from experiments.launch_local import LocalCluster
 
 LEARNERS = 4
-CONFIG = "configs/demo.py"
 RUNS = {
     "p1_fp32": ("--config.streaming.num_fragments=1", "--config.streaming.overlap_steps=0",
                 "--config.compression.format=fp32", "--config.compression.downlink_format=fp32"),
@@ -43,7 +39,7 @@ RUNS = {
 
 def parse_args(argv=None) -> argparse.Namespace:
   """Run length, H, the emulated slowdown and the link's latency."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = common.parser(__doc__)
   parser.add_argument("--inner_steps", type=int, default=8, help="H: steps per round.")
   parser.add_argument("--outer_steps", type=int, default=8, help="Budget: outer_steps x H x 4 steps.")
   parser.add_argument("--slowdown", type=float, default=3.0, help="Each learner sleeps this x its step's compute.")
@@ -72,13 +68,6 @@ def calibrate(slowdown: float) -> tuple[float, int]:
   return seconds, model_bytes
 
 
-def run(name: str, overrides: list[str], workdir: str) -> list[dict]:
-  """One local run of the service; every learner's summary record."""
-  cluster = LocalCluster(CONFIG, workdir, [*overrides, *RUNS[name]], LEARNERS)
-  common.run_to_end(cluster, 1200)
-  return common.learner_summaries(cluster)
-
-
 def main(argv=None):
   """Calibrates the link, runs both exchanges on it, prints each learner's accounting and the JSON line."""
   args = parse_args(argv)
@@ -99,16 +88,8 @@ def main(argv=None):
       f"--config.service.link_latency_ms={(args.latency_ms,) * LEARNERS}"]
   fractions, figures = {}, {}
   for name in RUNS:
-    begin = time.perf_counter()
-    with tempfile.TemporaryDirectory() as workdir:
-      downlink = [f"--config.compression.downlink_format={args.downlink}"] if name == "streaming_int4" else []
-      summaries = run(name, [*overrides, *downlink], workdir)
-    for s in summaries:
-      print(f"{name} learner {s['learner']}: {s['steps']} steps in {s['rounds']} pushes, "
-            f"wall {s['wall_seconds']:.1f}s, compute {s['busy_seconds']:.1f}s, blocked {s['blocked_seconds']:.2f}s "
-            f"({100 * s['blocked_fraction']:.1f}%, final acks {s['final_ack_seconds']:.2f}s), exchanges "
-            f"{s['exchange_seconds']:.1f}s")
-    print(f"{name}: run wall-clock {time.perf_counter() - begin:.0f}s (with start-up and compilation)")
+    downlink = [f"--config.compression.downlink_format={args.downlink}"] if name == "streaming_int4" else []
+    summaries = common.service_run([*overrides, *RUNS[name], *downlink], LEARNERS, 1200, prefix=f"{name} ")
     fractions[name] = round(statistics.mean(s["blocked_fraction"] for s in summaries), 4)
     figures[name] = {
         "max_blocked_fraction": round(max(s["blocked_fraction"] for s in summaries), 4),

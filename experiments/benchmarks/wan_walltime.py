@@ -22,7 +22,6 @@ The ablation rows change one assumption at 2 Gbit/s, to show which one drives th
   python -m experiments.benchmarks.wan_walltime [--quick]
 """
 
-import argparse
 import dataclasses
 import functools
 import time
@@ -44,14 +43,6 @@ H, P, TAU = 24, 24, 2
 SCHEMES = {"ddp": wan.DDP, "diloco": wan.diloco(H), "streaming": wan.streaming(H, P, TAU)}
 SWEEP_GBPS = (1.0, 1.5, 2.0, 3.0, 5.0)
 simulate = functools.lru_cache(maxsize=None)(wan.simulate)  # Rows that repeat a setup are priced once.
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-  """--quick: a 100x smaller token budget (same rates, for tests)."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help=f"Train {QUICK_TOKEN_BUDGET:.1e} tokens, not "
-                      f"{TOKEN_BUDGET:.1e}.")
-  return parser.parse_args(argv)
 
 
 def make_setup(links, budget: float, tokens_per_step: int = TOKENS_PER_STEP,
@@ -88,7 +79,7 @@ def link_load(setup: wan.Setup, scheme: wan.Scheme) -> list[float]:
 
 def main(argv=None):
   """Prints the scheme table per link set, the ablations and a bandwidth sweep; emits JSON."""
-  args = parse_args(argv)
+  args = common.parse_quick(__doc__, f"Train {QUICK_TOKEN_BUDGET:.1e} tokens, not {TOKEN_BUDGET:.1e}.", argv)
   begin = time.perf_counter()
   budget = QUICK_TOKEN_BUDGET if args.quick else TOKEN_BUDGET
   headline_setup = make_setup(LINKS[HEADLINE], budget)
@@ -120,16 +111,16 @@ def main(argv=None):
   print("\nstreaming utilization, every link at: " + ", ".join(f"{g:g} Gbit/s {u:.1%}" for g, u in sweep.items()))
   print(f"runtime {time.perf_counter() - begin:.1f} s")
   headline = results[HEADLINE]
+  per_scheme = lambda figure: {name: {s: figure(r) for s, r in rows.items()} for name, rows in results.items()}
   common.emit({
       "speedup_vs_ddp": round(headline["ddp"].seconds / headline["streaming"].seconds,
                               2), "utilization": round(headline["streaming"].utilization, 4),
-      "speedup_vs_diloco": round(headline["diloco"].seconds / headline["streaming"].seconds, 2),
-      "hours": {name: {s: round(r.seconds / 3600, 3) for s, r in rows.items()} for name, rows in results.items()},
-      "utilization_by_scheme": {
-          name: {s: round(r.utilization, 4) for s, r in rows.items()} for name, rows in results.items()}, "wan_terabytes":
-              {name: {s: round(r.wan_bytes / 1e12, 3) for s, r in rows.items()} for name, rows in results.items()
-              }, "ablation_utilization_2gbps": {name: round(r.utilization, 4) for name, r in ablated.items()},
-      "streaming_utilization_by_gbps": {str(g): round(u, 4) for g, u in sweep.items()},
+      "speedup_vs_diloco": round(headline["diloco"].seconds / headline["streaming"].seconds,
+                                 2), "hours": per_scheme(lambda r: round(r.seconds / 3600, 3)),
+      "utilization_by_scheme": per_scheme(lambda r: round(r.utilization, 4)),
+      "wan_terabytes": per_scheme(lambda r: round(r.wan_bytes / 1e12, 3)),
+      "ablation_utilization_2gbps": {name: round(r.utilization, 4) for name, r in ablated.items()
+                                    }, "streaming_utilization_by_gbps": {str(g): round(u, 4) for g, u in sweep.items()},
       "published": {"speedup_vs_conventional": ">20x", "utilization_1_5gbps": 0.95}, "parameters": {
           "params": PARAMS, "layers": LAYERS, "token_budget": budget, "tokens_per_step": TOKENS_PER_STEP,
           "slices": [list(s) for s in SLICES], "latency_seconds": LATENCY_SECONDS,

@@ -13,6 +13,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from decoupled_diloco.errors import ConfigError
+from experiments.cli import fail
 from experiments.launch import deploy, provision, runner, watch, xpk
 from experiments.launch import options as options_lib
 from experiments.launch.hosts import EXAMPLE, Slice, Step, parse_slices
@@ -77,12 +78,6 @@ def define_flags() -> dict:
       "watch_seconds": flags.DEFINE_float("watch_seconds", 60.0, "`watch`: seconds between two looks at the slices."),
       "watch_rounds": flags.DEFINE_integer("watch_rounds", 0, "`watch`: looks before it exits (0 = until stopped)."),
       "lines": flags.DEFINE_integer("lines", 50, "`logs`: lines of each process's log."),}
-
-
-def fail(message: str) -> None:
-  """Bad input: one line on stderr, exit status 2, nothing created."""
-  sys.stderr.write(f"error: {' '.join(str(message).split())}\n")
-  sys.exit(2)
 
 
 def default_token_file(run_name: str) -> str:

@@ -112,8 +112,7 @@ def _credential_steps(o: Options, host: Host, index: int | None) -> list[Step]:
                                 f"learner_{index}") if index is not None else
                                ("the evaluator", "evaluator", [], "evaluator"))
   if o.token_secret:
-    derive = (f"D={o.remote}; umask 077 && cd \"$D/src\" && gcloud secrets versions access latest "
-              f"--secret={shlex.quote(o.token_secret)} --project={shlex.quote(o.project)} | \"$D/venv/bin/python\" "
+    derive = (f"D={o.remote}; umask 077 && cd \"$D/src\" && {options_lib.fetch_secret(o)} | \"$D/venv/bin/python\" "
               f"-m experiments.credentials {' '.join([command, '--secret_file=-', *which])} --out=\"$D/token\"")
     return [Step(f"derive {who}'s credential on {host.name} from Secret Manager", tuple(host.ssh(o.project, derive)))]
   local = os.path.join(o.local_dir, f"{name}.token")
@@ -126,8 +125,7 @@ def _credential_steps(o: Options, host: Host, index: int | None) -> list[Step]:
 def _secret_steps(o: Options, syncer: Host) -> list[Step]:
   """The run secret into $D/secret on the syncer's host only."""
   if o.token_secret:
-    fetch = (f"D={o.remote}; umask 077 && gcloud secrets versions access latest "
-             f"--secret={shlex.quote(o.token_secret)} --project={shlex.quote(o.project)} > \"$D/secret\"")
+    fetch = f"D={o.remote}; umask 077 && {options_lib.fetch_secret(o)} > \"$D/secret\""
     return [Step(f"fetch the run secret from Secret Manager on {syncer.name}", tuple(syncer.ssh(o.project, fetch)))]
   return [_copy(o, syncer, "the run secret", o.token_file, "secret")]
 

@@ -140,6 +140,12 @@ def ca_file(o: Options) -> str:
   return os.path.join(o.local_dir, "tls", "ca.pem")
 
 
+def fetch_secret(o: Options) -> str:
+  """The shell command printing the run secret from Secret Manager (--token_secret), on whichever host runs it."""
+  return (f"gcloud secrets versions access latest --secret={shlex.quote(o.token_secret)} "
+          f"--project={shlex.quote(o.project)}")
+
+
 def train_args(o: Options) -> list[str]:
   """What every process of the run gets after the config: the overrides, the GCS workdir and the data."""
   data = [f"--config.data.tfds_data_dir={o.tfds_dir}"] if o.tfds_name else []

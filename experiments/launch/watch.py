@@ -125,19 +125,10 @@ def status_table(o: Options, values: dict[str, str]) -> str:
 def logs(o: Options, lines: int) -> list[Step]:
   """The last `lines` lines of the syncer's log and of each learner's (worker 0 of its slice; an XPK workload's
   pods log to Cloud Logging instead)."""
-  syncer = o.syncer()
-  steps = [
-      Step(f"the syncer's log on {syncer.name}",
-           tuple(syncer.ssh(o.project, f"tail -n {lines} dd/{o.run_name}/"
-                            "syncer.log")))]
-  for i, host in enumerate([] if o.xpk_cluster else o.slice_hosts()):
-    worker0 = dataclasses.replace(host, worker="0")
-    steps.append(
-        Step(f"learner {i}'s log on {host.name} (worker 0)",
-             tuple(worker0.ssh(o.project, f"tail -n {lines} dd/{o.run_name}/learner_{i}.log"))))
-  evaluator = o.evaluator_host()
-  if evaluator is not None:
-    steps.append(
-        Step(f"the evaluator's log on {evaluator.name}",
-             tuple(evaluator.ssh(o.project, f"tail -n {lines} dd/{o.run_name}/evaluator.log"))))
-  return steps
+  hosts = [("the syncer", o.syncer(), "syncer")]
+  hosts += [(f"learner {i}", dataclasses.replace(host, worker="0"), f"learner_{i}")
+            for i, host in enumerate([] if o.xpk_cluster else o.slice_hosts())]
+  hosts += [("the evaluator", o.evaluator_host(), "evaluator")] if o.evaluator_host() is not None else []
+  return [
+      Step(f"{who}'s log on {host.name}" + (" (worker 0)" if who.startswith("learner") else ""),
+           tuple(host.ssh(o.project, f"tail -n {lines} dd/{o.run_name}/{log}.log"))) for who, host, log in hosts]

@@ -79,11 +79,9 @@ def publish_ca(o: Options) -> Step:
 def learner_command(o: Options, index: int, address: str) -> str:
   """What every pod of learner `index`'s workload runs."""
   d = CONTAINER_DIR
-  secret = (f"gcloud secrets versions access latest --secret={shlex.quote(o.token_secret)} "
-            f"--project={shlex.quote(o.project)}")
   args = [*map(shlex.quote, options_lib.train_args(o)), *options_lib.learner_args(o, index, address, d)]
-  return (f"set -e; mkdir -p -m 700 {d}; {secret} | python -m experiments.credentials learner --secret_file=- "
-          f"--learner={index} --out={d}/token; " +
+  return (f"set -e; mkdir -p -m 700 {d}; {options_lib.fetch_secret(o)} | python -m experiments.credentials learner "
+          f"--secret_file=- --learner={index} --out={d}/token; " +
           (f"gcloud storage cp {o.run_workdir}/tls_ca.pem {d}/tls_ca.pem; " if o.tls == "generated" else "") +
           f"python -m experiments.train {' '.join(args)} --config.service.token_file={d}/token")
 
