@@ -129,8 +129,8 @@ class Syncer:
     self._xi = {"step": 0.0, "quorum": 0.0, "sync": 0.0}
 
   def _new_fragment(self, params) -> _Fragment:
-    return _Fragment(params,
-                     jax.jit(self.optimizer.init)(params),
+    # Committed to the syncer's device like every later outer state: else the second merge compiles again.
+    return _Fragment(params, self.to_host(jax.jit(self.optimizer.init)(params)),
                      merge.rda_leaves(self.settings.merge_rule, jax.tree.leaves(merge.embedding_mask(params))),
                      [(x.shape, np.dtype(x.dtype)) for x in jax.tree.leaves(params)])
 
