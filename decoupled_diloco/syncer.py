@@ -92,17 +92,14 @@ def host_device() -> jax.Device:
 
 
 def map_large_blocks() -> None:
-  """Has glibc map every block of 1 MiB or more on its own, so freed tensors go back to the OS (the syncer process).
+  """glibc maps every block >= 1 MiB on its own from now on, so freed tensors go back to the OS (syncer process).
 
-  Why: glibc raises its threshold for mapping a block to the size of each mapped block freed,
-  up to 32 MB; past that, tensor-sized blocks come from the heap, whose freed memory is kept
-  and fragmented. With 20M params in 8 MB tensors the syncer peaked at 24 B/param instead of
-  16 and held 16-20 between merges instead of 8 (`syncer_memory`); only tensors over 32 MB
-  (100M params in 10) had kept to the design's figures. A fixed threshold holds at any size.
-  No-op with another C library.
+  Why: glibc raises that threshold to each freed mapped block's size (up to 32 MB), and then
+  keeps freed tensors in a fragmented heap: with 8 MB tensors the syncer peaked at 24 B/param,
+  not 16 (docs/syncer-memory.md). No-op with another C library.
   """
   try:
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD, fixed (no longer raised).
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD, fixed.
   except (OSError, AttributeError):
     pass
 
