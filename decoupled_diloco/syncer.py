@@ -13,6 +13,7 @@ machine runs under the lockstep, virtual-clock and networked runtimes.
 every learner group's mesh, so no learner holds an extra device copy of it.
 """
 
+import ctypes
 import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -90,6 +91,19 @@ def host_device() -> jax.Device:
   return jax.local_devices(backend="cpu")[0]
 
 
+def map_large_blocks() -> None:
+  """glibc maps every block >= 1 MiB on its own from now on, so freed tensors go back to the OS (syncer process).
+
+  Why: glibc raises that threshold to each freed mapped block's size (up to 32 MB), and then
+  keeps freed tensors in a fragmented heap: with 8 MB tensors the syncer peaked at 24 B/param,
+  not 16 (docs/syncer-memory.md). No-op with another C library.
+  """
+  try:
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD, fixed.
+  except (OSError, AttributeError):
+    pass
+
+
 @dataclasses.dataclass
 class _Fragment:
   """One fragment's share of the syncer: its slice of Θ, outer state, version and open pushes."""
@@ -129,8 +143,8 @@ class Syncer:
     self._xi = {"step": 0.0, "quorum": 0.0, "sync": 0.0}
 
   def _new_fragment(self, params) -> _Fragment:
-    return _Fragment(params,
-                     jax.jit(self.optimizer.init)(params),
+    # Committed to the syncer's device like every later outer state: else the second merge compiles again.
+    return _Fragment(params, self.to_host(jax.jit(self.optimizer.init)(params)),
                      merge.rda_leaves(self.settings.merge_rule, jax.tree.leaves(merge.embedding_mask(params))),
                      [(x.shape, np.dtype(x.dtype)) for x in jax.tree.leaves(params)])
 

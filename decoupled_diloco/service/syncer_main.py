@@ -22,7 +22,7 @@ import numpy as np
 
 from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import experiment, metrics as metrics_lib, model as model_lib
-from decoupled_diloco import storage, workdir_lock
+from decoupled_diloco import storage, syncer as syncer_lib, workdir_lock
 from decoupled_diloco.data import sources
 from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
@@ -85,6 +85,7 @@ def run(config, workdir: str, shard: int | None = None) -> dict:
   token = security.load_token(config.service.token_file)
   credentials = security.server_credentials(config.service.tls_cert, config.service.tls_key)
   entered = time.time()  # Start-up's first phase ends: the process started, imported and read its config.
+  syncer_lib.map_large_blocks()  # Before Θ is allocated.
   # Everything that can refuse the run comes before the first write: a refused start leaves no
   # half-made workdir behind that a retry would take for a run to resume.
   runconfig.check_ports_free(config.service.host, config.service.port, config.service.data_port)

@@ -33,8 +33,10 @@ def main(argv) -> None:
   from decoupled_diloco import outer  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.service import wire  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.push import Push  # pylint: disable=g-import-not-at-top
-  from decoupled_diloco.syncer import Settings, Syncer  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.syncer import Settings, Syncer, map_large_blocks  # pylint: disable=g-import-not-at-top
   from ml_collections import ConfigDict  # pylint: disable=g-import-not-at-top
+
+  map_large_blocks()  # As the syncer process does.
 
   m, leaves = _PUSHES.value, 8
   shape = (_PARAMS.value // leaves,)

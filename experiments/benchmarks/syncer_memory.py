@@ -79,7 +79,8 @@ def _child(fmt: str, count: int, path: str, n: int) -> dict:
   from decoupled_diloco import compression, outer  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.service import core as core_lib  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.service import wire  # pylint: disable=g-import-not-at-top
-  from decoupled_diloco.syncer import Settings, Syncer  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.syncer import Settings, Syncer, map_large_blocks  # pylint: disable=g-import-not-at-top
+  map_large_blocks()  # As the syncer process does.
   params = jax.tree.map(lambda shape: jnp.full(shape, 0.01, jnp.float32), _shapes(n),
                         is_leaf=lambda x: isinstance(x, tuple))
   optimizer = outer.outer_optimizer(ConfigDict({"optimizer": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}))
