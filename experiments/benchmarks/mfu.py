@@ -137,11 +137,8 @@ _COST_KEYS = ("flops", "bytes accessed")
 
 
 def _cost(cost) -> dict:
-  """FLOPs and bytes accessed from a cost analysis (a dict, or a one-element list of one on older jax).
-
-  Why: on a loaded machine step times swing by tens of percent; the two compiled programs'
-  own counts say, independently of the load, whether the framework's step does more work.
-  """
+  """FLOPs and bytes accessed of a cost analysis (a dict, or a list of one): whether the framework's compiled
+  step does more work than the bare one, whatever the load."""
   cost = cost[0] if isinstance(cost, list) else cost
   return {key: float(cost[key]) for key in _COST_KEYS}
 
@@ -181,11 +178,7 @@ def paired_ratios(runs: dict, rounds: int) -> dict:
 
 
 def measure(sizes, variants, rounds: int, steps: int) -> tuple[dict, dict]:
-  """Times every size x variant; returns (context, the issue's figures: backend, mfu, the worst ratio).
-
-  `ratio` is in CPU seconds on the CPU backend and in wall seconds elsewhere (`paired_ratios`
-  says why); the context holds both clocks per config.
-  """
+  """Times every size x variant; returns (context with both clocks, the issue's figures: the worst ratio)."""
   backend = jax.default_backend()
   on_cpu = backend == "cpu"
   clock = "cpu" if on_cpu else "wall"
