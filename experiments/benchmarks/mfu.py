@@ -1,29 +1,25 @@
 """Model FLOPs utilisation of the framework's inner step, its ratio to a bare jax loop, and its FLOP count.
 
 For ~125M and ~350M Llama-style configs (RoPE, SwiGLU, bf16, seq 2048) with attention and remat
-variants, times the framework's compiled inner step (inner.build_inner_loop: sharded jit,
-activation constraints, donation, scanned layers held stacked) against a hand-written jax.jit +
-optax AdamW step of the same model, layout and devices (`runners`), both back to back in every
-block (`paired_ratios`: alternating order, median of the blocks' ratios; in CPU seconds on the
-CPU backend, where the devices are this process's threads, and in wall seconds elsewhere;
-both clocks are printed on the context line). mfu = model FLOPs per
-second / (devices x peak bf16 FLOP/s), where the device's peak is known (TPU, H100/H200), else
-null; model FLOPs are the analytic 6N + attention count (model.flops_per_token), so remat's
-recomputation is not counted as useful work.
-
-The analytic count is checked against XLA's own: `flops_xla_vs_analytic` is the cost analysis
-of the lowered forward + backward of each full-size config (loop layers, no remat, one
-sequence of 2048 tokens: nothing compiled or allocated) over the analytic count, on any backend.
+variants, times what a learner runtime calls per inner step, `Learner.step` (batch placed by
+`put_local_batch`, `InnerLoop.step` through its jit dispatch, losses fetched once a block), against
+a plain jax.jit + optax AdamW step of the same model, layout and devices (`runners`), and a second
+bare loop as an A/A control; `paired_ratios` says how the noise of a shared machine is handled.
+mfu = model FLOPs per second / (devices x peak bf16 FLOP/s) where the device's peak is known
+(TPU, H100/H200), else null; model FLOPs are the analytic 6N + attention count
+(model.flops_per_token), so remat's recomputation is not counted as useful work.
+`flops_xla_vs_analytic` checks that count: XLA's cost analysis of the lowered forward + backward
+of each full-size config (one sequence, nothing compiled) over the analytic count.
 
 On CPU there is no MFU to measure: the configs shrink to CPU-sized variants of the same shape
 (a quarter of the depth, an eighth of the width, seq 128, vocab 1024; named `<size>-cpu`), and
 the figure that matters is `ratio` (framework / bare; target <= 1.03), the worst over configs.
 `auto` attention resolves per backend (xla on CPU, so it is timed as such and labelled so).
 The last line holds the issue's keys only (backend, mfu, ratio); the line before it, `context`,
-holds per-config ms/step and ratios on both clocks with their range over blocks (the noise), the
+holds per config ms/step, `ratio` and `aa` on both clocks with their quartiles over rounds, the
 compiled programs' FLOPs and bytes (framework / bare) and the FLOP-count check.
 
-  python -m experiments.benchmarks.mfu [--sizes=125m,350m] [--variants=xla/none,...] [--blocks=11]
+  python -m experiments.benchmarks.mfu [--sizes=125m,350m] [--variants=xla/none,...] [--rounds=15] [--steps=1]
 """
 
 from experiments.benchmarks import common
@@ -33,15 +29,15 @@ common.use_virtual_devices()
 import argparse  # noqa: E402  pylint: disable=g-import-not-at-top,g-bad-import-order
 import json  # noqa: E402
 import os  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
+import types  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from configs import default  # noqa: E402
-from decoupled_diloco import hardware, inner, mesh, model as model_lib  # noqa: E402
+from decoupled_diloco import hardware, inner, learner as learner_lib, mesh, model as model_lib  # noqa: E402
 from decoupled_diloco.model import attention  # noqa: E402
 
 # Peak dense bf16 FLOP/s per device, by jax device_kind prefix.
@@ -54,6 +50,7 @@ SIZES = {
                                                                                     num_heads=16, d_ff=2816)}
 # attention/remat: the plain model, the fused kernel per backend, and the remat policies that trade FLOPs for memory.
 VARIANTS = ("xla/none", "dot_product/none", "auto/minimal", "auto/full")
+SIDES = ("framework", "bare", "bare_again")
 
 
 def model_config(size: str, variant: str, on_cpu: bool, scan_layers: bool = True):
@@ -76,30 +73,27 @@ def xla_vs_analytic_flops(size: str) -> float:
   model, shapes, _ = model_lib.abstract_params(cfg)
   cost = jax.jit(jax.value_and_grad(model.loss)).lower(shapes, jax.ShapeDtypeStruct((1, cfg.seq_len + 1),
                                                                                     "int32")).cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
-  return round(float(cost["flops"]) / (model_lib.flops_per_token(cfg) * cfg.seq_len), 4)
+  return round(_cost(cost)["flops"] / (model_lib.flops_per_token(cfg) * cfg.seq_len), 4)
 
 
 def runners(cfg, devices, batch_size, steps):
-  """(framework block, bare block, compiled-cost ratios): each block takes `steps` steps and waits for the last.
+  """({side: a block of `steps` steps that waits for its losses}, compiled-cost ratios framework / bare).
 
-  Like with like: the bare loop is a hand-written jax.jit + optax AdamW step of the same model,
-  traced under the same mesh (so the model's activation constraints apply alike) with its state
-  placed, laid out and pinned as the framework's (FSDP shardings in and out, scanned blocks
-  stacked) and donated: left to propagation, its outputs' shardings could drift from its inputs';
-  what it leaves out is the framework itself (step counter, gradient norm, the InnerLoop). Both
-  steps are compiled once, ahead of time, and the blocks call those executables (one compile per
-  side: a jit call after `.lower().compile()` would compile again); both place each host batch
-  inside the timed loop.
+  Like with like: the bare step is a plain jax.jit + optax AdamW step of the same model, traced
+  under the same mesh (so the model's activation constraints apply alike), its state placed, laid
+  out and pinned as the framework's (FSDP shardings in and out, scanned blocks stacked) and
+  donated; what it leaves out is the framework (the Learner and its bookkeeping, the InnerLoop,
+  step counter, gradient norm). Both sides go through jit dispatch on every step and place each
+  host batch inside the timed loop. `bare_again` is a second bare loop, its own state, the same
+  executable: the A/A control.
   """
   model, params, axes = model_lib.build_model(cfg, seed=0)
   optimizer = inner.inner_optimizer(default.get_config().inner, 10_000)
   loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(devices), jax.eval_shape(lambda p: p, params), axes)
   rng = np.random.default_rng(0)
   batches = [rng.integers(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), dtype=np.int32) for _ in range(steps)]
-  framework = {"state": loop.init(params)}
-  bare = {"params": loop.to_step(loop.put_params(params))}
-  bare["opt_state"] = jax.jit(optimizer.init)(bare["params"])
+  data = types.SimpleNamespace(batch=lambda step: batches[step % steps], tokens_per_batch=batch_size * cfg.seq_len)
+  learner = learner_lib.Learner(0, loop, data, loop.init(params))
 
   def bare_step(params, opt_state, batch):
     with jax.sharding.use_abstract_mesh(loop.mesh.abstract_mesh):
@@ -110,72 +104,81 @@ def runners(cfg, devices, batch_size, steps):
   shardings = (loop.state_shardings.params, loop.state_shardings.opt_state)
   bare_step = jax.jit(bare_step, in_shardings=(*shardings, loop.batch_sharding),
                       out_shardings=(*shardings, mesh.replicated(loop.mesh)), donate_argnums=(0, 1))
-  batch = loop.put_batch(batches[0])
-  framework_step = loop.step.lower(framework["state"], batch).compile()
-  bare_step = bare_step.lower(bare["params"], bare["opt_state"], batch).compile()
+
+  def bare_loop():
+    state = {"params": loop.to_step(loop.put_params(params))}
+    state["opt_state"] = jax.jit(optimizer.init, out_shardings=shardings[1])(state["params"])
+
+    def run():
+      losses = []
+      for batch in batches:
+        state["params"], state["opt_state"], loss = bare_step(state["params"], state["opt_state"],
+                                                              jax.device_put(batch, loop.batch_sharding))
+        losses.append(loss)
+      jax.device_get(losses)
+
+    return run, state
 
   def run_framework():
-    for batch in batches:
-      framework["state"], metrics = framework_step(framework["state"], loop.put_batch(batch))
-    jax.block_until_ready(metrics)
+    for _ in batches:
+      learner.step()
+    learner.drain_losses()
 
-  def run_bare():
-    for batch in batches:
-      bare["params"], bare["opt_state"], loss = bare_step(bare["params"], bare["opt_state"],
-                                                          jax.device_put(batch, loop.batch_sharding))
-    jax.block_until_ready(loss)
-
-  framework_cost, bare_cost = _cost(framework_step), _cost(bare_step)
-  return run_framework, run_bare, {key: round(framework_cost[key] / bare_cost[key], 4) for key in _COST_KEYS}
+  run_bare, bare_state = bare_loop()
+  batch = loop.put_batch(batches[0])
+  # Compiled ahead of time for XLA's counts; the jit calls above then find these executables in jax's cache.
+  framework_cost = _cost(loop.step.lower(learner.state, batch).compile().cost_analysis())
+  bare_cost = _cost(bare_step.lower(bare_state["params"], bare_state["opt_state"], batch).compile().cost_analysis())
+  ratios = {key: round(framework_cost[key] / bare_cost[key], 4) for key in _COST_KEYS}
+  return dict(zip(SIDES, (run_framework, run_bare, bare_loop()[0]))), ratios
 
 
 _COST_KEYS = ("flops", "bytes accessed")
 
 
-def _cost(compiled) -> dict:
-  """XLA's cost analysis of a compiled step (FLOPs and bytes accessed per step).
-
-  Why: on a loaded machine step times swing by tens of percent; the two compiled programs'
-  own counts say, independently of the load, whether the framework's step does more work.
-  """
-  cost = compiled.cost_analysis()
+def _cost(cost) -> dict:
+  """FLOPs and bytes accessed of a cost analysis (a dict, or a list of one): whether the framework's compiled
+  step does more work than the bare one, whatever the load."""
   cost = cost[0] if isinstance(cost, list) else cost
   return {key: float(cost[key]) for key in _COST_KEYS}
 
 
-def paired_ratios(run_framework, run_bare, blocks: int) -> dict:
-  """Median framework seconds and median framework/bare ratio of paired blocks, in CPU and wall seconds.
+def paired_ratios(runs: dict, rounds: int) -> dict:
+  """Per clock: median framework seconds per block, and the medians over rounds of framework / bare and
+  bare_again / bare (the A/A control) with their quartiles.
 
-  Why pairs: on a shared machine the load drifts between blocks; a block times both sides back to
-  back (in alternating order, so neither always runs first), and the median of those ratios is
-  robust to a slow stretch hitting one block, where a ratio of two medians is not. Why CPU seconds:
-  on the CPU backend the devices are this process's threads, so its CPU seconds are the step's
-  work (Python dispatch included) and leave out the time other jobs took; wall seconds beside them
-  count that time too (and would show a framework that waited idle, which CPU seconds would not).
+  Why this shape, on a shared machine: each round runs every side twice in palindrome order (ABCCBA,
+  the first side rotating between rounds), so a load that rises or falls steadily within a round adds
+  the same to each side's two blocks; short rounds keep that drift near linear, many rounds let the
+  median drop the ones a burst of load hit unevenly. The A/A ratio, measured the same way between
+  two identical loops, is the method's own error: a framework / bare ratio inside its spread is noise.
+  Clock: on the CPU backend the devices are this process's threads, so its CPU seconds are the step's
+  work (dispatch included) without other jobs' time; wall seconds beside them count that time too.
   """
-  times = {(side, clock): [] for side in ("framework", "bare") for clock in ("cpu", "wall")}
-  sides = [("framework", run_framework), ("bare", run_bare)]
-  for block in range(blocks):
-    for name, run in sides[::1 if block % 2 == 0 else -1]:
+  names = list(runs)
+  times = {(name, clock): [] for name in names for clock in ("cpu", "wall")}
+  for r in range(rounds):
+    order = names[r % len(names):] + names[:r % len(names)]
+    spent = {(name, clock): 0.0 for name, clock in times}
+    for name in order + order[::-1]:
       wall, cpu = time.perf_counter(), time.process_time()
-      run()
-      times[name, "cpu"].append(time.process_time() - cpu)
-      times[name, "wall"].append(time.perf_counter() - wall)
+      runs[name]()
+      spent[name, "cpu"] += time.process_time() - cpu
+      spent[name, "wall"] += time.perf_counter() - wall
+    for key, seconds in spent.items():
+      times[key].append(seconds / 2)
   figures = {}
   for clock in ("cpu", "wall"):
-    ratios = sorted(f / b for f, b in zip(times["framework", clock], times["bare", clock]))
-    figures[clock] = {
-        "framework_s": statistics.median(times["framework", clock]), "ratio": statistics.median(ratios),
-        "ratio_range": (ratios[0], ratios[-1])}
+    bare = np.array(times["bare", clock])
+    figures[clock] = {"framework_s": float(np.median(times["framework", clock]))}
+    for key, side in (("ratio", "framework"), ("aa", "bare_again")):
+      quartiles = np.percentile(np.array(times[side, clock]) / bare, [25, 50, 75])
+      figures[clock] |= {key: float(quartiles[1]), f"{key}_quartiles": [float(quartiles[0]), float(quartiles[2])]}
   return figures
 
 
-def measure(sizes, variants, blocks: int, steps: int) -> tuple[dict, dict]:
-  """Times every size x variant; returns (context, the issue's figures: backend, mfu, the worst ratio).
-
-  `ratio` is in CPU seconds on the CPU backend and in wall seconds elsewhere (`paired_ratios`
-  says why); the context holds both clocks per config.
-  """
+def measure(sizes, variants, rounds: int, steps: int) -> tuple[dict, dict]:
+  """Times every size x variant; returns (context with both clocks, the issue's figures: the worst ratio)."""
   backend = jax.default_backend()
   on_cpu = backend == "cpu"
   clock = "cpu" if on_cpu else "wall"
@@ -190,20 +193,19 @@ def measure(sizes, variants, blocks: int, steps: int) -> tuple[dict, dict]:
       name = f"{size}{'-cpu' if on_cpu else ''}/{attention.resolve_implementation(kind, backend)}/{remat}"
       if name in timed:
         continue  # `auto` resolved to a kernel already timed with the same remat.
-      run_framework, run_bare, costs[name] = runners(cfg, devices, batch_size, steps)
-      run_framework(), run_bare()  # compile and warm up
+      runs, costs[name] = runners(cfg, devices, batch_size, steps)
+      for run in [*runs.values()] * 2:
+        run()  # warm up
       timed[name] = {
-          c: {
-              "ms_per_step": round(f["framework_s"] / steps * 1e3, 2), "ratio": round(f["ratio"], 4),
-              "ratio_range": [round(r, 4) for r in f["ratio_range"]
-                             ]} for c, f in paired_ratios(run_framework, run_bare, blocks).items()}
+          c: dict(ms_per_step=round(f.pop("framework_s") / steps * 1e3, 2),
+                  **{k: np.round(v, 4).tolist() for k, v in f.items()}) for c, f in paired_ratios(runs, rounds).items()}
       flops = model_lib.flops_per_token(cfg) * batch_size * cfg.seq_len
       step_s = timed[name]["wall"]["ms_per_step"] / 1e3
       mfu[name] = None if peak is None else round(flops / step_s / (peak * len(devices)), 4)
-      print(f"{name}: {timed[name]}, mfu {mfu[name]}, compiled {costs[name]}", flush=True)
+      print(f"{name}: {timed[name]}, mfu {mfu[name]}, compiled {costs[name]}, load {os.getloadavg()}", flush=True)
   context = {
       "device": devices[0].device_kind, "load_average": os.getloadavg(), "devices": len(devices),
-      "batch_size": batch_size, "steps_per_block": steps, "blocks": blocks, "ratio_clock": clock, "timed": timed,
+      "batch_size": batch_size, "steps_per_block": steps, "rounds": rounds, "ratio_clock": clock, "timed": timed,
       "compiled_framework_vs_bare": costs,
       "flops_xla_vs_analytic": {size: xla_vs_analytic_flops(size) for size in sizes}}
   return context, {"backend": backend, "mfu": mfu, "ratio": max(t[clock]["ratio"] for t in timed.values())}
@@ -214,14 +216,14 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", default=",".join(SIZES), help=f"some of {', '.join(SIZES)}")
   parser.add_argument("--variants", default=",".join(VARIANTS), help="attention/remat pairs")
-  parser.add_argument("--blocks", type=int, default=11, help="alternating timed blocks per side (median taken)")
-  parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
+  parser.add_argument("--rounds", type=int, default=15, help="palindrome rounds per config (medians taken)")
+  parser.add_argument("--steps", type=int, default=1, help="steps per timed block")
   args = parser.parse_args(argv)
   sizes, variants = args.sizes.split(","), args.variants.split(",")
   unknown = [s for s in sizes if s not in SIZES] + [v for v in variants if v.count("/") != 1]
   if unknown:
     parser.error(f"unknown sizes or variants {unknown}: sizes are {list(SIZES)}, variants attention/remat pairs")
-  context, figures = measure(sizes, variants, args.blocks, args.steps)
+  context, figures = measure(sizes, variants, args.rounds, args.steps)
   print(json.dumps({"context": context}, sort_keys=True))
   common.emit(figures)
 
