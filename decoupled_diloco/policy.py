@@ -1,10 +1,9 @@
 """How much local work a learner does before it pushes: fixed H, DyLU, or a time budget.
 
-Under DyLU (Liu et al. 2024) learner m runs v_m / max_v · H steps, v = its speed, rounded to
-the nearest step (the paper floors it), so every learner reports after about the same
-wall-clock time and faster slices take more local steps. Speeds are declared (hardware
-profile) or measured (an EMA of observed step times). A time budget trains until the
-round's time is up.
+Under DyLU (Liu et al. 2024) learner m runs v_m / max_v · H steps (v = its speed), so every
+learner reports after about the same wall-clock time and faster slices take more local steps.
+Speeds are declared (hardware profile) or measured (an EMA of observed step times). A time
+budget trains until the round's time is up.
 """
 
 import dataclasses
@@ -38,12 +37,8 @@ class Settings:
 
 
 def dylu_steps(speed: float, max_speed: float, inner_steps: int) -> int:
-  """v/max v · H to the nearest step, at least one so that a slow learner still contributes.
-
-  Nearest, not the paper's floor: a floored learner's round is up to a whole step shorter than
-  the fastest's, every round, so its pushes drift ahead and grace windows stop gathering the
-  learners (quorum_grace at 1.18x speeds: 16 steps for 16.95 s, a second a round).
-  """
+  """v/max v · H to the nearest step (at least one): the paper's floor makes a slow learner's round up to
+  a step shorter every round, so its pushes drift ahead and grace windows split (docs/syncer.md)."""
   return max(1, round(speed / max_speed * inner_steps))
 
 
