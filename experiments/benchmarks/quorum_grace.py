@@ -7,7 +7,7 @@ merged Θ only τ steps later (the paper's main runs overlap τ = 2 of H = 24 st
 - k_all: every learner in every merge, and each waits for it once its τ steps are done
   (synchronous DiLoCo: the fast ones idle while the slow ones finish), outer Nesterov SGD;
 - k1: quorum 1, learners never wait, each merge takes whoever arrived (Delayed Nesterov, one
-  momentum step per 8 merges); DyLU sizes every learner's H by its speed (20 and 17 steps),
+  momentum step per 8 merges); DyLU sizes every learner's H by its speed, to the nearest step (20 and 17),
   so all periods take about as long;
 - k1_grace: k1 plus the adaptive grace window (γ = 0.85, slack τ_g = τ = 4 steps): the syncer
   holds a merge open for late learners within the slack the overlap gives, and the learners in
@@ -45,7 +45,7 @@ def rows() -> dict:
   mixed = {
       "learners.speed": (SPEED_GAP,) * (learners // 2) + (1.0,) * (learners // 2), "learners.jitter": JITTER,
       "streaming.overlap_steps": overlap}
-  quorum_1 = {**mixed, "policy.kind": "dylu"}
+  quorum_1 = {**mixed, "policy.kind": "dylu", "policy.dylu_rounding": "nearest"}
   return {
       "k_all": shakespeare.config(learners, OUTER_STEPS, **mixed, mode="diloco",
                                   **{"outer.optimizer": "sgd", "outer.buffer_size": 1}),
