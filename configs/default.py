@@ -106,6 +106,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.policy.kind = "fixed"  # 'fixed' (H steps), 'dylu' (H scaled by speed) or 'time_budget'.
   config.policy.speed_source = "declared"  # DyLU speeds: 'declared' (hardware) or 'measured' (EMA of steps).
   config.policy.round_seconds = 0.0  # Time budget of a round in (virtual) seconds, for 'time_budget'.
+  config.policy.dylu_rounding = "floor"  # DyLU steps ⌊v/max v·H⌋ ('floor', the paper) or 'nearest' step.
 
   config.sim = ml_collections.ConfigDict()  # Virtual clock.
   config.sim.reference_step_seconds = 1.0  # Step time at relative speed 1.0.

@@ -1,9 +1,11 @@
 """How much local work a learner does before it pushes: fixed H, DyLU, or a time budget.
 
-Under DyLU (Liu et al. 2024) learner m runs ⌊v_m / max_v · H⌋ steps, v = its speed, so
-every learner reports after about the same wall-clock time and faster slices take more
-local steps. Speeds are declared (hardware profile) or measured (an EMA of observed step
-times). A time budget trains until the round's time is up.
+Under DyLU (Liu et al. 2024) learner m runs ⌊v_m / max_v · H⌋ steps (v = its speed), so every
+learner reports after about the same wall-clock time and faster slices take more local steps.
+`policy.dylu_rounding='nearest'` rounds instead: the floor makes a slow learner's round up to a
+step shorter than the fastest's, every round, so its pushes drift ahead and grace windows split.
+Speeds are declared (hardware profile) or measured (an EMA of observed step times). A time
+budget trains until the round's time is up.
 """
 
 import dataclasses
@@ -13,6 +15,7 @@ from decoupled_diloco import settings as settings_lib
 
 POLICIES = ("fixed", "dylu", "time_budget")
 SPEED_SOURCES = ("declared", "measured")
+DYLU_ROUNDINGS = ("floor", "nearest")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +24,7 @@ class Settings:
   kind: str
   speed_source: str = "declared"
   round_seconds: float = 0.0
+  dylu_rounding: str = "floor"
 
   def __post_init__(self):
     settings_lib.check((
@@ -29,6 +33,8 @@ class Settings:
          in SPEED_SOURCES, f"policy.speed_source={self.speed_source!r} is unknown: use one of {SPEED_SOURCES}"),
         (self.kind != "time_budget" or
          self.round_seconds > 0, f"policy.round_seconds={self.round_seconds} must be > 0 for a time budget"),
+        (self.dylu_rounding
+         in DYLU_ROUNDINGS, f"policy.dylu_rounding={self.dylu_rounding!r} is unknown: use one of {DYLU_ROUNDINGS}"),
     ))
 
   @classmethod
@@ -37,9 +43,11 @@ class Settings:
     return settings_lib.from_config(cls, policy_cfg, "policy")
 
 
-def dylu_steps(speed: float, max_speed: float, inner_steps: int) -> int:
-  """⌊v/max v · H⌋, at least one step so that a slow learner still contributes."""
-  return max(1, math.floor(speed / max_speed * inner_steps + 1e-9))
+def dylu_steps(speed: float, max_speed: float, inner_steps: int, rounding: str = "floor") -> int:
+  """⌊v/max v · H⌋ as the paper has it, or to the nearest step so that every learner's round lasts the
+  fastest's to within half a step (docs/syncer.md); at least one step so that a slow learner still contributes."""
+  steps = speed / max_speed * inner_steps
+  return max(1, math.floor(steps + 1e-9) if rounding == "floor" else round(steps))
 
 
 def target_steps(policy_cfg, inner_steps: int, speed: float, max_speed: float) -> int | None:
@@ -47,7 +55,7 @@ def target_steps(policy_cfg, inner_steps: int, speed: float, max_speed: float) -
   if policy_cfg.kind == "fixed":
     return inner_steps
   if policy_cfg.kind == "dylu":
-    return dylu_steps(speed, max_speed, inner_steps)
+    return dylu_steps(speed, max_speed, inner_steps, policy_cfg.dylu_rounding)
   return None
 
 
@@ -63,7 +71,8 @@ def measured_round_steps(policy_cfg, inner_steps: int, own_speed: float, others_
   if policy_cfg.kind == "time_budget":
     return max(1, int(policy_cfg.round_seconds * own_speed)) if own_speed else inner_steps
   if policy_cfg.kind == "dylu" and policy_cfg.speed_source == "measured":
-    return dylu_steps(own_speed, max(own_speed, others_max_speed), inner_steps) if own_speed else inner_steps
+    return (dylu_steps(own_speed, max(own_speed, others_max_speed), inner_steps, policy_cfg.dylu_rounding)
+            if own_speed else inner_steps)
   return target_steps(policy_cfg, inner_steps, declared_speed, declared_max_speed)
 
 

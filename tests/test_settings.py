@@ -85,6 +85,7 @@ def test_validate_returns_the_typed_groups_of_the_run():
     ({"mode": "ddp", "learners.devices": (2,), "learners.batch_size": (4,)}, "mode='ddp' has no syncer to serve"),
     ({"compression.downlink_format": "int8"}, r"compression\.downlink_format='int8' is unknown"),
     ({"data.split": "random"}, r"data\.split='random' is unknown: use 'iid' or 'noniid'"),
+    ({"policy.dylu_rounding": "ceil"}, r"policy\.dylu_rounding='ceil' is unknown"),
     ({"streaming.alpha": 1.5}, r"streaming\.alpha = 1\.5 must be in \[0, 1\]"),])
 def test_groups_and_cross_group_rules_refuse_in_one_line(overrides, message):
   config = tiny_config(mode="decoupled", runtime="service")

@@ -109,6 +109,10 @@ def test_hardware_profiles_follow_the_chip_table():
 
 def test_dylu_steps_scale_with_speed():
   assert [policy.dylu_steps(v, 4.0, 20) for v in (4.0, 2.0, 1.0, 0.1)] == [20, 10, 5, 1]
+  assert policy.dylu_steps(1.0, 1.18, 20) == 16  # the paper's floor: a round up to a step short of the fastest's
+  # Rounded to the nearest step, a round of every speed lasts the fastest's to within half a step.
+  for speed in np.linspace(0.05, 1.0, 96):
+    assert abs(policy.dylu_steps(speed, 1.0, 20, "nearest") - 20 * speed) <= 0.5 + 1e-9
   tracker = policy.SpeedTracker([1.0, 1.0], ema=0.5)
   tracker.observe(1, 0.25)  # measured 4 steps/s: estimate moves halfway
   assert tracker.speeds == [1.0, 2.5] and tracker.max_speed == 2.5

@@ -7,13 +7,13 @@ merged Θ only τ steps later (the paper's main runs overlap τ = 2 of H = 24 st
 - k_all: every learner in every merge, and each waits for it once its τ steps are done
   (synchronous DiLoCo: the fast ones idle while the slow ones finish), outer Nesterov SGD;
 - k1: quorum 1, learners never wait, each merge takes whoever arrived (Delayed Nesterov, one
-  momentum step per 8 merges); DyLU sizes every learner's H by its speed (24 and 20 steps),
+  momentum step per 8 merges); DyLU sizes every learner's H by its speed, to the nearest step (20 and 17),
   so all periods take about as long;
-- k1_grace: k1 plus the adaptive grace window (γ = 0.8, slack τ_g = τ = 4 steps): the syncer
+- k1_grace: k1 plus the adaptive grace window (γ = 0.85, slack τ_g = τ = 4 steps): the syncer
   holds a merge open for late learners within the slack the overlap gives, and the learners in
-  a window receive its merge, which lands while they go on training. Their arrivals drift
-  apart (nothing waits), so a window gathers about four learners, two merges a round: Delayed
-  Nesterov with N = 2, one momentum step a round (N = 1: 3.56, docs/experiments.md).
+  a window receive its merge, which lands while they go on training. With DyLU's periods
+  within half a step of each other, a window gathers all eight learners, one merge a round,
+  so Nesterov steps on every merge (N = 1), as k_all's.
 Goodput is the paper's: the share of allocated chip-time the chips compute (the summary's
 `compute_utilization`): its K = 1 rows reach 100 % with τ = 2 overlapped steps, so overlapped
 steps count. The project's stricter `goodput` (merged compute only; with α = 0 a landing drops
@@ -45,14 +45,14 @@ def rows() -> dict:
   mixed = {
       "learners.speed": (SPEED_GAP,) * (learners // 2) + (1.0,) * (learners // 2), "learners.jitter": JITTER,
       "streaming.overlap_steps": overlap}
-  quorum_1 = {**mixed, "policy.kind": "dylu"}
+  quorum_1 = {**mixed, "policy.kind": "dylu", "policy.dylu_rounding": "nearest"}
   return {
       "k_all": shakespeare.config(learners, OUTER_STEPS, **mixed, mode="diloco",
                                   **{"outer.optimizer": "sgd", "outer.buffer_size": 1}),
       "k1": shakespeare.config(learners, OUTER_STEPS, **quorum_1),
       "k1_grace": shakespeare.config(
           learners, OUTER_STEPS, **quorum_1,
-          **{"syncer.grace_gamma": 0.8, "syncer.grace_overlap_steps": float(overlap), "outer.buffer_size": 2}),}
+          **{"syncer.grace_gamma": 0.85, "syncer.grace_overlap_steps": float(overlap), "outer.buffer_size": 1}),}
 
 
 def main(argv) -> None:
