@@ -64,22 +64,20 @@ _PLAN = flags.DEFINE_list("plan", ["learner", "syncer", "learner"], "Kinds of th
 # schedule's seed: the kill versions and which learner dies; default 0) apply too.
 flags.FLAGS.set_default("workdir", os.path.join(tempfile.gettempdir(), "dd_chaos"))
 
-# What users run with the service, at two sizes.
-_COMMON = ("--config.mode=decoupled", "--config.learners.devices=(1,1)", "--config.outer.optimizer=delayed_nesterov",
-           "--config.outer.buffer_size=2", "--config.syncer.quorum=1", "--config.policy.kind=dylu",
-           "--config.policy.speed_source=measured", "--config.eval_every=100000",
-           "--config.service.checkpoint_every_merges=4", "--config.service.lease_seconds=10.0",
-           "--config.service.retry_seconds=300.0")
+# What users run with the service, at two sizes: the demo's (its 4 learner groups, here of 1 device each, and
+# its budget of 30 rounds of 25 steps) and the end-to-end test's.
+_COMMON = ("--config.mode=decoupled", "--config.outer.optimizer=delayed_nesterov", "--config.outer.buffer_size=2",
+           "--config.syncer.quorum=1", "--config.policy.kind=dylu", "--config.policy.speed_source=measured",
+           "--config.eval_every=100000", "--config.service.checkpoint_every_merges=4",
+           "--config.service.lease_seconds=10.0", "--config.service.retry_seconds=300.0")
 _SIZES = {
-    "demo": {
-        "overrides": ("--config.learners.batch_size=(16,16)", "--config.outer_steps=12", "--config.inner_steps=20"),
-        "timeout": 900.0},
+    "demo": {"learners": 4, "overrides": ("--config.learners.devices=(1,1,1,1)",), "timeout": 900.0},
     "tiny": {
-        "overrides":
-            ("--config.model.seq_len=16", "--config.model.d_model=32", "--config.model.num_layers=1",
-             "--config.model.num_heads=2", "--config.model.d_ff=64", "--config.learners.batch_size=(4,4)",
-             "--config.outer_steps=150", "--config.inner_steps=20", "--config.data.synthetic.num_tokens=30000"),
-        "timeout": 600.0},}
+        "learners": 2,
+        "overrides": ("--config.learners.devices=(1,1)", "--config.learners.batch_size=(4,4)",
+                      "--config.model.seq_len=16", "--config.model.d_model=32", "--config.model.num_layers=1",
+                      "--config.model.num_heads=2", "--config.model.d_ff=64", "--config.outer_steps=150",
+                      "--config.inner_steps=20", "--config.data.synthetic.num_tokens=30000"), "timeout": 600.0},}
 
 
 class TimedCluster(LocalCluster):
@@ -155,7 +153,7 @@ def syncer_version(workdir: str) -> int:
 
 def _run(workdir: str, overrides: list[str], size: dict, chaos: Chaos | None) -> TimedCluster:
   """One run to the end of its budget; raises if a process failed for another reason than a kill."""
-  cluster = TimedCluster("configs/demo.py", workdir, [*_COMMON, *size["overrides"], *overrides], 2)
+  cluster = TimedCluster("configs/demo.py", workdir, [*_COMMON, *size["overrides"], *overrides], size["learners"])
   common.run_to_end(cluster, size["timeout"], chaos)
   return cluster
 
@@ -256,7 +254,7 @@ def main(argv: list[str]) -> None:
   chaotic = _run(os.path.join(root, "chaos"), ["--config.seed=0"], size, chaos)
   kills = collections.Counter(
       "syncer" if name == "syncer" else "learner" for _, event, name in chaos.events if event == "kill")
-  lost, twice = exactly_once(chaotic.workdir, 2)
+  lost, twice = exactly_once(chaotic.workdir, size["learners"])
   replayed = sum(r.get("replayed", 0) for r in _records(os.path.join(chaotic.workdir, "metrics.jsonl"), "push"))
   logging.info(
       "size %s, %d undisturbed seeds: a round takes %.2fs (undisturbed seed 0, median); the restarted "
