@@ -13,6 +13,8 @@ import json
 import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -340,3 +342,15 @@ def test_push_limits_follow_each_learners_batch_and_the_round_policy():
   for change in ({"tokens": header["tokens"] + 1}, {"local_steps": 9, "tokens": 1}, {"seq": 65}):
     with pytest.raises(core_limits.OutOfBounds):
       core_limits.check_push(limits, {**header, **change}, acked_seq=0, steps_left=0)
+
+
+@pytest.mark.slow
+def test_the_hostile_benchmark_runs_to_the_end_with_no_honest_exchange_refused():
+  # The attacker holds learner 4's credential and never trains: the start barrier must not wait for it.
+  process = subprocess.run([sys.executable, "-m", "experiments.benchmarks.hostile", "--phase_seconds=4"],
+                           capture_output=True, text=True, timeout=600,
+                           env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+  assert process.returncode == 0, process.stderr[-3000:]
+  figures = json.loads(process.stdout.strip().splitlines()[-1])
+  assert figures["run_done"] and figures["honest_refused"] == 0 and figures["honest_exchanges"] > 0, figures
+  assert sum(figures["refused"].values()) > 0, figures

@@ -41,7 +41,7 @@ OVERRIDES = ("--config.mode=decoupled", "--config.learners.devices=(1,1,1,1,1)",
              f"--config.model.seq_len={SEQ_LEN}", f"--config.inner_steps={INNER_STEPS}", "--config.syncer.quorum=1",
              "--config.outer.optimizer=delayed_nesterov", "--config.outer.buffer_size=4", "--config.eval_every=100000",
              "--config.service.learner_checkpoint_every=0", "--config.service.linger_seconds=3",
-             "--config.service.lease_seconds=600")
+             "--config.service.lease_seconds=600", f"--config.syncer.min_learners_to_start={len(HONEST)}")
 
 
 def _honest(address: str, learner: int, start, round_seconds: float, out) -> None:
