@@ -41,11 +41,6 @@ _LEAVES = 10
 _IDLE_PARAMS = 10_000  # The idle process's model: the syncer without (nearly any) parameters.
 
 
-def _status_kb(field: str) -> int:
-  with open("/proc/self/status", encoding="ascii") as f:
-    return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 def _shapes(n: int) -> dict:
   return {f"block_{i}": {"w": (n // _LEAVES,)} for i in range(_LEAVES)}
 
@@ -112,7 +107,7 @@ def _child(fmt: str, count: int, path: str, n: int) -> dict:
     core.pull(0, 0, 0, time.time())
     jax.block_until_ready(core.syncer.params)
     gc.collect()  # The steady figure after a collection (without one, 4 B/param more lingered: not found why).
-    peak_kb, steady_kb = _status_kb("VmHWM"), _status_kb("VmRSS")
+    peak_kb, steady_kb = common.status_kb("VmHWM"), common.status_kb("VmRSS")
     core.close()
   return {"format": fmt, "pushes": count, "payload_bytes": size, "peak_kb": peak_kb, "steady_kb": steady_kb}
 
