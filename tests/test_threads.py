@@ -12,14 +12,17 @@ from tests.helpers import tiny_config
 H = 8
 # Both runs share the model, meshes and LR schedules (a decoupled learner's schedule is its
 # share of the budget, equal here), so the persistent cache (conftest) compiles each inner step once.
-SHAPE = {"outer_steps": 6, "inner_steps": H, "checkpoint_every": 6, "eval_every": 2}
+SHAPE = {"outer_steps": 16, "inner_steps": H, "checkpoint_every": 6, "eval_every": 2}
 
 
 @pytest.fixture(scope="module")
 def slowed(tmp_path_factory):
   """Decoupled DiLoCo, DyLU on measured step times, learner 0 slowed down 4x (sleeps 3x its step),
   quorum 1 with a grace window (γ = 0.5, τ = H steps): the first one, opened by the fast
-  learner, is closed by the timer thread long before the slow learner reports."""
+  learner, is closed by the timer thread long before the slow learner reports. The budget is
+  ample (16 rounds): the slow learner's first round, with its first step's one-off
+  dispatch, lasts as long as ~60 fast steps here and longer on a loaded machine, and it must
+  leave budget for DyLU's shorter rounds that follow."""
   config = tiny_config(
       **{
           "mode": "decoupled", "runtime": "threads", "policy.kind": "dylu", "policy.speed_source": "measured",
@@ -65,7 +68,6 @@ def test_the_fast_learner_takes_more_local_steps_and_never_waits_for_the_slow_on
   slow_rounds, fast_rounds = ([p["local_steps"] for p in pushes if p["learner"] == m] for m in (0, 1))
   # Round 1 uses declared (equal) speeds; then DyLU measures the slowdown. Last rounds may be cut short.
   assert set(fast_rounds[:-1]) == {H}
-  # (Two rounds are enough to see it; how many fit before the budget is spent depends on load.)
   assert slow_rounds[0] == H and len(slow_rounds) >= 2 and max(slow_rounds[1:]) <= H // 2
   # Its only waits were for the syncer's own work (the lock it holds to receive and merge) and for
   # the grace windows its pushes joined, each closed by the timer after ξ_grace ≤ γ·τ·ξ_step (docs/syncer.md;
