@@ -20,9 +20,9 @@ with exactly the keys of issue 13:
   loss_ratio        final eval loss with chaos / without (seed 0, same token budget).
   undisturbed_spread  (max - min) / mean of the undisturbed runs' final eval losses.
   rejoin_seconds    from a learner's restart to the syncer's first accepted push of it: {p50, max}, split
-                    where its first step's call returned into `startup` (process start, imports, Join,
-                    restore, compilation or loading it from the learner's XLA cache) and `rest` (its
-                    first round of steps and the push; target: at most one round of H steps), each {p50, max}.
+                    where its first step had compiled and run into `startup` (process start, imports, Join,
+                    restore, compilation or loading it from the learner's XLA cache, the first run) and `rest`
+                    (the rest of its first round and the push; target: at most one round of H steps), each {p50, max}.
   syncer_recovery_seconds  from a syncer's restart to the first call it served (a heartbeat this
                     benchmark sends): {p50, max}; target 10 s. Split by the restarted syncer's
                     'syncer_start' record into `imports` (process start, imports), `restore` (model
@@ -184,8 +184,8 @@ def _spread(values: list[float]) -> dict:
 
 
 def rejoin_seconds(cluster: TimedCluster) -> dict:
-  """From each learner restart to the syncer's first accepted push of it, split where its first step was compiled
-  (or loaded from the XLA cache): start-up before, its first round of steps and push after."""
+  """From each learner restart to the syncer's first accepted push of it, split where its first step had compiled
+  (or loaded from the XLA cache) and run: start-up before, the rest of its first round and the push after."""
   checkpoints = os.path.join(cluster.workdir, "checkpoints")
   with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
     start_time = checkpointer.restore_metadata(checkpointer.latest_step())["start_time"]
