@@ -201,9 +201,11 @@ class LearnerProcess:
         return
       if self.slowdown and self.compiled:  # Slower devices; compiling (host work) is not slowed.
         learner.timed_step(self.slowdown)
+      elif not self.compiled and compiled_at is None:  # Waited for: XLA on CPU finishes a program loaded from
+        learner.timed_step()  # its cache in the first run (0.4-1.3 s on 2 loaded cores), part of start-up.
       else:
         learner.step()
-      compiled_at = compiled_at or time.time()  # The first step's call returns once XLA compiled (or loaded) it.
+      compiled_at = compiled_at or time.time()  # The first step compiled (or loaded) and ran.
       digests.append(zlib.crc32(learner.batches.batch(learner.steps - 1)))  # The batch just trained on.
       self.budget[0] += 1
       self.budget[1] += learner.batches.tokens_per_batch

@@ -20,20 +20,20 @@ with exactly the keys of issue 13:
   loss_ratio        final eval loss with chaos / without (seed 0, same token budget).
   undisturbed_spread  (max - min) / mean of the undisturbed runs' final eval losses.
   rejoin_seconds    from a learner's restart to the syncer's first accepted push of it: {p50, max}, split
-                    where its first step's call returned into `startup` (process start, imports, Join,
-                    restore, compilation or loading it from the learner's XLA cache) and `rest` (its
-                    first round of steps and the push; target: at most one round of H steps), each {p50, max}.
+                    where its first step had compiled and run into `startup` (process start, imports, Join,
+                    restore, compilation or loading it from the learner's XLA cache, the first run) and `rest`
+                    (the rest of its first round and the push; target: at most one round of H steps), each {p50, max}.
   syncer_recovery_seconds  from a syncer's restart to the first call it served (a heartbeat this
                     benchmark sends): {p50, max}; target 10 s. Split by the restarted syncer's
                     'syncer_start' record into `imports` (process start, imports), `restore` (model
                     shapes, syncer, checkpoint), `replay` (the log) and `serve` (server up, first
                     call answered), each {p50, max}.
-A log line before it gives what the targets are measured against: the undisturbed seed-0 run's
-median round (seconds between a learner's pushes), the pushes the restarted syncers replayed, the
-mean staleness of the pushed steps with and without chaos, and the machine's load average. Why the
-staleness: while a learner is down the others' pushes are fresher, and fresher outer steps make a
-lower loss at the same token budget; 4 learners and the demo's budget keep that small against what
-the chaos costs (docs/service-durability.md#chaos-benchmark).
+Log lines before it give what the targets are measured against: the time of a round of H steps in the
+undisturbed seed-0 run (median seconds per step between a learner's pushes, times H), the pushes the restarted
+syncers replayed, the load average, and for each run its final eval loss, the staleness of its pushed steps
+(mean and histogram) and learner 0's train loss along the run. Why: while a learner is down the others' pushes
+are fresher, and at this budget the runs are still leaving a plateau of the loss, so the final loss moves with
+how soon a run left it (docs/service-durability.md#chaos-benchmark).
 """
 
 import collections
@@ -184,8 +184,8 @@ def _spread(values: list[float]) -> dict:
 
 
 def rejoin_seconds(cluster: TimedCluster) -> dict:
-  """From each learner restart to the syncer's first accepted push of it, split where its first step was compiled
-  (or loaded from the XLA cache): start-up before, its first round of steps and push after."""
+  """From each learner restart to the syncer's first accepted push of it, split where its first step had compiled
+  (or loaded from the XLA cache) and run: start-up before, the rest of its first round and the push after."""
   checkpoints = os.path.join(cluster.workdir, "checkpoints")
   with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
     start_time = checkpointer.restore_metadata(checkpointer.latest_step())["start_time"]
@@ -224,21 +224,29 @@ def syncer_recovery_seconds(cluster: TimedCluster) -> dict:
       **{phase: _spread(values) for phase, values in phases.items()}}
 
 
-def mean_staleness(workdir: str) -> float:
-  """The staleness of a run's accepted pushes, weighted by their steps (1 ≈ two learners taking turns)."""
+def staleness(workdir: str) -> tuple[float, dict[int, int]]:
+  """The mean staleness of a run's accepted pushes, weighted by their steps, and the pushes by staleness."""
   pushes = [r for r in _records(os.path.join(workdir, "metrics.jsonl"), "push") if r["accepted"]]
-  return round(
-      sum(r["staleness"] * r["local_steps"] for r in pushes) / max(1, sum(r["local_steps"] for r in pushes)), 2)
+  mean = sum(r["staleness"] * r["local_steps"] for r in pushes) / max(1, sum(r["local_steps"] for r in pushes))
+  return round(mean, 2), dict(sorted(collections.Counter(r["staleness"] for r in pushes).items()))
 
 
-def round_seconds(workdir: str) -> float:
-  """Median seconds between two pushes of one learner: the length of a round of H steps."""
+def h_round_seconds(workdir: str) -> float:
+  """Seconds of a round of H steps: the median time per step between two pushes of one learner, times H (the
+  longest round: every learner's first is H, DyLU never exceeds it), as the `rest` target counts it."""
   pushes = _records(os.path.join(workdir, "metrics.jsonl"), "push")
-  gaps = []
+  per_step = []
   for learner in {r["learner"] for r in pushes}:
-    times = sorted(r["wall_time"] for r in pushes if r["learner"] == learner)
-    gaps += [b - a for a, b in zip(times, times[1:])]
-  return round(statistics.median(gaps), 2) if gaps else 0.0
+    mine = sorted((r["wall_time"], r["local_steps"]) for r in pushes if r["learner"] == learner)
+    per_step += [(b - a) / steps for (a, _), (b, steps) in zip(mine, mine[1:])]
+  return round(statistics.median(per_step) * max(r["local_steps"] for r in pushes), 2) if per_step else 0.0
+
+
+def loss_curve(workdir: str, points: int = 5) -> list[tuple[int, float]]:
+  """Learner 0's train loss at `points` evenly spaced steps: where on its curve the run's budget ends."""
+  train = _records(os.path.join(workdir, "learner_0", "metrics.jsonl"), "train")
+  picks = [train[(len(train) - 1) * (i + 1) // points] for i in range(points)] if train else []
+  return [(r["inner_step"], round(r["loss"], 2)) for r in picks]
 
 
 def main(argv: list[str]) -> None:
@@ -260,11 +268,14 @@ def main(argv: list[str]) -> None:
   lost, twice = exactly_once(chaotic.workdir, size["learners"])
   replayed = sum(r.get("replayed", 0) for r in _records(os.path.join(chaotic.workdir, "metrics.jsonl"), "push"))
   logging.info(
-      "size %s, %d undisturbed seeds: a round takes %.2fs (undisturbed seed 0, median); the restarted "
-      "syncers replayed %d pushes; mean staleness of the pushed steps %.2f with chaos, %s undisturbed; "
-      "load average %s", _SIZE.value, _SEEDS.value, round_seconds(os.path.join(root, "undisturbed_0")), replayed,
-      mean_staleness(chaotic.workdir),
-      [mean_staleness(os.path.join(root, f"undisturbed_{seed}")) for seed in range(_SEEDS.value)], os.getloadavg())
+      "size %s: a round of H steps takes %.2fs (undisturbed seed 0); the restarted syncers replayed %d "
+      "pushes; load average %s", _SIZE.value, h_round_seconds(os.path.join(root, "undisturbed_0")), replayed,
+      os.getloadavg())
+  for name in [*(f"undisturbed_{seed}" for seed in range(_SEEDS.value)), "chaos"]:  # What the two loss keys compare.
+    workdir = os.path.join(root, name)
+    logging.info(
+        "%s: final eval loss %.4f; staleness of the pushed steps, mean and pushes by staleness %s; learner "
+        "0's train loss by step %s", name, _final_loss(workdir), staleness(workdir), loss_curve(workdir))
   common.emit({
       "kills": {"learner": kills["learner"], "syncer": kills["syncer"]},
       "acked_lost": lost,
