@@ -181,7 +181,7 @@ class DataListener:
         for key, _ in selector.select(timeout=ACCEPT_POLL_SECONDS):
           if key.fileobj is self._socket:
             self._accept_queued(selector)
-          else:
+          elif key.fileobj in self._unticketed:  # (Not evicted by an earlier event of this batch.)
             self._read_ticket(selector, key.fileobj)
         now = time.monotonic()
         for connection in [c for c, (_, deadline, _) in self._unticketed.items() if deadline <= now]:
@@ -190,8 +190,9 @@ class DataListener:
         self._drop(selector, connection)
 
   def _accept_queued(self, selector: selectors.BaseSelector) -> None:
-    """Accepts every connection the kernel has queued; each waits for its ticket in the unticketed pool,
-    evicting the oldest of its source (past the per-source limit) or of all (past the pool) first."""
+    """Accepts every connection the kernel has queued; each one whose ticket has not arrived yet waits for
+    it in the unticketed pool, evicting the oldest of its source (past the per-source limit) or of all
+    (past the pool) first."""
     while not self._closed:
       try:
         raw, peer = self._socket.accept()
@@ -203,16 +204,17 @@ class DataListener:
           time.sleep(0.1)
         return
       raw.setblocking(False)
-      source = peer[0]
-      mine = [c for c, (s, _, _) in self._unticketed.items() if s == source]
-      victims = mine if len(mine) >= self.per_source else (
-          list(self._unticketed) if len(self._unticketed) >= self.max_unticketed else [])
-      if victims:
-        self._drop(selector, victims[0], "evicted", f"from {source} evicted: too many without a ticket")
       connection = raw if self.tls is None else self.tls.wrap_socket(raw, server_side=True,
                                                                      do_handshake_on_connect=False)
-      self._unticketed[connection] = (source, time.monotonic() + HANDSHAKE_SECONDS, bytearray())
+      self._unticketed[connection] = (peer[0], time.monotonic() + HANDSHAKE_SECONDS, bytearray())
       selector.register(connection, selectors.EVENT_READ)
+      self._read_ticket(selector, connection)  # A learner sends its ticket with its connect: often here already.
+      if connection in self._unticketed:
+        mine = [c for c, (source, _, _) in self._unticketed.items() if source == peer[0]]
+        oldest = mine[0] if len(mine) > self.per_source else (
+            next(iter(self._unticketed)) if len(self._unticketed) > self.max_unticketed else None)
+        if oldest is not None:
+          self._drop(selector, oldest, "evicted", "evicted: too many without a ticket")
 
   def _read_ticket(self, selector: selectors.BaseSelector, connection: socket.socket) -> None:
     """Reads what has arrived of a connection's ticket (after TLS's handshake, which the first read

@@ -73,8 +73,9 @@ def _honest(address: str, learner: int, start, round_seconds: float, out) -> Non
   out.put((learner, rounds))
 
 
-def _attack(address: str, seconds: float, out) -> None:
-  """The compromised learner's attack loops, bounded in time (and count)."""
+def _attack(address: str, seconds: float, niceness: int, out) -> None:
+  """The compromised learner's attack loops, bounded in time (and count), at `niceness` (see the module doc)."""
+  os.nice(niceness)
   from decoupled_diloco.service import security  # pylint: disable=g-import-not-at-top
   credential = security.learner_credential(SECRET, ATTACKER)
   host = address.rsplit(":", 1)[0]
@@ -91,6 +92,13 @@ def _attack(address: str, seconds: float, out) -> None:
   out.put(dict(total))
 
 
+def _cpu_seconds(pid: int) -> float:
+  """A process's user + system CPU seconds so far (Linux /proc)."""
+  with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+    fields = f.read().rsplit(")", 1)[1].split()
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _fraction(rounds, phase: str, start: float, end: float) -> float:
   """A learner's blocked seconds in `phase` over that phase's wall-clock."""
   return sum(seconds for p, _, seconds, _ in rounds if p == phase) / (end - start)
@@ -101,6 +109,7 @@ def main():
   parser = common.parser(__doc__)
   parser.add_argument("--phase_seconds", type=float, default=45.0, help="Length of each phase.")
   parser.add_argument("--round_seconds", type=float, default=1.0, help="An honest learner's compute per round.")
+  parser.add_argument("--attacker_nice", type=int, default=10, help="The attackers' niceness above the syncer's.")
   args = parser.parse_args()
   rounds_per_learner = 2 * args.phase_seconds / args.round_seconds
   outer_steps = int(1.2 * rounds_per_learner * len(HONEST) / 5) + 2  # The honest pushes nearly spend it.
@@ -121,15 +130,19 @@ def main():
       phases = (begin + args.phase_seconds, begin + 2 * args.phase_seconds)
       for _ in HONEST:
         start.put(phases)
+      cpu = [_cpu_seconds(pid)]
       time.sleep(max(0.0, phases[0] - time.time()))
+      cpu.append(_cpu_seconds(pid))
       rss_before = common.status_kb("VmRSS", pid) / 1024
-      attacker = context.Process(target=_attack, args=(address, args.phase_seconds, out))
+      attacker = context.Process(target=_attack, args=(address, args.phase_seconds, args.attacker_nice, out))
       attacker.start()
       rss_peak = rss_before
       while time.time() < phases[1]:
         rss_peak = max(rss_peak, common.status_kb("VmRSS", pid) / 1024)
         time.sleep(0.5)
       rss_after = common.status_kb("VmRSS", pid) / 1024
+      cpu.append(_cpu_seconds(pid))
+      attacker_cpu = _cpu_seconds(attacker.pid)
       results = [out.get(timeout=600) for _ in range(len(HONEST) + 1)]
       for process in [*honest, attacker]:
         process.join(timeout=60)
@@ -146,11 +159,17 @@ def main():
   failed = [o for rounds in learners.values() for *_, o in rounds if o not in ("applied", "dropped", "late")]
   for outcome in failed[:5]:
     print("honest exchange failed:", outcome)
+  exchanges = [
+      sum(p == phase for rounds in learners.values() for p, *_ in rounds) for phase in ("undisturbed", "attack")]
+  cpu_per_exchange = [(cpu[i + 1] - cpu[i]) / max(1, exchanges[i]) for i in range(2)]
+  print(f"syncer CPU s per honest exchange: undisturbed {cpu_per_exchange[0]:.4f} ({exchanges[0]} exchanges), "
+        f"under attack {cpu_per_exchange[1]:.4f} ({exchanges[1]}); the attackers' CPU {attacker_cpu:.2f} s")
   p50, p99 = (round(float(np.percentile(attacked, q)), 4) for q in (50, 99))
   fractions = {"undisturbed": round(float(undisturbed), 4), "under_attack": round(float(under_attack), 4)}
   common.emit({
       "honest_push_p99_seconds": p99, "honest_push_p50_seconds": p50,
-      "blocked_ratio": round(under_attack / undisturbed, 3),
+      "blocked_ratio": round(under_attack / undisturbed,
+                             3), "syncer_cpu_ratio": round(cpu_per_exchange[1] / cpu_per_exchange[0], 3),
       **{f"blocked_fraction_{phase}": value for phase, value in fractions.items()}, "honest_refused": len(failed),
       "honest_exchanges": sum(len(r) for r in learners.values()
                              ), "refused": summary["refused_calls"], "attack_attempts": attack_volume,
