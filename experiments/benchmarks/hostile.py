@@ -73,14 +73,14 @@ def _honest(address: str, learner: int, start, round_seconds: float, out) -> Non
   out.put((learner, rounds))
 
 
-def _attack(address: str, seconds: float, niceness: int, out) -> None:
+def _attack(address: str, seconds: float, niceness: int, flood_rate: float, out) -> None:
   """The compromised learner's attack loops, bounded in time (and count), at `niceness` (see the module doc)."""
   os.nice(niceness)
   from decoupled_diloco.service import security  # pylint: disable=g-import-not-at-top
   credential = security.learner_credential(SECRET, ATTACKER)
   host = address.rsplit(":", 1)[0]
   data_port = attacks.ticket(address, attacks.push_header(ATTACKER, 8), credential)["port"]
-  loops = ([lambda stop: attacks.reconnect_flood(host, data_port, stop)] * 4 +
+  loops = ([lambda stop: attacks.reconnect_flood(host, data_port, stop, per_second=flood_rate / 4)] * 4 +
            [lambda stop: attacks.reconnect_flood(host, data_port, stop, hold_seconds=30)] * 4 +
            [lambda stop: attacks.slow_sender(address, data_port, credential, ATTACKER, stop)] * 2 +
            [lambda stop: attacks.stalled_push(address, credential, ATTACKER, stop, payload_bytes=64 << 10)] * 4 +
@@ -109,6 +109,7 @@ def main():
   parser = common.parser(__doc__)
   parser.add_argument("--phase_seconds", type=float, default=45.0, help="Length of each phase.")
   parser.add_argument("--round_seconds", type=float, default=1.0, help="An honest learner's compute per round.")
+  parser.add_argument("--flood_rate", type=float, default=1200.0, help="Connect-and-close attempts a second.")
   parser.add_argument("--attacker_nice", type=int, default=10, help="The attackers' niceness above the syncer's.")
   args = parser.parse_args()
   rounds_per_learner = 2 * args.phase_seconds / args.round_seconds
@@ -134,7 +135,8 @@ def main():
       time.sleep(max(0.0, phases[0] - time.time()))
       cpu.append(_cpu_seconds(pid))
       rss_before = common.status_kb("VmRSS", pid) / 1024
-      attacker = context.Process(target=_attack, args=(address, args.phase_seconds, args.attacker_nice, out))
+      attacker = context.Process(target=_attack,
+                                 args=(address, args.phase_seconds, args.attacker_nice, args.flood_rate, out))
       attacker.start()
       rss_peak = rss_before
       while time.time() < phases[1]:
