@@ -109,7 +109,7 @@ def main():
   parser = common.parser(__doc__)
   parser.add_argument("--phase_seconds", type=float, default=45.0, help="Length of each phase.")
   parser.add_argument("--round_seconds", type=float, default=1.0, help="An honest learner's compute per round.")
-  parser.add_argument("--flood_rate", type=float, default=1200.0, help="Connect-and-close attempts a second.")
+  parser.add_argument("--flood_rate", type=float, default=2400.0, help="Connect-and-close attempts a second.")
   parser.add_argument("--attacker_nice", type=int, default=10, help="The attackers' niceness above the syncer's.")
   args = parser.parse_args()
   rounds_per_learner = 2 * args.phase_seconds / args.round_seconds
