@@ -14,11 +14,21 @@ impersonating learner 0, shapes overflowing int64, forged tokens). Then the hone
 spend the rest of the budget, so that the syncer ends the run and its summary counts every
 refusal.
 
+What it measures, and what it leaves out: everything shares one machine's cores, where a real
+attacker would be other machines. So the attackers run at `--attacker_nice` (10) above the
+syncer, and the reconnect floods are paced to `--flood_rate` connects a second in all (2,400:
+about twice what the syncer of a thread per connection could accept here), so that the attack's
+volume is the same whatever the syncer's speed. At these settings a syncer without the
+accept-side defence (a thread per connection) failed the target once in two runs on a loaded
+machine and cost twice the CPU per honest exchange; docs/security.md has the runs.
+
 JSON keys: `honest_push_p99_seconds` (an honest push + pull under attack, p99),
 `blocked_ratio` (honest blocked fraction under attack / undisturbed; target <= 2),
-`honest_refused` (honest exchanges that failed; target 0), `refused` (the syncer's refusal
-counters by kind), `syncer_rss_growth_mb` (the syncer's resident memory at the attack's end
-minus at its start; target <= 64), and the attack volume.
+`syncer_cpu_ratio` (the syncer's CPU seconds per honest exchange under attack / undisturbed:
+its own cost of the attack, whatever the machine's load), `honest_refused` (honest exchanges
+that failed; target 0), `refused` (the syncer's refusal counters by kind),
+`syncer_rss_growth_mb` (the syncer's resident memory at the attack's end minus at its start;
+target <= 64), and the attack volume.
 """
 
 import collections
