@@ -20,7 +20,7 @@ syncer, and the reconnect floods are paced to `--flood_rate` connects a second i
 about twice what the syncer of a thread per connection could accept here), so that the attack's
 volume is the same whatever the syncer's speed. At these settings a syncer without the
 accept-side defence (a thread per connection) failed the target once in two runs on a loaded
-machine and cost twice the CPU per honest exchange; docs/security.md has the runs.
+machine and cost up to twice the CPU per honest exchange; docs/security.md has the runs.
 
 JSON keys: `honest_push_p99_seconds` (an honest push + pull under attack, p99),
 `blocked_ratio` (honest blocked fraction under attack / undisturbed; target <= 2),
