@@ -207,9 +207,9 @@ class DataListener:
       connection = raw if self.tls is None else self.tls.wrap_socket(raw, server_side=True,
                                                                      do_handshake_on_connect=False)
       self._unticketed[connection] = (peer[0], time.monotonic() + HANDSHAKE_SECONDS, bytearray())
-      selector.register(connection, selectors.EVENT_READ)
-      self._read_ticket(selector, connection)  # A learner sends its ticket with its connect: often here already.
-      if connection in self._unticketed:
+      self._read_ticket(selector, connection)  # A learner sends its ticket with its connect, a flood its close.
+      if connection in self._unticketed:  # Neither has arrived yet: wait for it.
+        selector.register(connection, selectors.EVENT_READ)
         mine = [c for c, (source, _, _) in self._unticketed.items() if source == peer[0]]
         oldest = mine[0] if len(mine) > self.per_source else (
             next(iter(self._unticketed)) if len(self._unticketed) > self.max_unticketed else None)
@@ -232,8 +232,7 @@ class DataListener:
     except OSError as error:  # Reset, or not TLS (ssl.SSLError is an OSError).
       self._drop(selector, connection, "truncated", f"failed before its ticket arrived: {error}")
       return
-    selector.unregister(connection)
-    del self._unticketed[connection]
+    self._leave_pool(selector, connection)
     try:
       threading.Thread(target=self._serve, args=(connection, bytes(ticket)), name="data-push", daemon=True).start()
     except RuntimeError:  # No thread to be had: refuse this one, keep serving.
@@ -242,11 +241,16 @@ class DataListener:
   def _drop(self, selector: selectors.BaseSelector, connection: socket.socket, reason: str | None = None,
             why: str = "") -> None:
     """Closes an unticketed connection, counting `reason` if given."""
-    selector.unregister(connection)
-    source = self._unticketed.pop(connection)[0]
+    source = self._leave_pool(selector, connection)
     connection.close()
     if reason is not None:
       self.on_refusal(reason, f"data connection from {source} {why}")
+
+  def _leave_pool(self, selector: selectors.BaseSelector, connection: socket.socket) -> str:
+    """Takes a connection out of the unticketed pool (and the selector, where it waits there); returns its source."""
+    if connection in selector.get_map():
+      selector.unregister(connection)
+    return self._unticketed.pop(connection)[0]
 
   def _serve(self, connection: socket.socket, ticket: bytes) -> None:
     """Serves a connection that has sent its ticket: its payload into the syncer, or Θ_p out."""
