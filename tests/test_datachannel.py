@@ -1,8 +1,11 @@
 """The push data channel: gRPC issues a ticket, the payload moves on a plain (or TLS) socket."""
 
+import collections
 import contextlib
 import secrets
 import socket
+import sys
+import threading
 import time
 
 import grpc
@@ -14,6 +17,7 @@ from decoupled_diloco import model as model_lib
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import datachannel, security, wire
 from decoupled_diloco.service import server as server_lib
+from experiments.benchmarks import attacks
 from tests import service_config
 from tests.test_service_units import TOKEN, _core, _delta, _header, _leaves_equal, _push, _self_signed
 
@@ -171,4 +175,42 @@ def test_a_payload_still_arriving_when_the_syncer_stops_is_refused_not_applied(p
     refusal = wire.parse_header(reply[header_bytes:header_bytes + length], datachannel.REFUSAL_SCHEMA)
     assert not ok and refusal["code"] == "UNAVAILABLE" and "shutting down" in refusal["details"]
     assert core.acked == {0: -1, 1: -1} and not core.syncer.pending and core.syncer.version == 0
+  core.close()
+
+
+def test_a_connect_and_close_flood_starts_no_thread_is_counted_and_leaves_ticketed_pushes_alone(params, tmp_path):
+  core = _core(params, tmp_path, quorum=1)
+  started = []  # Names of the threads started meanwhile (each records itself on its first call).
+
+  def record(*_):
+    started.append(threading.current_thread().name)
+    sys.setprofile(None)
+
+  with _serving(core) as (server, address):
+    stop, floods = threading.Event(), []
+    flood_threads = [
+        threading.Thread(target=lambda: floods.append(attacks.reconnect_flood("127.0.0.1", server.data.port, stop)))
+        for _ in range(4)]
+    threading.setprofile(record)
+    for thread in flood_threads:
+      thread.start()
+    try:
+      client, version, seconds = _client(address, 0, data_channel=True), 0, []
+      for seq in range(5):  # From the flood's own source address, while it runs.
+        begin = time.monotonic()
+        reply = client.push(seq, _delta(params), base_version=version, tokens=64, local_steps=4, compute_seconds=0.1)
+        seconds.append(time.monotonic() - begin)
+        assert reply["status"] == "applied", reply
+        version = reply["version"]
+    finally:
+      stop.set()
+      threading.setprofile(None)
+      for thread in flood_threads:
+        thread.join(timeout=30)
+    connected = sum(flood["CONNECTED"] for flood in floods)
+    assert connected > 100 and client.retries == 0 and max(seconds) < 5.0, (connected, client.retries, seconds)
+    assert started.count("data-push") == 5, collections.Counter(started)  # One per push, none per flood connection.
+    # Each flood connection is refused and counted once: closed before its ticket, or evicted.
+    assert _wait_for(lambda: server.rejections["truncated"] + server.rejections["evicted"] == connected), (
+        server.rejections, connected)
   core.close()

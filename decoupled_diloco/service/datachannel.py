@@ -12,6 +12,7 @@ exactly as it would a gRPC push.
 
 import contextlib
 import secrets
+import selectors
 import socket
 import ssl
 import struct
@@ -30,6 +31,7 @@ TICKET_BYTES = 16
 HANDSHAKE_SECONDS = 10.0  # For TLS and the ticket, in all: a connection without one frees its slot soon.
 DISCARD_BYTES = 64 << 20  # What a refused connection may still send before it is closed (reset).
 LISTEN_BACKLOG = 1024  # Connections the kernel queues for accept(): a flood's burst is queued, not dropped.
+ACCEPT_POLL_SECONDS = 0.25  # How often the accept thread looks for connections past HANDSHAKE_SECONDS.
 CONNECT_SECONDS = 2.0  # A learner's connect: a SYN the flooded syncer dropped fails fast (then gRPC streams).
 MIN_RATE_BYTES_PER_SECOND = 256 << 10  # The slowest transfer allowed (data channel and gRPC streams alike).
 _REPLY = struct.Struct("<BI")
@@ -109,8 +111,9 @@ class DataListener:
   """The syncer's side: accepts ticketed connections and hands each payload to `receive`.
 
   `receive(header, payload)` returns (ok, reply bytes): the push reply header, or a refusal
-  {code, details}; it must not raise. Connections are served on their own threads; at most
-  `max_connections` of them wait for their ticket (see the module doc for who is evicted).
+  {code, details}; it must not raise. One thread accepts connections and reads their tickets; each
+  ticketed connection is served on a thread of its own. At most `max_connections` wait for their
+  ticket (see docs/security.md for who is evicted).
   """
 
   def __init__(self, host: str, port: int, receive: Callable[[dict, np.ndarray], tuple[bool, bytes]], *,
@@ -123,9 +126,9 @@ class DataListener:
     self._tickets: dict[bytes, tuple[dict, list | None, float]] = {}
     self._lock = threading.Lock()
     self.max_unticketed, self.per_source = max_connections, max(1, max_connections // 2)
-    # Unticketed connections in arrival order (oldest first) -> (source address, a dup of the socket that
-    # can shut it down even once TLS has taken the original over).
-    self._unticketed: dict[socket.socket, tuple[str, socket.socket]] = {}
+    # Unticketed connections in arrival order (oldest first) -> (source address, handshake deadline, the
+    # ticket's bytes so far); only the accept thread touches it.
+    self._unticketed: dict[socket.socket, tuple[str, float, bytearray]] = {}
     self._socket = socket.create_server((host, port), backlog=LISTEN_BACKLOG)
     self.port = self._socket.getsockname()[1]
     self._closed = False
@@ -168,59 +171,92 @@ class DataListener:
     return self.links[learner] if 0 <= learner < len(self.links) else link_lib.UNSHAPED
 
   def _accept(self) -> None:
+    """The one thread that accepts connections and reads their tickets, without blocking and without a
+    thread per connection, so that a flood of connect-and-close costs the syncer little CPU and GIL;
+    only a connection that has sent its whole ticket gets a thread of its own (`_serve`)."""
+    self._socket.setblocking(False)
+    with selectors.DefaultSelector() as selector:
+      selector.register(self._socket, selectors.EVENT_READ)
+      while not self._closed:
+        for key, _ in selector.select(timeout=ACCEPT_POLL_SECONDS):
+          if key.fileobj is self._socket:
+            self._accept_queued(selector)
+          elif key.fileobj in self._unticketed:  # (Not evicted by an earlier event of this batch.)
+            self._read_ticket(selector, key.fileobj)
+        now = time.monotonic()
+        for connection in [c for c, (_, deadline, _) in self._unticketed.items() if deadline <= now]:
+          self._drop(selector, connection, "too_slow", f"no ticket within {HANDSHAKE_SECONDS:g} s")
+      for connection in list(self._unticketed):
+        self._drop(selector, connection)
+
+  def _accept_queued(self, selector: selectors.BaseSelector) -> None:
+    """Accepts every connection the kernel has queued; each one whose ticket has not arrived yet waits for
+    it in the unticketed pool, evicting the oldest of its source (past the per-source limit) or of all
+    (past the pool) first."""
     while not self._closed:
       try:
-        connection, _ = self._socket.accept()
+        raw, peer = self._socket.accept()
+      except BlockingIOError:
+        return
       except OSError as error:  # Closed by stop(), or out of file descriptors for a moment.
         if not self._closed:
           logging.warning("data channel accept failed (%s); retrying", error)
           time.sleep(0.1)
-        continue
-      self._admit(connection)
-      try:
-        threading.Thread(target=self._serve, args=(connection,), name="data-push", daemon=True).start()
-      except RuntimeError:  # No thread to be had: refuse this one, keep serving.
-        self._ticketed(connection)
-        connection.close()
+        return
+      raw.setblocking(False)
+      connection = raw if self.tls is None else self.tls.wrap_socket(raw, server_side=True,
+                                                                     do_handshake_on_connect=False)
+      self._unticketed[connection] = (peer[0], time.monotonic() + HANDSHAKE_SECONDS, bytearray())
+      self._read_ticket(selector, connection)  # A learner sends its ticket with its connect, a flood its close.
+      if connection in self._unticketed:  # Neither has arrived yet: wait for it.
+        selector.register(connection, selectors.EVENT_READ)
+        mine = [c for c, (source, _, _) in self._unticketed.items() if source == peer[0]]
+        oldest = mine[0] if len(mine) > self.per_source else (
+            next(iter(self._unticketed)) if len(self._unticketed) > self.max_unticketed else None)
+        if oldest is not None:
+          self._drop(selector, oldest, "evicted", "evicted: too many without a ticket")
 
-  def _admit(self, connection: socket.socket) -> None:
-    """Registers an unticketed connection, evicting the oldest of its source (past the per-source
-    limit) or of all (past the pool) first: an evicted connection's thread sees it closed and ends."""
-    source = connection.getpeername()[0]
-    with self._lock:
-      mine = [c for c, (s, _) in self._unticketed.items() if s == source]
-      victims = mine if len(mine) >= self.per_source else (
-          list(self._unticketed) if len(self._unticketed) >= self.max_unticketed else [])
-      victim = self._unticketed.pop(victims[0])[1] if victims else None
-      self._unticketed[connection] = (source, connection.dup())
-    if victim is not None:
-      self.on_refusal("evicted", f"data connection from {source} evicted: too many without a ticket")
-      try:
-        victim.shutdown(socket.SHUT_RDWR)
-      except OSError:
-        pass
-      victim.close()
+  def _read_ticket(self, selector: selectors.BaseSelector, connection: socket.socket) -> None:
+    """Reads what has arrived of a connection's ticket (after TLS's handshake, which the first read
+    drives); once it is whole, the connection leaves the pool for a thread of its own."""
+    ticket = self._unticketed[connection][2]
+    try:
+      while len(ticket) < TICKET_BYTES:
+        received = connection.recv(TICKET_BYTES - len(ticket))
+        if not received:
+          self._drop(selector, connection, "truncated", f"closed after {len(ticket)} bytes of its ticket")
+          return
+        ticket += received
+    except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+      return  # The rest has not arrived yet.
+    except OSError as error:  # Reset, or not TLS (ssl.SSLError is an OSError).
+      self._drop(selector, connection, "truncated", f"failed before its ticket arrived: {error}")
+      return
+    self._leave_pool(selector, connection)
+    try:
+      threading.Thread(target=self._serve, args=(connection, bytes(ticket)), name="data-push", daemon=True).start()
+    except RuntimeError:  # No thread to be had: refuse this one, keep serving.
+      connection.close()
 
-  def _ticketed(self, connection: socket.socket) -> bool:
-    """Moves a connection out of the unticketed pool; False if it was evicted meanwhile."""
-    with self._lock:
-      entry = self._unticketed.pop(connection, None)
-    if entry is not None:
-      entry[1].close()
-    return entry is not None
+  def _drop(self, selector: selectors.BaseSelector, connection: socket.socket, reason: str | None = None,
+            why: str = "") -> None:
+    """Closes an unticketed connection, counting `reason` if given."""
+    source = self._leave_pool(selector, connection)
+    connection.close()
+    if reason is not None:
+      self.on_refusal(reason, f"data connection from {source} {why}")
 
-  def _serve(self, raw: socket.socket) -> None:
+  def _leave_pool(self, selector: selectors.BaseSelector, connection: socket.socket) -> str:
+    """Takes a connection out of the unticketed pool (and the selector, where it waits there); returns its source."""
+    if connection in selector.get_map():
+      selector.unregister(connection)
+    return self._unticketed.pop(connection)[0]
+
+  def _serve(self, connection: socket.socket, ticket: bytes) -> None:
+    """Serves a connection that has sent its ticket: its payload into the syncer, or Θ_p out."""
     replied = False  # After the reply, errors only concern the learner, which resends (same seq).
-    connection, handshaking = raw, True
     try:
       connection.settimeout(HANDSHAKE_SECONDS)
-      handshake_deadline = time.monotonic() + HANDSHAKE_SECONDS
-      if self.tls is not None:
-        connection = self.tls.wrap_socket(connection, server_side=True)
-      ticket = bytes(_receive(connection, TICKET_BYTES, handshake_deadline))
-      handshaking = False
-      if not self._ticketed(raw):  # Evicted meanwhile (counted then).
-        return
       header, pull = self._take(ticket)
       if header is None:
         message = "unknown, used or expired data ticket: ask the syncer's PushTicket call for a new one"
@@ -243,14 +279,11 @@ class DataListener:
                     if self._closed else self.receive(header, payload))
       replied = True
       connection.sendall(_frame(ok, body))
-    except OSError as error:  # Broken, too slow, evicted or not TLS (ssl.SSLError is an OSError).
-      evicted = handshaking and not self._ticketed(raw)  # Counted when it was evicted.
-      if not replied and not evicted:
+    except OSError as error:  # Broken or too slow (ssl.SSLError is an OSError).
+      if not replied:
         self.on_refusal("too_slow" if isinstance(error, TimeoutError) else "truncated",
                         f"data connection failed before its payload arrived: {error}")
     finally:
-      if handshaking:
-        self._ticketed(raw)
       connection.close()
 
 

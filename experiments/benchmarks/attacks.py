@@ -53,11 +53,14 @@ def overflowing_payload() -> bytes:
   return head.ljust(-(-len(head) // 64) * 64, b"\0") + bytes(64)
 
 
-def reconnect_flood(host: str, port: int, stop: threading.Event, hold_seconds: float = 0.0,
-                    max_count: int = 100_000) -> collections.Counter:
-  """Connects to the data port again and again sending nothing (held `hold_seconds` each)."""
-  outcomes = collections.Counter()
-  for _ in _attempts(stop, max_count):
+def reconnect_flood(host: str, port: int, stop: threading.Event, hold_seconds: float = 0.0, max_count: int = 100_000,
+                    per_second: float = 0.0) -> collections.Counter:
+  """Connects to the data port again and again sending nothing (held `hold_seconds` each), at most
+  `per_second` times a second if given (else as fast as the syncer accepts)."""
+  outcomes, begin = collections.Counter(), time.monotonic()
+  for attempt in _attempts(stop, max_count):
+    if per_second:
+      stop.wait(begin + attempt / per_second - time.monotonic())
     try:
       with socket.create_connection((host, port), timeout=5) as connection:
         if hold_seconds:
