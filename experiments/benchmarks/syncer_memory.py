@@ -105,13 +105,16 @@ def _child(fmt: str, count: int, path: str, n: int) -> dict:
     core.pull(0, 0, -1, time.time())  # Θ encoded for pulls, as after every merge.
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
       f.write("5")  # Peak RSS from here on.
+    seconds = []
     for learner in range(count):
       header = {
           "learner": learner, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 1024 * (learner + 1),
           "local_steps": 16, "budget_steps": 16, "budget_tokens": 1024, "compute_seconds": 1.0, "payload_bytes": size,
           "incarnation": 0}
+      begin = time.perf_counter()
       reply = datachannel.send_push(("127.0.0.1", server.data.port), server.data.ticket(header), _file_chunks(path),
                                     timeout=600)
+      seconds.append(time.perf_counter() - begin)
       assert msgpack.unpackb(reply)["status"] == "applied", msgpack.unpackb(reply)
     assert core.syncer.version == 1, "the M-th push must merge"
     core.pull(0, 0, 0, time.time())
@@ -120,7 +123,9 @@ def _child(fmt: str, count: int, path: str, n: int) -> dict:
     peak_kb, steady_kb = common.status_kb("VmHWM"), common.status_kb("VmRSS")
     server.stop()
     core.close()
-  return {"format": fmt, "pushes": count, "payload_bytes": size, "peak_kb": peak_kb, "steady_kb": steady_kb}
+  return {
+      "format": fmt, "pushes": count, "payload_bytes": size, "peak_kb": peak_kb, "steady_kb": steady_kb,
+      "push_seconds": round(sum(seconds) / count, 3)}
 
 
 def _run_child(fmt: str, count: int, path: str, n: int) -> dict:
