@@ -79,6 +79,20 @@ def test_a_full_disk_stops_the_syncer_without_applying_or_losing_anything(params
   again.close()
 
 
+def test_a_full_disk_while_a_push_streams_in_stops_the_syncer_and_leaves_the_log(params, tiny_disk):
+  core = _core(params, tiny_disk, quorum=2)
+  logged = _segment_bytes(tiny_disk)
+  filler = _fill(str(tiny_disk), 16 << 10)
+  with pytest.raises(core_lib.Stopped, match="spooling .* No space left"):  # Its spool beside the log fills the disk.
+    core.store.spool(1 << 20, lambda view: None)
+  assert _segment_bytes(tiny_disk) == logged and os.listdir(tiny_disk / "wal") == ["000000000000.log"]
+  with pytest.raises(core_lib.Stopped):  # Fail-stop, as after a failed append.
+    core.heartbeat(0, time.time())
+  core.store.log.close()
+  core.store.checkpointer.close()
+  os.remove(filler)
+
+
 def _log_of_four(directory):
   log = wal.Log(str(directory), 0)
   for n in range(4):

@@ -114,12 +114,13 @@ class DataListener:
   `max_connections` of them wait for their ticket (see the module doc for who is evicted).
   """
 
-  def __init__(self, host: str, port: int, receive: Callable[[dict, wal.Spool], tuple[bool, bytes]], *, spool_dir: str,
-               ttl_seconds: float, max_connections: int, tls: ssl.SSLContext | None = None,
+  def __init__(self, host: str, port: int, receive: Callable[[dict, wal.Spool], tuple[bool, bytes]], *,
+               spool: Callable[[int, Callable],
+                               wal.Spool], ttl_seconds: float, max_connections: int, tls: ssl.SSLContext | None = None,
                on_refusal: Callable[[str, str], None] = lambda reason, message: None, links: tuple[link_lib.Link,
                                                                                                    ...] = ()):
     self.receive, self.ttl, self.tls, self.on_refusal = receive, ttl_seconds, tls, on_refusal
-    self.spool_dir = spool_dir  # Where payloads are streamed to (wal.Spool: beside the log, for its kernel copy).
+    self.spool = spool  # spool(nbytes, read): a payload streamed into a wal.Spool (durable.Store.spool).
     self.links = links  # Learner i's link paces the Θ sent to it (none given: unshaped).
     # ticket -> (push header or {"learner"} of a pull, the pull's parts or None for a push, expiry)
     self._tickets: dict[bytes, tuple[dict, list | None, float]] = {}
@@ -238,9 +239,13 @@ class DataListener:
         send_parts(connection, pull, link, time.monotonic() + transfer_seconds(wire.encoded_size(pull), link))
         return
       deadline = time.monotonic() + transfer_seconds(header["payload_bytes"], self._link(header["learner"]))
-      payload = wal.Spool(self.spool_dir, header["payload_bytes"])
       try:
-        payload.fill(lambda view: _receive_into(connection, view, deadline))
+        payload = self.spool(header["payload_bytes"], lambda view: _receive_into(connection, view, deadline))
+      except RuntimeError as error:  # Its disk failed (durable.Stopped): the syncer stops, the learner resends.
+        replied = True
+        connection.sendall(_frame(*refusal_reply(grpc.StatusCode.UNAVAILABLE, str(error))))
+        return
+      try:
         with self._gate:
           ok, body = (refusal_reply(grpc.StatusCode.UNAVAILABLE, "the syncer is shutting down: resend to its restart")
                       if self._closed else self.receive(header, payload))

@@ -9,6 +9,7 @@ tells a torn tail (truncated by `Log`) from corruption (`CorruptLog`, start-up s
 `LogWriteError`. Layout and damage table: docs/service-durability.md.
 """
 
+import contextlib
 import mmap
 import os
 import struct
@@ -240,6 +241,15 @@ class Log:
     self._file.close()
 
 
+@contextlib.contextmanager
+def _disk_errors():
+  """OSErrors of the disk raised as LogWriteError: apart from the sender's, and as fatal as a failed append."""
+  try:
+    yield
+  except OSError as error:
+    raise LogWriteError(error.errno, f"spooling a payload beside the log failed ({error})") from error
+
+
 class Spool:
   """A payload received chunk by chunk into an unnamed file beside the log, not into the process's memory.
 
@@ -254,16 +264,21 @@ class Spool:
     self.nbytes, self.crc, self.map = nbytes, 0, b""
 
   def fill(self, read: Callable[[memoryview], None]) -> "Spool":
-    """Fills the spool with `read(view)`, which fills `view` from the sender or raises; returns it."""
+    """Fills the spool with `read(view)`, which fills `view` from the sender or raises; returns it.
+
+    The disk failing it raises LogWriteError (the log could not take the push either); the sender, OSError.
+    """
     buffer = memoryview(bytearray(min(self.nbytes, SPOOL_CHUNK_BYTES)))
     for start in range(0, self.nbytes, buffer.nbytes):
       chunk = buffer[:min(buffer.nbytes, self.nbytes - start)]
       read(chunk)
       self.crc = zlib.crc32(chunk, self.crc)
-      self.file.write(chunk)
-    self.file.flush()
-    if self.nbytes:
-      self.map = mmap.mmap(self.file.fileno(), self.nbytes, access=mmap.ACCESS_READ)
+      with _disk_errors():
+        self.file.write(chunk)
+    with _disk_errors():
+      self.file.flush()
+      if self.nbytes:
+        self.map = mmap.mmap(self.file.fileno(), self.nbytes, access=mmap.ACCESS_READ)
     return self
 
   def drop_pages(self) -> None:
