@@ -101,6 +101,18 @@ def _log_of_four(directory):
   return wal.segment_path(str(directory), 0)
 
 
+def test_a_spooled_payload_is_logged_and_located_like_bytes(tmp_path):
+  log = wal.Log(str(tmp_path), 0)
+  payloads = [b"a" * 100, os.urandom(3 << 20), b"c" * 7]
+  spool = wal.Spool(str(tmp_path), len(payloads[1]))
+  spool.fill(lambda view: view.cast("B").__setitem__(slice(None), payloads[1][:view.nbytes]))  # One 3 MB chunk.
+  locations = [log.append({"n": 0}, payloads[0]), log.append({"n": 1}, spool), log.append({"n": 2}, payloads[2])]
+  log.close()
+  assert [wal.read_payload(str(tmp_path), location) for location in locations] == payloads
+  assert [(r, bytes(p), where) for r, p, where in wal.records(wal.segment_path(str(tmp_path), 0), 0)] == [
+      ({"n": n}, payload, where) for n, (payload, where) in enumerate(zip(payloads, locations))]
+
+
 def _offsets(path):
   """Start offset of each record."""
   return [0] + [end for end, _, _ in wal._scan(wal._read(path), path)][:-1]  # pylint: disable=protected-access

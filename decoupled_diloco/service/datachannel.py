@@ -114,9 +114,8 @@ class DataListener:
   `max_connections` of them wait for their ticket (see the module doc for who is evicted).
   """
 
-  def __init__(self, host: str, port: int, receive: Callable[[dict, wal.Spool], tuple[bool, bytes]], *,
-               spool: Callable[[int, Callable],
-                               wal.Spool], ttl_seconds: float, max_connections: int, tls: ssl.SSLContext | None = None,
+  def __init__(self, host: str, port: int, receive: Callable[[dict, wal.Spool], tuple[bool, bytes]], *, spool: Callable,
+               ttl_seconds: float, max_connections: int, tls: ssl.SSLContext | None = None,
                on_refusal: Callable[[str, str], None] = lambda reason, message: None, links: tuple[link_lib.Link,
                                                                                                    ...] = ()):
     self.receive, self.ttl, self.tls, self.on_refusal = receive, ttl_seconds, tls, on_refusal

@@ -195,7 +195,7 @@ class Log:
       self._roll_back()
       raise LogWriteError(error.errno, f"write-ahead log append to {self._path} failed ({error})") from error
     location = Location(self.segment, start, nbytes)
-    self._offset = location.offset + payload.nbytes
+    self._offset = location.offset + nbytes
     return location
 
   def _roll_back(self) -> None:
