@@ -29,14 +29,16 @@ def fold(rda: tuple, sums, radii, leaves, scale, one_at_a_time: bool) -> tuple[l
 
   A push's tensors are folded in one call (one dispatch, not one per tensor: on the host CPU a
   dispatch costs about half the arithmetic of a 0.5M-float tensor), or `one_at_a_time` for tensors
-  decoded on the way (`leaves` a generator), so that a decoded tensor is dropped before the next is.
+  decoded or read on the way (`leaves` a generator), each done before the next is asked for, so that
+  one tensor of the push is in memory at a time.
   """
   sums = list(sums) if sums is not None else [None] * len(rda)
   radii = list(radii) if radii is not None else [None] * len(rda)
   if not one_at_a_time:
     return _jit_accumulate(rda, sums, radii, list(leaves), scale)
   for k, leaf in enumerate(leaves):
-    (sums[k],), (radii[k],) = _jit_accumulate(rda[k:k + 1], sums[k:k + 1], radii[k:k + 1], [leaf], scale)
+    (sums[k],), (radii[k],) = jax.block_until_ready(
+        _jit_accumulate(rda[k:k + 1], sums[k:k + 1], radii[k:k + 1], [leaf], scale))
   return sums, radii
 
 

@@ -32,14 +32,24 @@ class Push:
   fragment: int = 0  # Which parameter fragment `delta` covers (streaming); 0 when P = 1.
   wire_bytes: int = 0  # Exact bytes of the payload as sent (compressed or not).
   host_views: bool = False  # Set by Syncer.check: its delta is device views of host memory (`release`).
+  drop_pages: Any = None  # A payload mapped from disk (service `wal.Spool`): called after each tensor is read.
 
 
 def delta_leaves(push: Push, codec: compression.Codec) -> Iterator:
-  """The push's float tensors in leaf order, a compressed one decoded one tensor at a time (never whole)."""
+  """The push's float tensors in leaf order, a compressed one decoded one tensor at a time (never whole); a
+  payload mapped from disk lets go of each tensor's pages once the next is asked for."""
   if isinstance(push.delta, compression.Compressed):
-    return (
+    leaves = (
         compression.decode_leaf(codec, shape, payload) for shape, payload in zip(push.delta.shapes, push.delta.leaves))
-  return iter(jax.tree.leaves(push.delta))
+  else:
+    leaves = iter(jax.tree.leaves(push.delta))
+  return leaves if push.drop_pages is None else _dropping_pages(leaves, push.drop_pages)
+
+
+def _dropping_pages(leaves: Iterator, drop_pages) -> Iterator:
+  for leaf in leaves:
+    yield leaf
+    drop_pages()  # The caller is done with `leaf` (a fold blocks on each tensor).
 
 
 def on_device(push: Push, codec: compression.Codec, device: jax.Device) -> Push:
@@ -138,8 +148,8 @@ def validate(push: Push, learners: Sequence[int], fragments: Sequence, codec: co
 
 
 def finite(push: Push, codec: compression.Codec) -> bool:
-  """No NaN or Inf in the push: one pass over a tree, or decoded tensor by tensor (never whole)."""
-  if isinstance(push.delta, compression.Compressed):
+  """No NaN or Inf in the push: one pass over a tree, or tensor by tensor (decoded, or mapped from disk)."""
+  if isinstance(push.delta, compression.Compressed) or push.drop_pages is not None:
     return all(all_finite(leaf) for leaf in delta_leaves(push, codec))
   return all_finite(push.delta)
 

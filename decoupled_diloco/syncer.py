@@ -335,9 +335,9 @@ class Syncer:
     ref = weight if accumulator is None else accumulator.ref
     sums, radii = (None, None) if accumulator is None else (accumulator.sums, accumulator.radii)
     fragment.accumulator = None  # Its buffers are donated to the fold.
-    sums, radii = accumulate.fold(fragment.rda, sums, radii, push_lib.delta_leaves(push, self.codec),
-                                  merge.fold_scale(weight, damping, ref),
-                                  one_at_a_time=isinstance(push.delta, compression.Compressed))
+    sums, radii = accumulate.fold(
+        fragment.rda, sums, radii, push_lib.delta_leaves(push, self.codec), merge.fold_scale(weight, damping, ref),
+        one_at_a_time=isinstance(push.delta, compression.Compressed) or push.drop_pages is not None)
     total = weight / ref + (0.0 if accumulator is None else accumulator.total)
     fragment.accumulator = merge.Accumulator(jax.block_until_ready(sums), radii, total, ref)  # Done with the push.
     push_lib.release(push)

@@ -143,8 +143,8 @@ def main(argv):
                      f"{(decided - memory.usable) / GB:.1f} GB over its {memory.usable / GB:.1f} GB usable HBM: "
                      f"{knob(config, group, memory)}")
     print()
-  print(f"syncer host: {plan.syncer_bytes(config) / GB:.2f} GB (Θ and outer state in fp32, plus one pending "
-        "fp32 pseudo-gradient per learner)")
+  print(f"syncer host: {plan.syncer_bytes(config) / GB:.2f} GB (Θ, outer state and merge sums in fp32, plus the "
+        "push being received; the same for any number of learners)")
   if misfits:
     cli.fail(misfits[0] + (f" (and {len(misfits) - 1} more group(s))" if len(misfits) > 1 else ""))
 

@@ -2,6 +2,8 @@
 
 import collections
 import contextlib
+import os
+import pathlib
 import secrets
 import socket
 import sys
@@ -80,8 +82,14 @@ def test_data_channel_pushes_apply_once_and_merge_with_streamed_ones(params, tmp
   core.close(), reference.close()
 
 
+def _log_bytes(core):
+  """Every file in the write-ahead log's folder, byte for byte (a spool would be one more: it is unnamed)."""
+  return {name: pathlib.Path(core.store.wal_dir, name).read_bytes() for name in os.listdir(core.store.wal_dir)}
+
+
 def test_data_channel_refuses_forged_reused_short_and_bad_pushes_untouched(params, tmp_path):
   core = _core(params, tmp_path)
+  log, theta = _log_bytes(core), core.syncer.params
   with _serving(core) as (server, address):
     data_address = ("127.0.0.1", server.data.port)
     parts = wire.encode(_delta(params))
@@ -98,7 +106,8 @@ def test_data_channel_refuses_forged_reused_short_and_bad_pushes_untouched(param
       datachannel.send_push(data_address, ticket, parts, timeout=5)
     assert reused.value.code() == grpc.StatusCode.ABORTED and server.rejections["unauthenticated"] == 2
 
-    nan = jax.tree.map(lambda x: np.full(x.shape, np.nan, np.float32), params)
+    leaves, treedef = jax.tree.flatten(_delta(params))  # Streamed and checked tensor by tensor: the last is bad.
+    nan = jax.tree.unflatten(treedef, leaves[:-1] + [np.full(leaves[-1].shape, np.nan, np.float32)])
     nan_parts = wire.encode(nan)
     nan_ticket = _ticket(address, _header(seq=1, payload_bytes=wire.encoded_size(nan_parts)))["ticket"]
     with pytest.raises(datachannel.DataRefused, match="NaN|Inf|finite") as bad:
@@ -112,6 +121,7 @@ def test_data_channel_refuses_forged_reused_short_and_bad_pushes_untouched(param
         _ticket(address, _header(**fields), token)
       assert refused.value.code() == code
     assert core.syncer.version == 0 and core.acked == {0: -1, 1: -1} and core.counts["rejected"] == 1
+    assert _log_bytes(core) == log and not core.syncer.pending and _leaves_equal(core.syncer.params, theta)
     # The learner's own client still gets through.
     assert _client(address, 0, data_channel=True).push(0, _delta(params), base_version=0, tokens=64, local_steps=4,
                                                        compute_seconds=0.1)["status"] == "applied"

@@ -280,6 +280,19 @@ def test_service_benchmarks_run_end_to_end(benchmark):
   assert benchmark != "merge_throughput" or set(lines[-1]) == {"ratio"}
 
 
+@pytest.mark.slow
+def test_a_push_on_the_data_channel_is_never_whole_in_the_syncers_memory():
+  """syncer_memory at 8M params (32 MB pushes in 3.2 MB tensors) in child processes: the peak is Θ + momentum +
+  sums + about one tensor (~12.4 B/param), not the 16 B/param of a whole receive buffer."""
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.benchmarks.syncer_memory", "--params=8000000", "--counts=2"],
+      cwd=pathlib.Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  context, last = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")][-2:]
+  assert set(last) == {"host_bytes_per_param"} and last["host_bytes_per_param"]["2"] < 14, last
+  assert context["int4_host_bytes_per_param"]["2"] < 14, context
+
+
 def test_a_restarted_syncer_keeps_the_grace_window_estimates(params, tmp_path):
   """ξ_step / ξ_quorum / ξ_sync are checkpointed with the syncer (docs/syncer.md, "Grace window"):
   a restart from a checkpoint that carries no push does not start learning them from zero."""

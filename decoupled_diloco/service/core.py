@@ -156,8 +156,11 @@ class SyncerCore(recovery.Recovery):
       self._check_learner(learner, now)
       return self.status(learner, tells_done=False)
 
-  def push(self, header: dict, payload: bytes, now: float) -> dict:
+  def push(self, header: dict, payload, now: float) -> dict:
     """Applies one push at most once; returns the reply (status + `status()` fields).
+
+    `payload`: its bytes, or a `wal.Spool` they were streamed into (the data channel's: checked and folded
+    tensor by tensor from there, appended to the log by the kernel, so the push is never whole in memory).
 
     Raises UnknownLearner, wire.WireError or PushRejected (counted, state untouched; a refused
     push neither renews its learner's lease nor brings it back into the quorum), or Stopped. The
@@ -166,7 +169,7 @@ class SyncerCore(recovery.Recovery):
     """
     try:
       admission.require_known(header["learner"], self.num_learners)
-      delta = wire.decode(payload)
+      delta = wire.decode(payload.map if isinstance(payload, wal.Spool) else payload)
       admission.check_float32(delta, header["learner"])
     except (UnknownLearner, wire.WireError, PushRejected):
       with self.lock:
@@ -219,7 +222,8 @@ class SyncerCore(recovery.Recovery):
     outer_step = syncer.version + 1
     fragment_version = syncer.versions[header["fragment"]] if 0 <= header["fragment"] < len(syncer.versions) else 0
     push = Push(header["learner"], delta, header["base_version"], header["tokens"], header["local_steps"],
-                header["compute_seconds"], header["fragment"], header["payload_bytes"])
+                header["compute_seconds"], header["fragment"], header["payload_bytes"],
+                drop_pages=payload.drop_pages if isinstance(payload, wal.Spool) else None)
     record = {"type": "push", "header": header, "now": now, "outer_step": outer_step}
     if not replay:
       push = syncer.check(push)

@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 
 from decoupled_diloco.service import link as link_lib
-from decoupled_diloco.service import wire
+from decoupled_diloco.service import wal, wire
 
 TICKET_BYTES = 16
 HANDSHAKE_SECONDS = 10.0  # For TLS and the ticket, in all: a connection without one frees its slot soon.
@@ -108,7 +108,8 @@ def _receive(connection: socket.socket, nbytes: int, deadline: float | None = No
 
 
 class DataListener:
-  """The syncer's side: accepts ticketed connections and hands each payload to `receive`.
+  """The syncer's side: accepts ticketed connections and hands each payload to `receive`, streamed into a
+  `wal.Spool` (never whole in memory).
 
   `receive(header, payload)` returns (ok, reply bytes): the push reply header, or a refusal
   {code, details}; it must not raise. One thread accepts connections and reads their tickets; each
@@ -116,11 +117,12 @@ class DataListener:
   ticket (see docs/security.md for who is evicted).
   """
 
-  def __init__(self, host: str, port: int, receive: Callable[[dict, np.ndarray], tuple[bool, bytes]], *,
+  def __init__(self, host: str, port: int, receive: Callable[[dict, wal.Spool], tuple[bool, bytes]], *, spool: Callable,
                ttl_seconds: float, max_connections: int, tls: ssl.SSLContext | None = None,
                on_refusal: Callable[[str, str], None] = lambda reason, message: None, links: tuple[link_lib.Link,
                                                                                                    ...] = ()):
     self.receive, self.ttl, self.tls, self.on_refusal = receive, ttl_seconds, tls, on_refusal
+    self.spool = spool  # spool(nbytes, read): a payload streamed into a wal.Spool (durable.Store.spool).
     self.links = links  # Learner i's link paces the Θ sent to it (none given: unshaped).
     # ticket -> (push header or {"learner"} of a pull, the pull's parts or None for a push, expiry)
     self._tickets: dict[bytes, tuple[dict, list | None, float]] = {}
@@ -271,12 +273,19 @@ class DataListener:
         link = self._link(header["learner"])
         send_parts(connection, pull, link, time.monotonic() + transfer_seconds(wire.encoded_size(pull), link))
         return
-      payload = wire.aligned_buffer(header["payload_bytes"])
-      _receive_into(connection, memoryview(payload),
-                    time.monotonic() + transfer_seconds(header["payload_bytes"], self._link(header["learner"])))
-      with self._gate:
-        ok, body = (refusal_reply(grpc.StatusCode.UNAVAILABLE, "the syncer is shutting down: resend to its restart")
-                    if self._closed else self.receive(header, payload))
+      deadline = time.monotonic() + transfer_seconds(header["payload_bytes"], self._link(header["learner"]))
+      try:
+        payload = self.spool(header["payload_bytes"], lambda view: _receive_into(connection, view, deadline))
+      except RuntimeError as error:  # Its disk failed (durable.Stopped): the syncer stops, the learner resends.
+        replied = True
+        connection.sendall(_frame(*refusal_reply(grpc.StatusCode.UNAVAILABLE, str(error))))
+        return
+      try:
+        with self._gate:
+          ok, body = (refusal_reply(grpc.StatusCode.UNAVAILABLE, "the syncer is shutting down: resend to its restart")
+                      if self._closed else self.receive(header, payload))
+      finally:
+        payload.close()
       replied = True
       connection.sendall(_frame(ok, body))
     except OSError as error:  # Broken or too slow (ssl.SSLError is an OSError).

@@ -74,6 +74,17 @@ class Store:
     Stopped."""
     return self._durably(self.log.append, record, payload)
 
+  def spool(self, nbytes: int, read) -> wal.Spool:
+    """A payload of `nbytes` streamed by `read` into a spool file beside the log (`wal.Spool`). A disk that
+    fails it stops the store (Stopped) as a failed append would: the log could not take the push either.
+    Called without the core's lock (it waits on the sender)."""
+    spool = wal.Spool(self.wal_dir, nbytes)
+    try:
+      return self._durably(spool.fill, read)
+    except BaseException:
+      spool.close()
+      raise
+
   def _durably(self, write, *args):
     """Runs a log write; if it fails, the syncer stops serving (fail-stop) rather than run ahead of its log.
 

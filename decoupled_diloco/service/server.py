@@ -133,9 +133,9 @@ class SyncerServer:
     self._bulk_lock = threading.Lock()
     self._logged: dict[str, tuple[float, int]] = {}  # reason -> (start of its minute, refusals in it)
     self._bulk_free, self._bulk_by_caller = workers, collections.Counter()
-    self.data = (datachannel.DataListener(host, data_port, self._receive_data, ttl_seconds=data_timeout_seconds,
-                                          max_connections=workers, tls=data_tls, on_refusal=self._count, links=links)
-                 if data_port >= 0 else None)
+    self.data = (datachannel.DataListener(host, data_port, self._receive_data, spool=core.store.spool,
+                                          ttl_seconds=data_timeout_seconds, max_connections=workers, tls=data_tls,
+                                          on_refusal=self._count, links=links) if data_port >= 0 else None)
     self._server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers + CONTROL_WORKERS), options=message_options(chunk_bytes) + [
             ("grpc.so_reuseport", 0)] + keepalive_options(keepalive_seconds, keepalive_timeout_seconds),

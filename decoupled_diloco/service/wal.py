@@ -9,17 +9,21 @@ tells a torn tail (truncated by `Log`) from corruption (`CorruptLog`, start-up s
 `LogWriteError`. Layout and damage table: docs/service-durability.md.
 """
 
+import contextlib
+import mmap
 import os
 import struct
+import tempfile
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from absl import logging
 import msgpack
 
-_MAGIC = 0xD1C0_0001
+_MAGIC = 0xD1C0_0002  # 2: the body crc covers the payload, then the meta (1: meta first).
 _FRAME = struct.Struct("<IQQII")  # magic, meta length, payload length, body crc, frame crc.
+SPOOL_CHUNK_BYTES = 4 << 20  # What a streamed payload holds in memory on its way to its spool file.
 _SUFFIX = ".log"
 
 
@@ -45,9 +49,10 @@ def segments(directory: str) -> list[int]:
       if name.endswith(_SUFFIX) and name[:-len(_SUFFIX)].isdigit())
 
 
-def _frame(meta: bytes, payload: memoryview) -> bytes:
-  """The frame of one record, its own checksum last."""
-  head = struct.pack("<IQQI", _MAGIC, len(meta), payload.nbytes, zlib.crc32(payload, zlib.crc32(meta)))
+def _frame(meta: bytes, payload_bytes: int, payload_crc: int) -> bytes:
+  """The frame of one record, its own checksum last. The body's covers the payload first, so that a payload
+  streamed to a `Spool` (crc known, the record's meta not yet) needs no second pass."""
+  head = struct.pack("<IQQI", _MAGIC, len(meta), payload_bytes, zlib.crc32(meta, payload_crc))
   return head + struct.pack("<I", zlib.crc32(head))
 
 
@@ -66,7 +71,7 @@ def _scan(data: memoryview, path: str) -> Iterator[tuple[int, dict, memoryview]]
     end = start + meta_length + payload_length
     if end > len(data):
       return  # Torn: the last record is incomplete.
-    if zlib.crc32(data[start:end]) != crc:
+    if zlib.crc32(data[start:start + meta_length], zlib.crc32(data[start + meta_length:end])) != crc:
       raise CorruptLog(f"{path}: record at offset {position} fails its checksum")
     try:
       record = msgpack.unpackb(data[start:start + meta_length], raw=False)
@@ -166,25 +171,31 @@ class Log:
     self.segment, self._path = segment, path  # _path: the file's name now (a rotation writes it aside first).
 
   def append(self, record: dict, payload=b"") -> Location:
-    """Writes and fsyncs one record (a dict of msgpack-able values) and its payload bytes; returns where
-    the payload lies.
+    """Writes and fsyncs one record (a dict of msgpack-able values) and its payload (bytes, or a `Spool`,
+    copied by the kernel); returns where the payload lies.
 
     On failure the segment is cut back to its last good record and LogWriteError raised:
     the record is not in the log, and the caller must not act on it.
     """
     meta = msgpack.packb(record, use_bin_type=True)
-    payload = memoryview(payload).cast("B")
+    spool = payload if isinstance(payload, Spool) else None
+    payload = memoryview(b"" if spool else payload).cast("B")
+    nbytes, crc = (spool.nbytes, spool.crc) if spool else (payload.nbytes, zlib.crc32(payload))
+    start = self._offset + _FRAME.size + len(meta)
     try:
-      self._file.write(_frame(meta, payload))
+      self._file.write(_frame(meta, nbytes, crc))
       self._file.write(meta)
       self._file.write(payload)
       self._file.flush()
+      if spool:
+        spool.copy_to(self._file.fileno(), start)
+        self._file.seek(start + nbytes)
       os.fsync(self._file.fileno())
     except OSError as error:
       self._roll_back()
       raise LogWriteError(error.errno, f"write-ahead log append to {self._path} failed ({error})") from error
-    location = Location(self.segment, self._offset + _FRAME.size + len(meta), payload.nbytes)
-    self._offset = location.offset + payload.nbytes
+    location = Location(self.segment, start, nbytes)
+    self._offset = location.offset + nbytes
     return location
 
   def _roll_back(self) -> None:
@@ -228,6 +239,65 @@ class Log:
   def close(self) -> None:
     """Closes the open segment."""
     self._file.close()
+
+
+@contextlib.contextmanager
+def _disk_errors():
+  """OSErrors of the disk raised as LogWriteError: apart from the sender's, and as fatal as a failed append."""
+  try:
+    yield
+  except OSError as error:
+    raise LogWriteError(error.errno, f"spooling a payload beside the log failed ({error})") from error
+
+
+class Spool:
+  """A payload received chunk by chunk into an unnamed file beside the log, not into the process's memory.
+
+  Why: the syncer then holds no whole push (docs/syncer-memory.md). `fill` streams the bytes in
+  (crc computed on the way) and maps the file read-only: `map` is what `wire.decode` reads, lazily,
+  and `drop_pages` lets go of the pages read so far. `Log.append` copies it into the log in the
+  kernel. The file is unnamed (O_TMPFILE): nothing is left behind, however the process ends.
+  """
+
+  def __init__(self, directory: str, nbytes: int):
+    self.file = tempfile.TemporaryFile(dir=directory)
+    self.nbytes, self.crc, self.map = nbytes, 0, b""
+
+  def fill(self, read: Callable[[memoryview], None]) -> "Spool":
+    """Fills the spool with `read(view)`, which fills `view` from the sender or raises; returns it.
+
+    The disk failing it raises LogWriteError (the log could not take the push either); the sender, OSError.
+    """
+    buffer = memoryview(bytearray(min(self.nbytes, SPOOL_CHUNK_BYTES)))
+    for start in range(0, self.nbytes, buffer.nbytes):
+      chunk = buffer[:min(buffer.nbytes, self.nbytes - start)]
+      read(chunk)
+      self.crc = zlib.crc32(chunk, self.crc)
+      with _disk_errors():
+        self.file.write(chunk)
+    with _disk_errors():
+      self.file.flush()
+      if self.nbytes:
+        self.map = mmap.mmap(self.file.fileno(), self.nbytes, access=mmap.ACCESS_READ)
+    return self
+
+  def drop_pages(self) -> None:
+    """Unmaps the pages read so far from this process (the page cache keeps them): read again, they come back."""
+    if self.nbytes:
+      self.map.madvise(mmap.MADV_DONTNEED)
+
+  def copy_to(self, fd: int, offset: int) -> None:
+    """Copies the payload to `fd` at `offset` inside the kernel (no process memory)."""
+    copied = 0
+    while copied < self.nbytes:
+      step = os.copy_file_range(self.file.fileno(), fd, self.nbytes - copied, copied, offset + copied)
+      if not step:
+        raise OSError(f"spool ended after {copied} of {self.nbytes} bytes")
+      copied += step
+
+  def close(self) -> None:
+    """Deletes the file (its mapping goes with the last view of it)."""
+    self.file.close()
 
 
 def fsync_directory(directory: str) -> None:

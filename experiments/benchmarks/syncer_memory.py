@@ -1,19 +1,19 @@
-r"""Syncer host memory: peak bytes per parameter at the syncer while M pushes arrive at once.
+r"""Syncer host memory: peak bytes per parameter at the syncer while M pushes arrive for one merge.
 
   python -m experiments.benchmarks.syncer_memory [--params=100000000] [--counts=1,2,4,8,16]
 
-For each push format (fp32, int4) and M, a fresh child process runs the service's state
-machine (`SyncerCore`: write-ahead log on disk, pull cache, no network) over N float32
-parameters in 10 tensors, M learners, quorum M, outer Nesterov SGD: a pull of Θ (as every
-learner does after a merge), then M pushes one after the other, the last one merging, then
-a pull of the new Θ. Each payload is read from a file straight into the aligned buffer the
-data channel receives a push into (`wire.aligned_buffer`, `recv_into`: no transport chunks),
-and handed to `SyncerCore.push`, as the server does, so one receive buffer is live at a
-time. The child's peak RSS over that phase (VmHWM,
+For each push format (fp32, int4) and M, a fresh child process runs the syncer service
+(`SyncerCore`: write-ahead log on disk, pull cache; `SyncerServer` with its data channel on
+loopback) over N float32 parameters in 10 tensors, M learners, quorum M, outer Nesterov SGD:
+a pull of Θ (as every learner does after a merge), then M pushes one after the other, the last
+one merging, then a pull of the new Θ. Each push arrives as the service receives it: a data
+ticket, then the payload over a loopback socket into the data channel's own handler (spooled,
+checked, logged, folded), sent from the payload file 256 KB at a time (the sender's memory is
+in the child too, but tiny). The child's peak RSS over that phase (VmHWM,
 reset through /proc/self/clear_refs after the setup, whose orbax checkpoint at version 0
 is not part of a merge) minus the idle process's, per parameter, is the figure. The idle
 process is the same child with a 10,000-parameter model (imports, JAX, compiled merges,
-orbax, the log: everything but the parameters); its peak RSS is reported beside the figure
+orbax, the log, the servers: everything but the parameters); its peak RSS is reported beside the figure
 (`idle_rss_mb`).
 Last line: host_bytes_per_param {M: B/param} (fp32 pushes; target <= 16). The line before:
 int4_host_bytes_per_param, steady_bytes_per_param (after the merge and pull, fp32), idle_rss_mb.
@@ -29,6 +29,7 @@ import time
 
 from absl import app
 from absl import flags
+import msgpack
 import numpy as np
 
 from experiments.benchmarks import common
@@ -66,6 +67,14 @@ def _write_payload(path: str, fmt: str, n: int) -> int:
   return size
 
 
+def _file_chunks(path: str, chunk_bytes: int = 256 << 10):
+  """The file's bytes as memoryviews of one reused buffer: the sender holds 256 KB, not the push."""
+  buffer = memoryview(bytearray(chunk_bytes))
+  with open(path, "rb", buffering=0) as f:
+    while size := f.readinto(buffer):
+      yield buffer[:size]
+
+
 def _child(fmt: str, count: int, path: str, n: int) -> dict:
   """One measurement in this (fresh) process (peak and final RSS in KiB): see the module docstring."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -73,8 +82,10 @@ def _child(fmt: str, count: int, path: str, n: int) -> dict:
   from ml_collections import ConfigDict  # pylint: disable=g-import-not-at-top
   from decoupled_diloco import compression, outer  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.service import core as core_lib  # pylint: disable=g-import-not-at-top
-  from decoupled_diloco.service import wire  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.service import datachannel  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.service import server as server_lib  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.syncer import Settings, Syncer, map_large_blocks  # pylint: disable=g-import-not-at-top
+  from experiments.launch_local import free_port  # pylint: disable=g-import-not-at-top
   map_large_blocks()  # As the syncer process does.
   params = jax.tree.map(lambda shape: jnp.full(shape, 0.01, jnp.float32), _shapes(n),
                         is_leaf=lambda x: isinstance(x, tuple))
@@ -88,28 +99,33 @@ def _child(fmt: str, count: int, path: str, n: int) -> dict:
     core = core_lib.SyncerCore(syncer, count, budget_steps=10**9, directory=directory, checkpoint_every_merges=10**6,
                                lease_seconds=1e9, metadata={})
     core.start(time.time())
+    server = server_lib.SyncerServer(core, "benchmark-secret", host="127.0.0.1", port=free_port(), chunk_bytes=4 << 20,
+                                     max_payload_bytes=size, data_port=free_port())
+    server.start()
     core.pull(0, 0, -1, time.time())  # Θ encoded for pulls, as after every merge.
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
       f.write("5")  # Peak RSS from here on.
+    seconds = []
     for learner in range(count):
-      payload = wire.aligned_buffer(size)
-      with open(path, "rb", buffering=0) as f:  # As the data channel receives: recv_into this buffer.
-        assert f.readinto(payload) == size
-      payload.flags.writeable = False
       header = {
           "learner": learner, "seq": 0, "base_version": 0, "fragment": 0, "tokens": 1024 * (learner + 1),
           "local_steps": 16, "budget_steps": 16, "budget_tokens": 1024, "compute_seconds": 1.0, "payload_bytes": size,
           "incarnation": 0}
-      reply = core.push(header, payload, time.time())
-      assert reply["status"] == "applied", reply
-      del payload
+      begin = time.perf_counter()
+      reply = datachannel.send_push(("127.0.0.1", server.data.port), server.data.ticket(header), _file_chunks(path),
+                                    timeout=600)
+      seconds.append(time.perf_counter() - begin)
+      assert msgpack.unpackb(reply)["status"] == "applied", msgpack.unpackb(reply)
     assert core.syncer.version == 1, "the M-th push must merge"
     core.pull(0, 0, 0, time.time())
     jax.block_until_ready(core.syncer.params)
     gc.collect()  # The steady figure after a collection (without one, 4 B/param more lingered: not found why).
     peak_kb, steady_kb = common.status_kb("VmHWM"), common.status_kb("VmRSS")
+    server.stop()
     core.close()
-  return {"format": fmt, "pushes": count, "payload_bytes": size, "peak_kb": peak_kb, "steady_kb": steady_kb}
+  return {
+      "format": fmt, "pushes": count, "payload_bytes": size, "peak_kb": peak_kb, "steady_kb": steady_kb,
+      "push_seconds": round(sum(seconds) / count, 3)}
 
 
 def _run_child(fmt: str, count: int, path: str, n: int) -> dict:

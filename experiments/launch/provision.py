@@ -18,7 +18,7 @@ GB = 1 << 30
 
 def syncer_machine_type(host_bytes: int) -> str:
   """The smallest n2-highmem VM holding twice the syncer's planned host bytes plus 8 GB: Θ, the outer state
-  and pending pseudo-gradients (plan.syncer_bytes) once more for checkpoint writes and received payloads,
+  merge sums and the push being received (plan.syncer_bytes) once more for checkpoint writes,
   and room for the OS, Python and the eval batches."""
   need = 2 * host_bytes + 8 * GB
   vcpus = next((n for n in HIGHMEM_VCPUS if n * 8 * GB >= need), None)
