@@ -16,6 +16,17 @@ from tests.test_durability import _fill, _segment_bytes, tiny_disk  # pylint: di
 from tests.test_service_units import _core, _delta, _header, _leaves_equal, _push, params  # pylint: disable=unused-import
 
 
+def test_a_log_of_the_format_before_streamed_pushes_is_refused_naming_what_to_do(tmp_path):
+  log = wal.Log(str(tmp_path), 0)
+  log.append({"n": 0}, b"payload")
+  log.close()
+  path = wal.segment_path(str(tmp_path), 0)
+  with open(path, "r+b") as f:
+    f.write((0xD1C0_0001).to_bytes(4, "little"))  # Format 1's magic, as the previous version wrote it.
+  with pytest.raises(wal.CorruptLog, match="older decoupled_diloco .* start a new workdir"):
+    list(wal.records(path, 0))
+
+
 def test_a_spooled_payload_is_logged_and_located_like_bytes(tmp_path):
   log = wal.Log(str(tmp_path), 0)
   payloads = [b"a" * 100, os.urandom(3 << 20), b"c" * 7]

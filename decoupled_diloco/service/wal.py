@@ -63,6 +63,9 @@ def _scan(data: memoryview, path: str) -> Iterator[tuple[int, dict, memoryview]]
     if len(data) - position < _FRAME.size:
       return  # Torn: not even a whole frame.
     magic, meta_length, payload_length, crc, frame_crc = _FRAME.unpack_from(data, position)
+    if magic == _MAGIC - 1:
+      raise CorruptLog(f"{path}: written by an older decoupled_diloco (log format 1, before streamed pushes): "
+                       "resume this run with that version, or start a new workdir")
     if magic != _MAGIC or zlib.crc32(data[position:position + _FRAME.size - 4]) != frame_crc or not meta_length:
       if not any(data[position:]):
         return  # Zeros after a power loss extended the file: nothing of that record reached the disk.
