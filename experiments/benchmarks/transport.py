@@ -5,7 +5,9 @@ r"""A ~100 MB pseudo-gradient pushed to the syncer service vs a raw TCP socket s
 Service side: the real `SyncerServer` (token check, header checks, limits) in a child
 process, fed by `SyncerClient.push` as a learner calls it, over loopback. The syncer's
 state machine is replaced by a core that only decodes the payload and acknowledges
-(`merge_throughput` measures the merge). Pushes travel as learners send them by default:
+(`merge_throughput` measures the merge); a data-channel push streams into a spool file
+on its way, as in the syncer (so the page-cache write the log's append made before is
+timed here now). Pushes travel as learners send them by default:
 a PushTicket call over gRPC, then the payload on the data channel (datachannel.py).
 TCP side: the same encoded bytes with `sendall`, received with `recv_into` into one
 buffer, then a one-byte ack. All receivers live in one child process (a learner and the
@@ -26,6 +28,7 @@ decoding): why payloads do not travel over gRPC by default.
 
 import multiprocessing
 import socket
+import tempfile
 import threading
 from concurrent import futures
 
@@ -45,20 +48,25 @@ TOKEN = "benchmark-token-0123456789"
 
 class _DecodeOnlyCore:
   """Stands in for SyncerCore: does the transport's half of a push (decode) and acknowledges, and
-  serves `theta` (encoded parts, as SyncerCore caches them) to every pull."""
+  serves `theta` (encoded parts, as SyncerCore caches them) to every pull. A data-channel push streams
+  into a spool file in `spool_dir` as the syncer's does (`durable.Store.spool`): `store` is the core."""
 
   num_learners = 1
 
-  def __init__(self, theta: list):
-    self.theta = theta
+  def __init__(self, theta: list, spool_dir: str):
+    self.theta, self.spool_dir, self.store = theta, spool_dir, self
+
+  def spool(self, nbytes: int, read):
+    from decoupled_diloco.service import wal  # pylint: disable=g-import-not-at-top
+    return wal.Spool(self.spool_dir, nbytes).fill(read)
 
   def check_bounds(self, header: dict) -> None:
     del header
 
   def push(self, header: dict, payload, now: float) -> dict:
     del now
-    from decoupled_diloco.service import wire  # pylint: disable=g-import-not-at-top
-    wire.decode(payload)
+    from decoupled_diloco.service import wal, wire  # pylint: disable=g-import-not-at-top
+    wire.decode(payload.map if isinstance(payload, wal.Spool) else payload)
     return {"status": "applied", **self._status(header["seq"], header["incarnation"])}
 
   def pull(self, learner: int, fragment: int, have_version: int, now: float, on_wait=None) -> tuple[dict, list]:
@@ -72,10 +80,11 @@ class _DecodeOnlyCore:
         "incarnation": incarnation, "syncer_incarnation": 1}
 
 
-def _service(chunk_bytes: int, max_payload: int, theta: list) -> tuple[object, int]:
+def _service(chunk_bytes: int, max_payload: int, theta: list, spool_dir: str) -> tuple[object, int]:
   """The syncer's real server (gRPC + data channel) around the decode-only core."""
   from decoupled_diloco.service import server  # pylint: disable=g-import-not-at-top
-  service = server.SyncerServer(_DecodeOnlyCore(theta), TOKEN, host="127.0.0.1", port=0, chunk_bytes=chunk_bytes,
+  service = server.SyncerServer(_DecodeOnlyCore(theta,
+                                                spool_dir), TOKEN, host="127.0.0.1", port=0, chunk_bytes=chunk_bytes,
                                 max_payload_bytes=max_payload, workers=2, data_port=0, data_timeout_seconds=300)
   return service, service.start()
 
@@ -152,13 +161,14 @@ def _receivers(megabytes: int, chunk_bytes: int, connection) -> None:
   from decoupled_diloco.service import wire  # pylint: disable=g-import-not-at-top
   theta = wire.encode(_pseudo_gradient(megabytes))
   size = wire.encoded_size(theta)
-  service, port = _service(chunk_bytes, 2 * size, theta)
-  bare, bare_port = _bare_grpc(chunk_bytes)
-  tcp, source = _TcpServer(_sink(size)), _TcpServer(_source(theta))
-  connection.send((port, bare_port, tcp.port, source.port))
-  connection.recv()
-  service.stop(0)
-  bare.stop(0)
+  with tempfile.TemporaryDirectory(prefix="transport_spool_") as spool_dir:
+    service, port = _service(chunk_bytes, 2 * size, theta, spool_dir)
+    bare, bare_port = _bare_grpc(chunk_bytes)
+    tcp, source = _TcpServer(_sink(size)), _TcpServer(_source(theta))
+    connection.send((port, bare_port, tcp.port, source.port))
+    connection.recv()
+    service.stop(0)
+    bare.stop(0)
 
 
 def main(argv) -> None:
