@@ -199,14 +199,18 @@ class SyncerServer:
         if bulk:
           self._take_bulk(caller, context, deadline)
         return method(request, context, caller, deadline)
-      except (_Refused, *_REFUSABLE) as error:
-        refusal = _refusal(error)
-      except grpc.RpcError:  # The request stream broke: cancelled by its deadline, or the client left.
-        if not deadline.expired:
+      except (_Refused, *_REFUSABLE, grpc.RpcError) as error:
+        # Cancelled by its deadline, the request stream breaks (RpcError) or just ends (a short payload):
+        # which one is a race inside gRPC, so the deadline decides. A stream that broke otherwise: the
+        # client left.
+        if deadline.expired:
+          refusal = _Refused(
+              grpc.StatusCode.DEADLINE_EXCEEDED, "too_slow", "the call's stream was slower than "
+              f"{datachannel.MIN_RATE_BYTES_PER_SECOND} bytes/s: cancelled")
+        elif isinstance(error, grpc.RpcError):
           raise
-        refusal = _Refused(
-            grpc.StatusCode.DEADLINE_EXCEEDED, "too_slow", "the call's stream was slower than "
-            f"{datachannel.MIN_RATE_BYTES_PER_SECOND} bytes/s: cancelled")
+        else:
+          refusal = _refusal(error)
       self._count(refusal.reason, f"{method.__name__.strip('_')} call: {refusal}")
       context.abort(refusal.code, str(refusal))
 
@@ -293,8 +297,12 @@ class SyncerServer:
           f"{HEADER_SLACK} bytes")
     header = self._push_header(first, caller)
     deadline.set(datachannel.transfer_seconds(header["payload_bytes"]))
-    payload = wire.assemble(messages, header["payload_bytes"], self.max_payload_bytes, self.chunk_bytes)
-    return wire.pack_header(self.core.push(header, payload, time.time()))
+    payload = self.core.store.spool(header["payload_bytes"],
+                                    wire.reader(messages, header["payload_bytes"], self.chunk_bytes))
+    try:  # Streamed into a spool file as on the data channel: never whole in memory.
+      return wire.pack_header(self.core.push(header, payload, time.time()))
+    finally:
+      payload.close()
 
   def _push_header(self, data: bytes, caller: int) -> dict:
     """A push header checked as far as it can be before its payload: schema, caller, bounds, size."""

@@ -24,11 +24,11 @@ machine and cost up to twice the CPU per honest exchange; docs/security.md has t
 
 JSON keys: `honest_push_p99_seconds` (an honest push + pull under attack, p99),
 `blocked_ratio` (honest blocked fraction under attack / undisturbed; target <= 2),
+`honest_refused` (honest exchanges that failed; target 0), `refused` (the syncer's refusal
+counters by kind), `syncer_rss_growth_mb` (the syncer's resident memory at the attack's end
+minus at its start; target <= 64). The JSON line before it has the attack volume and
 `syncer_cpu_ratio` (the syncer's CPU seconds per honest exchange under attack / undisturbed:
-its own cost of the attack, whatever the machine's load), `honest_refused` (honest exchanges
-that failed; target 0), `refused` (the syncer's refusal counters by kind),
-`syncer_rss_growth_mb` (the syncer's resident memory at the attack's end minus at its start;
-target <= 64), and the attack volume.
+its own cost of the attack, whatever the machine's load).
 """
 
 import collections
@@ -178,16 +178,17 @@ def main():
         f"under attack {cpu_per_exchange[1]:.4f} ({exchanges[1]}); the attackers' CPU {attacker_cpu:.2f} s")
   p50, p99 = (round(float(np.percentile(attacked, q)), 4) for q in (50, 99))
   fractions = {"undisturbed": round(float(undisturbed), 4), "under_attack": round(float(under_attack), 4)}
-  common.emit({
-      "honest_push_p99_seconds": p99, "honest_push_p50_seconds": p50,
-      "blocked_ratio": round(under_attack / undisturbed,
-                             3), "syncer_cpu_ratio": round(cpu_per_exchange[1] / cpu_per_exchange[0], 3),
-      **{f"blocked_fraction_{phase}": value for phase, value in fractions.items()}, "honest_refused": len(failed),
-      "honest_exchanges": sum(len(r) for r in learners.values()
-                             ), "refused": summary["refused_calls"], "attack_attempts": attack_volume,
-      "syncer_rss_growth_mb": round(rss_after - rss_before,
-                                    1), "syncer_rss_peak_growth_mb": round(rss_peak - rss_before, 1),
-      "phase_seconds": args.phase_seconds, "round_seconds": args.round_seconds, "run_done": summary["done"]})
+  common.emit_keys(
+      {
+          "honest_push_p99_seconds": p99, "blocked_ratio": round(under_attack / undisturbed, 3),
+          "honest_refused": len(failed), "refused": summary["refused_calls"], "syncer_rss_growth_mb": round(
+              rss_after - rss_before, 1), "honest_push_p50_seconds": p50,
+          "syncer_cpu_ratio": round(cpu_per_exchange[1] / cpu_per_exchange[0], 3), **{
+              f"blocked_fraction_{phase}": value for phase, value in fractions.items()}, "honest_exchanges": sum(
+              len(r) for r in learners.values()), "attack_attempts": attack_volume, "syncer_rss_peak_growth_mb": round(
+                  rss_peak - rss_before, 1), "phase_seconds": args.phase_seconds, "round_seconds":
+                      args.round_seconds, "run_done": summary["done"]},
+      ("honest_push_p99_seconds", "blocked_ratio", "honest_refused", "refused", "syncer_rss_growth_mb"))
 
 
 if __name__ == "__main__":
