@@ -27,6 +27,8 @@ setuptools.setup(
         # The syncer service (decoupled_diloco/service): gRPC transport, msgpack wire headers.
         "grpcio>=1.60,<2",
         "msgpack>=1.0,<2",
+        # zlib's CRC-32 at memory speed (SIMD): a push streamed to the syncer is checksummed as it arrives (wal.Spool).
+        "zlib-ng>=0.5,<2",
         # launch_tpu makes the run's CA and the syncer's TLS certificate (experiments/credentials.py).
         "cryptography>=42",
         # gs:// workdirs: etils.epath (brought by orbax) reads and writes them through fsspec + gcsfs

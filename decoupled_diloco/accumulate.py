@@ -23,22 +23,24 @@ def _jit_accumulate(rda, sums, radii, deltas, scale):
   return [total for total, _ in folded], [radius for _, radius in folded]
 
 
-def fold(rda: tuple, sums, radii, leaves, scale, one_at_a_time: bool) -> tuple[list, list]:
+def fold(rda: tuple, sums, radii, leaves, scale, one_at_a_time: bool, wait_each: bool = False) -> tuple[list, list]:
   """Running sums (None: none yet) with one push's tensors folded in, factor `scale`; the sums are
   donated, so the fold is in place. `rda`: per tensor, whether RDA merges it.
 
   A push's tensors are folded in one call (one dispatch, not one per tensor: on the host CPU a
   dispatch costs about half the arithmetic of a 0.5M-float tensor), or `one_at_a_time` for tensors
   decoded or read on the way (`leaves` a generator), each done before the next is asked for, so that
-  one tensor of the push is in memory at a time.
+  one tensor of the push is in memory at a time; `wait_each` waits for each tensor's fold before asking
+  for the next (a payload mapped from disk then lets go of the pages it has read).
   """
   sums = list(sums) if sums is not None else [None] * len(rda)
   radii = list(radii) if radii is not None else [None] * len(rda)
   if not one_at_a_time:
     return _jit_accumulate(rda, sums, radii, list(leaves), scale)
   for k, leaf in enumerate(leaves):
-    (sums[k],), (radii[k],) = jax.block_until_ready(
-        _jit_accumulate(rda[k:k + 1], sums[k:k + 1], radii[k:k + 1], [leaf], scale))
+    (sums[k],), (radii[k],) = _jit_accumulate(rda[k:k + 1], sums[k:k + 1], radii[k:k + 1], [leaf], scale)
+    if wait_each:
+      jax.block_until_ready(sums[k])
   return sums, radii
 
 

@@ -18,9 +18,9 @@ import time
 from typing import Any
 
 import numpy as np
-import tensorboardX
 
 from decoupled_diloco import storage
+import tensorboardX  # pylint: disable=wrong-import-order  # After storage, which imports it without its GCS client.
 
 METRICS_FILE = "metrics.jsonl"
 EVALUATOR_DIR = "evaluator"  # <workdir>/evaluator/: the evaluator process's records (service.evaluate_on='evaluator').

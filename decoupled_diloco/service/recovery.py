@@ -11,7 +11,8 @@ import time
 
 from absl import logging
 
-from decoupled_diloco.service import admission, membership, wire
+from decoupled_diloco import checkpoint as checkpoint_lib
+from decoupled_diloco.service import admission, membership, wal, wire
 from decoupled_diloco.syncer import SyncerState
 
 
@@ -31,7 +32,9 @@ class Recovery:
         self.store.open_fresh()
         self._checkpoint(now)
         return None
-      step, state, meta = self.store.restore_usable(self._state_trees())
+      abstract = checkpoint_lib.abstract_like(self._state_trees())
+      self.syncer.drop_state()  # The restore's copies replace Θ and the outer state; never both at once.
+      step, state, meta = self.store.restore_usable(abstract)
       self.syncer.restore(SyncerState(state["params"], state["opt_state"], tuple(meta["versions"])))
       self.acked = {m: meta["acked"].get(str(m), -1) for m in range(self.num_learners)}
       self.incarnations.update({int(m): n for m, n in meta.get("incarnations", {}).items()})
@@ -84,7 +87,9 @@ class Recovery:
     """Re-applies logged pushes, merges and lease changes after checkpoint `step`, each once.
 
     Metric records after `step` were dropped at the restart; replayed pushes write theirs
-    again (a carried push only if its record was one of those dropped).
+    again (a carried push only if its record was one of those dropped). A push is read from the mapped
+    segment and folded tensor by tensor, each tensor's pages let go of before the next (`wal.page_dropper`):
+    a restart holds no logged push whole.
     """
     applied = set()
     for record, payload, location in self.store.records_from(first_segment):
@@ -96,7 +101,7 @@ class Recovery:
         applied.add(key)
         self._apply(header, wire.decode(payload), location, record["now"], replay=True,
                     record_it=not record.get("carried") or record["outer_step"] > step,
-                    count_it=not record.get("carried"))
+                    count_it=not record.get("carried"), drop_pages=wal.page_dropper(payload))
       elif record["type"] == "merge":
         self._after_merges([self.syncer.merge(record["now"], record["fragment"])], record["now"], replay=True)
       elif record["type"] == "live":

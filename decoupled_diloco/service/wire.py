@@ -10,7 +10,7 @@ Any violation raises WireError (a ValueError) with a message naming it.
 
 import math
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import ml_dtypes
 import msgpack
@@ -158,17 +158,39 @@ def assemble(messages: Iterator[bytes], payload_bytes: int, max_payload_bytes: i
   """Reads exactly `payload_bytes` from the chunk messages into one 64-byte-aligned uint8
   buffer (one copy); WireError on any mismatch, checked as messages arrive."""
   check_payload_size(payload_bytes, max_payload_bytes)
-  buffer, filled = aligned_buffer(payload_bytes), 0
-  for message in messages:
-    if len(message) > chunk_bytes:
-      raise PayloadTooLarge(f"chunk of {len(message)} bytes exceeds chunk_bytes={chunk_bytes}")
-    if filled + len(message) > payload_bytes:
-      raise WireError(f"stream carries more than the announced {payload_bytes} payload bytes")
-    buffer[filled:filled + len(message)] = np.frombuffer(message, np.uint8)
-    filled += len(message)
-  if filled != payload_bytes:
-    raise WireError(f"stream ended after {filled} of the announced {payload_bytes} payload bytes")
+  buffer = aligned_buffer(payload_bytes)
+  reader(messages, payload_bytes, chunk_bytes)(memoryview(buffer))
   return buffer
+
+
+def reader(messages: Iterator[bytes], payload_bytes: int, chunk_bytes: int) -> Callable[[memoryview], None]:
+  """`read(view)`, which fills `view` with the next bytes of a payload streamed as chunk messages, so that a
+  receiver can take it a piece at a time (a `wal.Spool`: never whole in memory) or whole (`assemble`).
+
+  WireError as soon as the stream breaks its header's word: a message over `chunk_bytes`, an end before
+  `payload_bytes`, or bytes after them (checked when the last view is filled).
+  """
+  rest, received = memoryview(b""), 0
+
+  def read(view: memoryview) -> None:
+    nonlocal rest, received
+    filled = 0
+    while filled < view.nbytes:
+      if not rest:
+        message = next(messages, None)
+        if message is None:
+          raise WireError(f"stream ended after {received + filled} of the announced {payload_bytes} payload bytes")
+        if len(message) > chunk_bytes:
+          raise PayloadTooLarge(f"chunk of {len(message)} bytes exceeds chunk_bytes={chunk_bytes}")
+        rest = memoryview(message)
+      step = min(rest.nbytes, view.nbytes - filled)
+      view[filled:filled + step] = rest[:step]
+      rest, filled = rest[step:], filled + step
+    received += filled
+    if received == payload_bytes and (rest or next(messages, None) is not None):
+      raise WireError(f"stream carries more than the announced {payload_bytes} payload bytes")
+
+  return read
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:

@@ -5,10 +5,10 @@ r"""A ~100 MB pseudo-gradient pushed to the syncer service vs a raw TCP socket s
 Service side: the real `SyncerServer` (token check, header checks, limits) in a child
 process, fed by `SyncerClient.push` as a learner calls it, over loopback. The syncer's
 state machine is replaced by a core that only decodes the payload and acknowledges
-(`merge_throughput` measures the merge); a data-channel push streams into a spool file
-on its way, as in the syncer (so the page-cache write the log's append made before is
-timed here now). Pushes travel as learners send them by default:
-a PushTicket call over gRPC, then the payload on the data channel (datachannel.py).
+(`merge_throughput` measures the merge); a push streams into a spool file on its way
+through the syncer's own `durable.Store.spool` (its crc32 and page-cache write are timed
+here). Pushes travel as learners send them by default: a PushTicket call over gRPC, then
+the payload on the data channel (datachannel.py).
 TCP side: the same encoded bytes with `sendall`, received with `recv_into` into one
 buffer, then a one-byte ack. All receivers live in one child process (a learner and the
 syncer are separate processes; in one process sender and receiver would take turns on the
@@ -18,15 +18,16 @@ Pulls: the same bytes as the syncer's encoded Θ, fetched with `SyncerClient.pul
 does (a PullTicket call, then Θ read off the data channel, decoded) against a raw TCP socket
 that sends them to a reader receiving into one buffer.
 
-Keys: `ratio` = TCP seconds / service push seconds (the push's share of the raw socket's
-throughput; target >= 0.5). `pull_ratio`: TCP download seconds / service pull seconds
-(target >= 0.8). `grpc_stream_ratio`: the same push streamed in chunks over gRPC
+The last line holds the issue's keys: `ratio` = TCP seconds / service push seconds (the push's share
+of the raw socket's throughput; target >= 0.5) and `pull_ratio`: TCP download seconds / service pull
+seconds (target >= 0.8). The line before it, context: `grpc_stream_ratio`: the same push streamed in chunks over gRPC
 (service.data_port=-1). `bare_grpc_ratio`: grpcio's own ceiling on this machine, the same
 chunks streamed to a handler that only counts them (no token, header, reassembly or
 decoding): why payloads do not travel over gRPC by default.
 """
 
 import multiprocessing
+import os
 import socket
 import tempfile
 import threading
@@ -49,24 +50,22 @@ TOKEN = "benchmark-token-0123456789"
 class _DecodeOnlyCore:
   """Stands in for SyncerCore: does the transport's half of a push (decode) and acknowledges, and
   serves `theta` (encoded parts, as SyncerCore caches them) to every pull. A data-channel push streams
-  into a spool file in `spool_dir` as the syncer's does (`durable.Store.spool`): `store` is the core."""
+  into a spool file through the syncer's own `durable.Store.spool` (a store in `workdir`)."""
 
   num_learners = 1
 
-  def __init__(self, theta: list, spool_dir: str):
-    self.theta, self.spool_dir, self.store = theta, spool_dir, self
-
-  def spool(self, nbytes: int, read):
-    from decoupled_diloco.service import wal  # pylint: disable=g-import-not-at-top
-    return wal.Spool(self.spool_dir, nbytes).fill(read)
+  def __init__(self, theta: list, workdir: str):
+    from decoupled_diloco.service import durable  # pylint: disable=g-import-not-at-top
+    self.theta, self.store = theta, durable.Store(workdir)
+    self.store.open_fresh()  # The log's folder, where spools go.
 
   def check_bounds(self, header: dict) -> None:
     del header
 
   def push(self, header: dict, payload, now: float) -> dict:
     del now
-    from decoupled_diloco.service import wal, wire  # pylint: disable=g-import-not-at-top
-    wire.decode(payload.map if isinstance(payload, wal.Spool) else payload)
+    from decoupled_diloco.service import wire  # pylint: disable=g-import-not-at-top
+    wire.decode(payload.map)  # A wal.Spool, over the data channel and gRPC alike.
     return {"status": "applied", **self._status(header["seq"], header["incarnation"])}
 
   def pull(self, learner: int, fragment: int, have_version: int, now: float, on_wait=None) -> tuple[dict, list]:
@@ -80,11 +79,10 @@ class _DecodeOnlyCore:
         "incarnation": incarnation, "syncer_incarnation": 1}
 
 
-def _service(chunk_bytes: int, max_payload: int, theta: list, spool_dir: str) -> tuple[object, int]:
+def _service(chunk_bytes: int, max_payload: int, core: _DecodeOnlyCore) -> tuple[object, int]:
   """The syncer's real server (gRPC + data channel) around the decode-only core."""
   from decoupled_diloco.service import server  # pylint: disable=g-import-not-at-top
-  service = server.SyncerServer(_DecodeOnlyCore(theta,
-                                                spool_dir), TOKEN, host="127.0.0.1", port=0, chunk_bytes=chunk_bytes,
+  service = server.SyncerServer(core, TOKEN, host="127.0.0.1", port=0, chunk_bytes=chunk_bytes,
                                 max_payload_bytes=max_payload, workers=2, data_port=0, data_timeout_seconds=300)
   return service, service.start()
 
@@ -161,14 +159,16 @@ def _receivers(megabytes: int, chunk_bytes: int, connection) -> None:
   from decoupled_diloco.service import wire  # pylint: disable=g-import-not-at-top
   theta = wire.encode(_pseudo_gradient(megabytes))
   size = wire.encoded_size(theta)
-  with tempfile.TemporaryDirectory(prefix="transport_spool_") as spool_dir:
-    service, port = _service(chunk_bytes, 2 * size, theta, spool_dir)
+  with tempfile.TemporaryDirectory(prefix="transport_") as workdir:
+    core = _DecodeOnlyCore(theta, workdir)
+    service, port = _service(chunk_bytes, 2 * size, core)
     bare, bare_port = _bare_grpc(chunk_bytes)
     tcp, source = _TcpServer(_sink(size)), _TcpServer(_source(theta))
     connection.send((port, bare_port, tcp.port, source.port))
     connection.recv()
     service.stop(0)
     bare.stop(0)
+    core.store.close()
 
 
 def main(argv) -> None:
@@ -224,12 +224,14 @@ def main(argv) -> None:
   bare_channel.close()
   parent.send("stop")
   receivers.join()
-  common.emit_throughput_ratio(
-      {
-          "benchmark": "transport", "chunk_bytes": _CHUNK.value,
-          **{f"{via}_ratio": round(medians["tcp"] / medians[via], 3) for via in ("grpc_stream", "bare_grpc")}, "pull_ratio":
-              round(medians["tcp_download"] / medians["pull"], 3), "pull_seconds": round(medians["pull"], 4),
-          "tcp_download_seconds": round(medians["tcp_download"], 4)}, size, medians, "push", "tcp")
+  common.emit_keys(
+      common.throughput_figures(
+          {
+              "benchmark": "transport", "chunk_bytes": _CHUNK.value, "load_average": round(os.getloadavg()[0], 1),
+              **{f"{via}_ratio": round(medians["tcp"] / medians[via], 3) for via in ("grpc_stream", "bare_grpc")}, "pull_ratio":
+                  round(medians["tcp_download"] / medians["pull"], 3), "pull_seconds": round(
+                      medians["pull"], 4), "tcp_download_seconds": round(medians["tcp_download"], 4)}, size, medians,
+          "push", "tcp"), ("ratio", "pull_ratio"))
 
 
 if __name__ == "__main__":
