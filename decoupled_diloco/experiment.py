@@ -222,7 +222,8 @@ def build_learner(config, plan: schedule.RunPlan, index: int, devices, corpus, m
                                       learner_index=index, num_learners=plan.num_learners, split=config.data.split,
                                       seed=config.seed, rows=rows, prefetch=config.data.prefetch)
   return Learner(index, loop, shard, loop.init(params), fragment_assignment(config, params),
-                 compression.Codec.from_config(config.compression), config.streaming.alpha)
+                 compression.Codec.from_config(config.compression), config.streaming.alpha,
+                 keep_pushed=config.mode == "decoupled")  # A quorum K > 1 may answer a push with the same Θ.
 
 
 def build_syncer(config, params, shard: int | None = None) -> Syncer | None:

@@ -74,6 +74,7 @@ class Learner:
     for p in range(self.num_fragments):
       self.anchors[p], self.base_versions[p] = fragments.select(global_params, self.assignment, p), versions[p]
       self.tokens_since_push[p] = self.steps_since_push[p] = 0
+    self.pushed.clear()  # Pushes before a rejoin anchor nothing any more.
 
   def restore(self, state, data_state=None) -> None:
     """Takes a checkpointed TrainState (block_i's) and its data position (None: not saved), so a resumed
@@ -168,6 +169,21 @@ class Learner:
       self.pushed[fragment] = local
     self.tokens_since_push[fragment] = self.steps_since_push[fragment] = 0
     return push
+
+  def take(self, fragment: int, fragment_params, version: int) -> bool:
+    """The reply to fragment `fragment`'s push: Θ_p at `version` lands if a merge moved it since the push's
+    base; returns whether it did.
+
+    Else (with a quorum K > 1 the push waits in the syncer for others) θ_p as pushed anchors
+    (`keep_pushed`), as a learner process does: landing the unmoved Θ_p would drop the pushed
+    progress and compute the next Δ from that same Θ_p again, so once the waiting push merged,
+    the next one would repeat its work as a stale update (with Nesterov on every merge that diverged).
+    """
+    if version == self.base_versions[fragment] and fragment in self.pushed:
+      self.anchor_on_pushed(fragment)
+      return False
+    self.land(fragment, fragment_params, version)
+    return True
 
   def anchor_on_pushed(self, fragment: int) -> None:
     """No merge moved Θ_p since the push's base: θ_p as pushed anchors the next push, and the local

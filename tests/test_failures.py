@@ -13,7 +13,7 @@ from decoupled_diloco import experiment
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.costmodel import scale
 from decoupled_diloco.runtime import failures, sim
-from tests.helpers import tiny_config
+from tests.helpers import quick_compile_env, tiny_config
 
 FAILING = {
     "runtime": "sim", "failures.enabled": True, "failures.mtbi_seconds": 30.0, "failures.restart_seconds": 3.0,
@@ -105,20 +105,36 @@ def test_elastic_ddp_keeps_the_math_and_pays_in_time_while_a_restart_loses_work(
   assert restart["steps"] == clean["steps"] and restart["goodput"] < 1.0
 
 
-@pytest.mark.parametrize("benchmark", ["failure_quality", "quorum_grace", "learners_sweep"])
+ISSUE_KEYS = {  # The last line's keys, exactly, where the benchmark's issue names them all.
+    "failure_quality": {"eval_loss", "goodput"}, "hetero_quality": {"eval_loss", "time_to_target"},
+    "compression_quality": {"eval_loss"}}
+ROWS = {  # Rows every JSON map holds at the tiny size.
+    "hetero_quality": {"ddp", "sync_diloco", "async_naive", "decoupled", "decoupled_homogeneous"},
+    "compression_quality": {"fp32", "int4", "int2"}}
+FLAGS = {"compression_quality": ["--formats=fp32,int4,int2"]}  # The rows it needs: each other format is one more.
+
+
+@pytest.mark.parametrize("benchmark",
+                         ["failure_quality", "quorum_grace", "learners_sweep", "hetero_quality", "compression_quality"])
 def test_paper_benchmarks_run_end_to_end(benchmark, tmp_path):
   """Tiny sizes on a small text file: the rows, the runs and the JSON line still fit together."""
   text = tmp_path / "text.txt"
   words = np.random.default_rng(0).choice(["to", "be", "or", "not", "that", "is", "the", "question"], 40_000)
   text.write_text(" ".join(words))
-  result = subprocess.run(
-      [sys.executable, "-m", f"experiments.benchmarks.{benchmark}", "--size=tiny", f"--data_path={text}"],
-      cwd=pathlib.Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
+  result = subprocess.run([
+      sys.executable, "-m", f"experiments.benchmarks.{benchmark}", "--size=tiny", f"--data_path={text}",
+      *FLAGS.get(benchmark, [])], cwd=pathlib.Path(__file__).parents[1], capture_output=True, text=True, timeout=900,
+                          env=quick_compile_env())
   assert result.returncode == 0, result.stderr[-3000:]
-  figures = json.loads(result.stdout.splitlines()[-1])
+  lines = result.stdout.splitlines()
+  figures = json.loads(lines[-1])
   assert all(np.isfinite(v) for v in figures["eval_loss"].values())
-  if benchmark == "failure_quality":  # The issue's keys and nothing else.
-    assert set(figures) == {"eval_loss", "goodput"}
-  if benchmark != "learners_sweep":
+  if benchmark in ISSUE_KEYS:  # The issue's keys and nothing else.
+    assert set(figures) == ISSUE_KEYS[benchmark]
+  if benchmark in ROWS:
+    assert all(set(figures[key]) == ROWS[benchmark] for key in ISSUE_KEYS[benchmark]), figures
+  if benchmark == "compression_quality":  # The streamed rows too, on the context line.
+    assert set(json.loads(lines[-2])["eval_loss_streaming"]) == {"fp32", "int4"}
+  if benchmark in ("failure_quality", "quorum_grace"):
     assert set(figures["goodput"]) == set(figures["eval_loss"]) and len(figures["goodput"]) == 3
     assert all(0 < g <= 1 for g in figures["goodput"].values())

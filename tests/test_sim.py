@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from decoupled_diloco import experiment, hardware, policy
+from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.run import schedule
 from decoupled_diloco.runtime import lockstep, sim
@@ -215,3 +216,46 @@ def test_a_push_waiting_in_a_grace_window_gets_the_merge_that_includes_it(tmp_pa
     assert len(bases) >= 3
     for version, next_base in zip(merged_in, bases[1:]):
       assert next_base >= version
+
+
+class _Merged(Exception):
+  """Stops a simulation once its first merge is done."""
+
+
+def test_a_push_waiting_for_the_quorum_keeps_its_learners_progress(tmp_path):
+  """With quorum K > 1, a push that does not complete the quorum is answered with an unmoved Θ: its learner
+  must go on from θ as pushed (as a learner process does), not land that Θ, drop the pushed steps and push
+  them again from the same Θ (issue 14: quorum 4 + grace with failures diverged).
+
+  Learner 1 is four times as fast: it pushes every 0.5 s until learner 0's first push completes the quorum
+  at 2 s, so the first merge (outer SGD at lr 1, equal weights) is the mean of Θ0 − θ'_2 (learner 0) and
+  learner 1's θ_0 − θ_2, θ_2 − θ_4, ... along one uninterrupted run from θ_0 = Θ0."""
+  config = _hetero(
+      **{
+          "learners.speed": (1.0, 4.0), "policy.kind": "fixed", "inner_steps": 2, "syncer.quorum": 2,
+          "syncer.staleness": "constant", "outer.optimizer": "sgd", "outer.lr": 1.0, "outer.momentum": 0.0})
+  exp = experiment.build(config)
+
+  def stop_after_the_first_merge():
+    if exp.syncer.version:
+      raise _Merged
+
+  with metrics_lib.MetricsWriter(str(tmp_path)) as writer, pytest.raises(_Merged):
+    sim.Simulation(exp, writer).run(stop_after_the_first_merge)
+  (merge,) = _records(tmp_path, "outer")
+  fast_pushes = merge["learners"].count(1)
+  assert merge["learners"].count(0) == 1 and fast_pushes >= 3
+  reference = experiment.build(config)
+  theta, deltas = reference.syncer.params, []
+  for learner, pushes in zip(reference.learners, (1, fast_pushes)):
+    learner.start_from(theta, 0)
+    before = _params(theta)
+    for _ in range(pushes):
+      for _ in range(2):
+        learner.step()
+      after = _params(learner.params)
+      deltas.append(jax.tree.map(np.subtract, before, after))
+      before = after
+  expected = jax.tree.map(lambda t, *d: t - sum(d) / len(d), _params(theta), *deltas)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), _params(exp.syncer.params),
+               expected)

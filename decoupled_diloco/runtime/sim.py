@@ -116,8 +116,8 @@ class Simulation:
     learner, clock = self.exp.learners[m], self.clocks[m]
     for p in [
         p for p in clock.landed if clock.in_flight[p] <= learner.steps or p in clock.deferred or self.steps_left == 0]:
-      learner.land(p, *clock.landed.pop(p))  # Counts restart here (the share α carries over).
-      clock.compute_since_push[p] *= learner.alpha
+      if learner.take(p, *clock.landed.pop(p)):  # Counts restart here (the share α carries over).
+        clock.compute_since_push[p] *= learner.alpha
       del clock.in_flight[p]
     for p in sorted(clock.deferred - clock.in_flight.keys()):
       clock.deferred.discard(p)

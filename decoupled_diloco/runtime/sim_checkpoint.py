@@ -23,7 +23,7 @@ from decoupled_diloco.run import schedule
 from decoupled_diloco.run import state as state_lib
 
 BLOB = "simulation"  # The orbax item holding the pickled host state.
-_LEARNER_FIELDS = ("anchors", "base_versions", "tokens_since_push", "steps_since_push", "residuals")
+_LEARNER_FIELDS = ("anchors", "base_versions", "tokens_since_push", "steps_since_push", "residuals", "pushed")
 _FRAGMENT_FIELDS = ("pending", "deadline", "window_start", "accumulator")
 _SIMULATION_FIELDS = ("now", "clocks", "rngs", "speeds", "steps_left", "eval_due", "waiting", "last_eval")
 
@@ -119,6 +119,7 @@ def restore(checkpointer: checkpoint_lib.Checkpointer, simulation, metadata: dic
   blob, _ = checkpointer.restore(step, {BLOB: {"bytes": np.zeros(metadata["blob_bytes"], np.uint8)}})
   state = pickle.loads(blob[BLOB]["bytes"].tobytes())
   for learner, saved in zip(exp.learners, state["learners"]):
+    saved.setdefault("pushed", {})  # Written before Learner.take kept θ_p as pushed: nothing kept.
     for field in _LEARNER_FIELDS:
       setattr(learner, field, saved[field])
     learner._pending_losses = saved["pending_losses"]  # pylint: disable=protected-access

@@ -124,7 +124,7 @@ class ThreadedRun:
         self._wait(m, lambda: not self.syncer.holds(m, 0) or self._no_merge_coming())
         self.waiting.discard(m)
       params, version = self.syncer.fragment_params(0), self.syncer.versions[0]
-    learner.land(0, params, version)
+    learner.take(0, params, version)
     return True
 
   def _target(self, m: int) -> int | None:
