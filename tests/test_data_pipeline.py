@@ -14,16 +14,16 @@ from decoupled_diloco import experiment
 from decoupled_diloco.data import batches, pipeline, sources, tokenizer
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.runtime import lockstep
-from tests.helpers import tiny_config
+from tests.helpers import quick_compile_env, tiny_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
         "Second Citizen:\nWould you proceed especially against Caius Marcius? Naïve café, ünïcödé.\n\n") * 60
 
 
-def _run(*args):
+def _run(*args, env=None):
   return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=300,
-                        check=False)
+                        check=False, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -241,3 +241,16 @@ def test_prepare_data_converts_a_tfrecord_tfds_dataset(tmp_path):
   lockstep.run(experiment.build(config), str(tmp_path / "run"))  # A few steps trained from the converted shards.
   losses = [r["loss"] for r in _records(tmp_path / "run") if r["kind"] == "train"]
   assert len(losses) == 8 and all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+def test_data_pipeline_benchmark_runs_end_to_end():
+  """A 1 MB corpus (and its 10 MB twin), two batches, one timed step: every figure of the issue's JSON line."""
+  result = _run("experiments.benchmarks.data_pipeline", "--small_mb=1", "--batches=2", "--steps=1",
+                env=quick_compile_env())
+  assert result.returncode == 0, result.stderr[-3000:]
+  figures = json.loads(result.stdout.splitlines()[-1])
+  assert set(figures) == {
+      "byte_tokens_per_s", "sentencepiece_tokens_per_s", "consumed_tokens_per_s", "headroom", "tpu_host_headroom",
+      "rss_growth_mb"}
+  assert min(figures["byte_tokens_per_s"], figures["sentencepiece_tokens_per_s"], figures["consumed_tokens_per_s"]) > 0
+  assert figures["headroom"] > 0 and figures["tpu_host_headroom"] > 0, figures

@@ -1,10 +1,11 @@
-"""compile_scale and mfu at tiny sizes: each main ends with its one JSON line with the keys the issue names."""
+"""compile_scale, mfu and inner_overhead at tiny sizes: each main ends with its one JSON line with the keys the issue
+names."""
 
 import json
 
 import pytest
 
-from experiments.benchmarks import compile_scale, mfu
+from experiments.benchmarks import compile_scale, inner_overhead, mfu
 
 TINY_COMPILE = ["--depths=1,2", "--remat_depth=1", "--width=16"]
 
@@ -61,3 +62,11 @@ def test_mfu_refuses_an_unknown_size():
   with pytest.raises(SystemExit) as exit_info:
     mfu.main(["--sizes=7b"])
   assert exit_info.value.code == 2
+
+
+def test_inner_overhead_times_the_framework_step_against_the_bare_loop(capsys):
+  """One block of two steps per loop (after a warm-up block): the timed steps and the ratio of the same run."""
+  inner_overhead.main(["--blocks=1", "--steps=2"])
+  context, result = (json.loads(line) for line in capsys.readouterr().out.strip().splitlines()[-2:])
+  assert set(result) == {"ratio"} and context["framework_ms_per_step"] > 0 and context["bare_ms_per_step"] > 0
+  assert result["ratio"] == pytest.approx(context["framework_ms_per_step"] / context["bare_ms_per_step"], rel=1e-3)

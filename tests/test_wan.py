@@ -10,7 +10,7 @@ from decoupled_diloco import compression
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.hardware import HardwareProfile
 from decoupled_diloco.costmodel import wan
-from experiments.benchmarks import bandwidth_utilization, wan_walltime
+from experiments.benchmarks import bandwidth_utilization, wan_service, wan_walltime
 
 PARAMS, LAYERS = 100_000_000, 8
 GBIT = 1e9 / 8  # Bytes per second of 1 Gbit/s.
@@ -168,3 +168,13 @@ def test_bandwidth_utilization_runs_end_to_end(capsys):
       assert list(cells) == ["50", "80", "90", "95", "99"]
       assert all(a <= b for a, b in zip(list(cells.values()), list(cells.values())[1:]))
     assert rows["streaming"]["95"] < rows["diloco"]["95"] < rows["ddp"]["95"]
+
+
+def test_wan_service_refuses_an_h_its_streaming_run_cannot_overlap(capsys):
+  """τ = 2 needs H > 2: refused in one line before anything starts, not as a learner process failing later."""
+  with pytest.raises(SystemExit) as refused:
+    wan_service.parse_args(["--inner_steps=2", "--outer_steps=1"])
+  assert refused.value.code == 2
+  error = capsys.readouterr().err.strip().splitlines()
+  assert len(error) == 1 and "--inner_steps=3" in error[0], error
+  assert wan_service.parse_args(["--inner_steps=3"]).inner_steps == 3

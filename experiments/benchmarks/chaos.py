@@ -22,18 +22,20 @@ with exactly the keys of issue 13:
   rejoin_seconds    from a learner's restart to the syncer's first accepted push of it: {p50, max}, split
                     where its first step had compiled and run into `startup` (process start, imports, Join,
                     restore, compilation or loading it from the learner's XLA cache, the first run) and `rest`
-                    (the rest of its first round and the push; target: at most one round of H steps), each {p50, max}.
+                    (the rest of its first round and the push; target: at most one round of H steps, which a log line
+                    gives for each rejoin from the other learners' rounds over the same seconds), each {p50, max}.
   syncer_recovery_seconds  from a syncer's restart to the first call it served (a heartbeat this
                     benchmark sends): {p50, max}; target 10 s. Split by the restarted syncer's
                     'syncer_start' record into `imports` (process start, imports), `restore` (model
                     shapes, syncer, checkpoint), `replay` (the log) and `serve` (server up, first
                     call answered), each {p50, max}.
-Log lines before it give what the targets are measured against: the time of a round of H steps in the
-undisturbed seed-0 run (median seconds per step between a learner's pushes, times H), the pushes the restarted
-syncers replayed, the load average, and for each run its final eval loss, the staleness of its pushed steps
-(mean and histogram) and learner 0's train loss along the run. Why: while a learner is down the others' pushes
-are fresher, and at this budget the runs are still leaving a plateau of the loss, so the final loss moves with
-how soon a run left it (docs/service-durability.md#chaos-benchmark).
+Log lines before it give what the targets are measured against: each rejoin's `rest` beside a round of H steps
+of the other learners over the same seconds (median seconds per step between a learner's pushes, times H; the
+load moves it more than the target's margin from one run to the next), the same in the undisturbed seed-0 run,
+the pushes the restarted syncers replayed, the load average, and for each run its final eval loss, the
+staleness of its pushed steps (mean and histogram) and learner 0's train loss along the run. Why: while a
+learner is down the others' pushes are fresher, and at this budget the runs are still leaving a plateau of the
+loss, so the final loss moves with how soon a run left it (docs/service-durability.md#chaos-benchmark).
 """
 
 import collections
@@ -203,6 +205,11 @@ def rejoin_seconds(cluster: TimedCluster) -> dict:
     if accepted and rounds:  # Else restarted into a run that was over.
       total.append(min(accepted) - began)
       startup.append(min(rounds) - began)
+      window = (min(rounds) - start_time, min(accepted) - start_time)
+      logging.info(
+          "%s rejoined: startup %.2fs, rest %.2fs against %.2fs for a round of H steps of the other learners "
+          "over the same seconds", name, startup[-1], total[-1] - startup[-1],
+          h_round_seconds(cluster.workdir, window, learner))
   return {**_spread(total), "startup": _spread(startup), "rest": _spread([t - s for t, s in zip(total, startup)])}
 
 
@@ -231,14 +238,19 @@ def staleness(workdir: str) -> tuple[float, dict[int, int]]:
   return round(mean, 2), dict(sorted(collections.Counter(r["staleness"] for r in pushes).items()))
 
 
-def h_round_seconds(workdir: str) -> float:
+def h_round_seconds(workdir: str, window: tuple[float, float] = (0.0, math.inf), exclude: int = -1) -> float:
   """Seconds of a round of H steps: the median time per step between two pushes of one learner, times H (the
-  longest round: every learner's first is H, DyLU never exceeds it), as the `rest` target counts it."""
+  longest round: every learner's first is H, DyLU never exceeds it), as the `rest` target counts it.
+
+  `window` (seconds since the run began): only rounds that overlap it; `exclude`: a learner left out. A rejoin's
+  `rest` is held against the other learners' rounds over its own seconds: the host's load moves step times
+  by more than the target's margin between one run and the next.
+  """
   pushes = _records(os.path.join(workdir, "metrics.jsonl"), "push")
   per_step = []
-  for learner in {r["learner"] for r in pushes}:
+  for learner in {r["learner"] for r in pushes} - {exclude}:
     mine = sorted((r["wall_time"], r["local_steps"]) for r in pushes if r["learner"] == learner)
-    per_step += [(b - a) / steps for (a, _), (b, steps) in zip(mine, mine[1:])]
+    per_step += [(b - a) / steps for (a, _), (b, steps) in zip(mine, mine[1:]) if b > window[0] and a < window[1]]
   return round(statistics.median(per_step) * max(r["local_steps"] for r in pushes), 2) if per_step else 0.0
 
 

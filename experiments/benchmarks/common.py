@@ -6,6 +6,7 @@ the median of each, so both see the same background load.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -43,6 +44,13 @@ def status_kb(field: str, pid: int | str = "self") -> int:
     return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
+def reset_peak_kb() -> int:
+  """Resets this process's peak RSS (VmHWM) to its RSS now, which it returns (kB): a phase's peak from here on."""
+  with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+    f.write("5")
+  return status_kb("VmRSS")
+
+
 def interleaved_medians(runners: dict[str, Callable[[], None]], blocks: int, warm_up: bool = False) -> dict[str, float]:
   """Median seconds per call of each runner, calling them in alternation `blocks` times.
 
@@ -57,6 +65,18 @@ def interleaved_medians(runners: dict[str, Callable[[], None]], blocks: int, war
       run()
       times[name].append(time.perf_counter() - begin)
   return {name: statistics.median(values) for name, values in times.items()}
+
+
+@contextlib.contextmanager
+def compile_once():
+  """Rows that compile the same programs load them from a persistent cache (a temporary directory) instead.
+
+  A row's learners, syncer and evaluation are fresh functions, so JAX's in-memory cache misses on every row.
+  """
+  from decoupled_diloco.service import runconfig  # pylint: disable=g-import-not-at-top  (after use_virtual_devices)
+  with tempfile.TemporaryDirectory() as cache:
+    runconfig.cache_compiled_programs(cache)  # As a restarted learner or syncer loads its programs.
+    yield
 
 
 def simulate(config) -> tuple[dict, list[dict]]:
@@ -134,11 +154,6 @@ def throughput_figures(figures: dict, nbytes: int, medians: dict[str, float], fr
     figures[f"{side}_seconds"] = round(medians[side], 4)
     figures[f"{side}_gbytes_per_s"] = round(nbytes / medians[side] / 1e9, 3)
   return {**figures, "bytes": nbytes, "ratio": round(medians[baseline] / medians[framework], 3)}
-
-
-def emit_throughput_ratio(figures: dict, nbytes: int, medians: dict[str, float], framework: str, baseline: str) -> None:
-  """`throughput_figures` as the result line."""
-  emit(throughput_figures(figures, nbytes, medians, framework, baseline))
 
 
 def emit_keys(figures: dict, keys: tuple[str, ...]) -> None:

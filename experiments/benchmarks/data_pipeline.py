@@ -8,7 +8,7 @@ tpu_host_headroom = SentencePiece pipeline / 57,600 tokens/s (one v6e host: MaxT
 tokens/s/chip x 8 chips) >= 1; rss_growth_mb (peak RSS of a pipeline over a 10x larger corpus
 minus over the small one, each in its own process) <= 50.
 
-  python -m experiments.benchmarks.data_pipeline [--small_mb=100]
+  python -m experiments.benchmarks.data_pipeline [--small_mb=100] [--batches=300] [--steps=20]
 """
 
 from experiments.benchmarks import common
@@ -27,6 +27,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from decoupled_diloco.data import documents, pipeline, tokenizer  # noqa: E402
+from experiments import cli  # noqa: E402
 
 TPU_HOST_TOKENS_PER_S = 7_200 * 8
 SEQ_LEN, ROWS, CHUNK_BYTES = 1024, 16, 1 << 16
@@ -64,8 +65,8 @@ def pipeline_tokens_per_s(path: str, tok, batches: int) -> float:
   return batches * ROWS * SEQ_LEN / seconds
 
 
-def consumption_tokens_per_s() -> float:
-  """Tokens per second of the inner step of a learner group (inner_overhead's benchmark model)."""
+def consumption_tokens_per_s(steps: int) -> float:
+  """Tokens per second of `steps` inner steps of a learner group (inner_overhead's benchmark model)."""
   import jax  # pylint: disable=g-import-not-at-top
   from decoupled_diloco import experiment  # pylint: disable=g-import-not-at-top
   from experiments.benchmarks import inner_overhead  # pylint: disable=g-import-not-at-top
@@ -74,7 +75,6 @@ def consumption_tokens_per_s() -> float:
   for _ in range(3):
     learner.step()
   learner.drain_losses()
-  steps = 20
   begin = time.perf_counter()
   for _ in range(steps):
     learner.step()
@@ -99,7 +99,10 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--small_mb", type=int, default=100)
   parser.add_argument("--batches", type=int, default=300)
+  parser.add_argument("--steps", type=int, default=20, help="Inner steps timed for the consumed tokens/s.")
   args = parser.parse_args()
+  if min(args.small_mb, args.batches, args.steps) < 1:
+    cli.fail(f"--small_mb={args.small_mb}, --batches={args.batches} and --steps={args.steps} must be >= 1")
   with tempfile.TemporaryDirectory() as tmp:
     root = pathlib.Path(tmp)
     small, large, sample = root / "small.txt", root / "large.txt", root / "sample.txt"
@@ -110,7 +113,7 @@ def main():
     sp = tokenizer.SentencePieceTokenizer(model)
     byte_rate = pipeline_tokens_per_s(str(small), tokenizer.ByteTokenizer(), args.batches)
     sp_rate = pipeline_tokens_per_s(str(small), sp, args.batches)
-    consumed = consumption_tokens_per_s()
+    consumed = consumption_tokens_per_s(args.steps)
     rss_small = peak_rss_mb(str(small), model, args.batches)
     rss_large = peak_rss_mb(str(large), model, args.batches)
   print(f"pipeline: byte {byte_rate:,.0f} tokens/s, sentencepiece {sp_rate:,.0f} tokens/s; inner step consumes "

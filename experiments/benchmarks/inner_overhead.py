@@ -4,7 +4,7 @@ Both train the same model on the same devices with the same batch size; the fram
 side is a real DiLoCo learner group (data shard, sharded jit, donation, loss bookkeeping).
 Target: ratio = framework / bare seconds per step <= 1.03.
 
-  python -m experiments.benchmarks.inner_overhead
+  python -m experiments.benchmarks.inner_overhead [--blocks=15] [--steps=10]
 """
 
 from experiments.benchmarks import common
@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from configs import default  # noqa: E402
 from decoupled_diloco import experiment, model as model_lib  # noqa: E402
+from experiments import cli  # noqa: E402
 
 STEPS_PER_BLOCK = 10
 BLOCKS = 15
@@ -38,7 +39,7 @@ def benchmark_config():
   return config
 
 
-def bare_loop(config, devices):
+def bare_loop(config, devices, steps: int = STEPS_PER_BLOCK):
   """The hand-written baseline: params, AdamW, a jitted donated step, batches from numpy."""
   model, params, _ = model_lib.build_model(config.model, config.seed)
   mesh = jax.make_mesh((len(devices),), ("data",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
@@ -56,7 +57,7 @@ def bare_loop(config, devices):
   rng = np.random.default_rng(0)
   batches = [
       rng.integers(0, 256, (config.learners.batch_size[0], config.model.seq_len + 1), dtype=np.int32)
-      for _ in range(STEPS_PER_BLOCK)]
+      for _ in range(steps)]
   state = {"params": params, "opt_state": opt_state}
 
   def run_block():
@@ -68,30 +69,36 @@ def bare_loop(config, devices):
   return run_block
 
 
-def framework_loop(config, devices):
+def framework_loop(config, devices, steps: int = STEPS_PER_BLOCK):
   """The framework's learner group taking inner steps exactly as the runtime does."""
   learner = experiment.build(config, devices=devices).learners[0]
 
   def run_block():
-    for _ in range(STEPS_PER_BLOCK):
+    for _ in range(steps):
       learner.step()
     learner.drain_losses()
 
   return run_block
 
 
-def main():
+def main(argv=None):
   """Times both loops in alternation and prints the ratio."""
+  parser = common.parser(__doc__)
+  parser.add_argument("--blocks", type=int, default=BLOCKS, help="Timed blocks of --steps steps per loop.")
+  parser.add_argument("--steps", type=int, default=STEPS_PER_BLOCK, help="Inner steps per block.")
+  args = parser.parse_args(argv)
+  if min(args.blocks, args.steps) < 1:
+    cli.fail(f"--blocks={args.blocks} and --steps={args.steps} must be >= 1")
   config = benchmark_config()
   devices = jax.devices()[4:8]
-  runners = {"framework": framework_loop(config, devices), "bare": bare_loop(config, devices)}
-  medians = common.interleaved_medians(runners, BLOCKS, warm_up=True)
-  per_step = {name: seconds / STEPS_PER_BLOCK for name, seconds in medians.items()}
+  runners = {"framework": framework_loop(config, devices, args.steps), "bare": bare_loop(config, devices, args.steps)}
+  medians = common.interleaved_medians(runners, args.blocks, warm_up=True)
+  per_step = {name: seconds / args.steps for name, seconds in medians.items()}
   print(f"framework {per_step['framework'] * 1e3:.2f} ms/step, bare {per_step['bare'] * 1e3:.2f} ms/step")
-  common.emit({
-      "ratio": round(per_step["framework"] / per_step["bare"],
-                     4), "framework_ms_per_step": round(per_step["framework"] * 1e3, 3),
-      "bare_ms_per_step": round(per_step["bare"] * 1e3, 3)})
+  common.emit_keys(
+      {
+          "ratio": round(per_step["framework"] / per_step["bare"], 4), "framework_ms_per_step": round(
+              per_step["framework"] * 1e3, 3), "bare_ms_per_step": round(per_step["bare"] * 1e3, 3)}, ("ratio",))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ wall-clock spent on the last push's acknowledgement (`final_ack_fraction`), whic
 round can hide.
 """
 
+from experiments import cli
 from experiments.benchmarks import common
 
 OVERRIDES = ("--config.mode=decoupled", "--config.learners.devices=(1,1)", "--config.learners.batch_size=(16,16)",
@@ -30,15 +31,19 @@ def main():
   parser.add_argument("--overlap_steps", type=int, default=None, help="τ: steps an exchange may take (H − 1).")
   args = parser.parse_args()
   overlap = args.inner_steps - 1 if args.overlap_steps is None else args.overlap_steps
+  if not 0 <= overlap < args.inner_steps:  # Else every learner process would refuse it, after the syncer started.
+    cli.fail(f"--overlap_steps={overlap} must be in [0, --inner_steps={args.inner_steps}): a round's exchange must "
+             "land before the next round's push")
   summaries = common.service_run([
       *OVERRIDES, f"--config.outer_steps={args.outer_steps}", f"--config.inner_steps={args.inner_steps}",
       f"--config.streaming.overlap_steps={overlap}"], 2, 1800)
-  common.emit({
-      "blocked_fraction": round(max(s["blocked_fraction"] for s in summaries), 4),
-      "blocked_fraction_per_learner": [round(s["blocked_fraction"], 4) for s in summaries],
-      "exchange_fraction": round(max(s["exchange_seconds"] / s["wall_seconds"] for s in summaries), 4),
-      "final_ack_fraction": round(max(s["final_ack_seconds"] / s["wall_seconds"] for s in summaries), 4),
-      "rounds": [s["rounds"] for s in summaries],})
+  common.emit_keys(
+      {
+          "blocked_fraction": round(max(s["blocked_fraction"] for s in summaries), 4),
+          "blocked_fraction_per_learner": [round(s["blocked_fraction"], 4) for s in summaries],
+          "exchange_fraction": round(max(s["exchange_seconds"] / s["wall_seconds"] for s in summaries), 4),
+          "final_ack_fraction": round(max(s["final_ack_seconds"] / s["wall_seconds"] for s in summaries), 4),
+          "rounds": [s["rounds"] for s in summaries],}, ("blocked_fraction",))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 failure_quality, quorum_grace and learners_sweep train the same byte-level model
 (configs/tiny_shakespeare.py) on the same text with the same global batch, so their
-rows differ only in what each benchmark studies. `--size=tiny` shrinks model and
+rows differ only in what each benchmark studies; hetero_quality and compression_quality
+take the same flags (`sized`). `--size=tiny` shrinks model and
 budget so tests run every benchmark end to end in seconds.
 """
 
@@ -20,6 +21,7 @@ _DATA = flags.DEFINE_string("data_path", str(REPO_ROOT / ".." / "shared" / "data
 _SIZE = flags.DEFINE_enum("size", "full", ["full", "tiny"], "'tiny': a few steps of a toy model (tests).")
 _OUTER = flags.DEFINE_integer("outer_steps", 0, "Rounds of H steps per learner; 0 = the benchmark's own.")
 
+TINY_LEARNERS = {"learners.devices": (1, 1), "learners.batch_size": (16, 16)}  # 2 groups compile 4x faster than 8.
 GLOBAL_BATCH = 32  # Sequences per step summed over learners: every row sees the same tokens per step.
 INNER_STEPS = 20  # H.
 
@@ -36,19 +38,28 @@ def config(learners: int, outer_steps: int, **overrides):
   (the hetero_shakespeare recipe), relative speed 1 on the clock (1 s per step).
   """
   cfg = tiny_shakespeare.get_config()
-  cfg.data.source, cfg.data.path = "text_file", _DATA.value
   cfg.mode, cfg.runtime = "decoupled", "sim"
   cfg.model.seq_len = 64
-  cfg.outer_steps, cfg.inner_steps = _OUTER.value or outer_steps, INNER_STEPS
+  cfg.inner_steps = INNER_STEPS
   cfg.learners.devices = (1,) * learners
   cfg.learners.batch_size = (GLOBAL_BATCH // learners,) * learners
   cfg.syncer.quorum = 1
   cfg.outer.optimizer, cfg.outer.buffer_size = "delayed_nesterov", learners
   cfg.eval_every, cfg.eval_batches = 1_000_000, 8  # Only the final evaluation counts here.
+  return experiment.with_overrides(sized(cfg, outer_steps), overrides)
+
+
+def sized(cfg, outer_steps: int):
+  """`cfg` reading --data_path for --outer_steps rounds (else `outer_steps`), shrunk by --size=tiny.
+
+  Every tiny Shakespeare benchmark takes these three flags alike, so a test runs each of them end to end.
+  """
+  cfg.data.source, cfg.data.path = "text_file", _DATA.value
+  cfg.outer_steps = _OUTER.value or outer_steps
   if tiny():
     cfg.model.seq_len, cfg.model.d_model, cfg.model.num_layers, cfg.model.d_ff = 32, 32, 1, 64
     cfg.inner_steps, cfg.outer_steps, cfg.inner.warmup_steps, cfg.eval_batches = 4, 2, 2, 2
-  return experiment.with_overrides(cfg, overrides)
+  return cfg
 
 
 def run(name: str, cfg) -> dict:

@@ -16,8 +16,8 @@ learner sleeps `slowdown` × each step's compute after it (learners.slowdown), s
 share this machine's cores with little effect on one another's steps; H steps take
 H × step_seconds, calibrated in this process on the demo learner alone, times --contention
 (four two-device learners on the same cores run slower than one alone; or --step_seconds).
-The JSON line reports the step time the runs measured, and each run's exchange seconds per
-push, so the regime can be checked. Each learner's
+The line before the JSON line reports the step time the runs measured, and each run's exchange
+seconds per push, so the regime can be checked. Each learner's
 `learner_summary` splits its wall-clock into compute and blocked (waiting on an exchange,
 the final acknowledgements included). Key `blocked_fraction` {`p1_fp32`, `streaming_int4`}:
 the mean over learners of blocked / wall. Target: streaming_int4 <= 0.05 where p1_fp32 >= 0.30.
@@ -26,14 +26,16 @@ the mean over learners of blocked / wall. Target: streaming_int4 <= 0.05 where p
 import argparse
 import statistics
 
+from experiments import cli
 from experiments.benchmarks import common
 
 LEARNERS = 4
+OVERLAP = 2  # τ of the streaming run: each fragment's exchange may take this many steps.
 RUNS = {
     "p1_fp32": ("--config.streaming.num_fragments=1", "--config.streaming.overlap_steps=0",
                 "--config.compression.format=fp32", "--config.compression.downlink_format=fp32"),
     "streaming_int4": ("--config.streaming.num_fragments=4", "--config.streaming.strategy=balanced",
-                       "--config.streaming.overlap_steps=2", "--config.compression.format=int4"),
+                       f"--config.streaming.overlap_steps={OVERLAP}", "--config.compression.format=int4"),
 }  # The streaming run's downlink is --downlink.
 
 
@@ -48,7 +50,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--contention", type=float, default=2.0, help="A step in the run / a step alone.")
   parser.add_argument("--downlink", default="bf16", choices=("fp32", "bf16"),
                       help="compression.downlink_format of the streaming run.")
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  if args.inner_steps <= OVERLAP:  # A merged fragment must land before it syncs again (streaming.overlap_steps).
+    cli.fail(f"--inner_steps={args.inner_steps} must be > {OVERLAP}, the streaming run's tau: use "
+             f"--inner_steps={OVERLAP + 1} or more")
+  return args
 
 
 def calibrate(slowdown: float) -> tuple[float, int]:
@@ -96,10 +102,12 @@ def main(argv=None):
         "final_ack_fraction": round(statistics.mean(s["final_ack_seconds"] / s["wall_seconds"] for s in summaries), 4),
         "step_seconds": round(statistics.mean(s["busy_seconds"] / s["steps"] for s in summaries), 4),
         "exchange_seconds_per_push": round(statistics.mean(s["exchange_seconds"] / s["rounds"] for s in summaries), 4)}
-  common.emit({
-      "benchmark": "wan_service", "blocked_fraction": fractions, "link_mbps": round(mbps, 3),
-      "latency_ms": args.latency_ms, "inner_steps": args.inner_steps, "planned_step_seconds": round(step_seconds, 4),
-      "model_bytes": model_bytes, "streaming_downlink_format": args.downlink, "runs": figures})
+  common.emit_keys(
+      {
+          "benchmark": "wan_service", "blocked_fraction": fractions, "link_mbps": round(mbps, 3), "latency_ms":
+              args.latency_ms, "inner_steps": args.inner_steps, "planned_step_seconds": round(step_seconds, 4),
+          "model_bytes": model_bytes, "streaming_downlink_format": args.downlink, "runs": figures},
+      ("blocked_fraction",))
 
 
 if __name__ == "__main__":
