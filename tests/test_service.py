@@ -269,7 +269,9 @@ def test_two_learner_processes_train_to_completion_and_a_chaos_run_ends_within_3
   chaotic.start()
   codes = chaotic.wait(RUN_TIMEOUT, chaos)
   kills = [name for _, event, name in chaos.events if event == "kill"]
-  assert 3 <= len(kills) <= 4, chaos.events  # Seeded kills, within the budget.
+  # Seeded kills within the budget, every learner at least once. How many past two depends on how long the run
+  # lasts on this machine: after its restart a learner is spared for min_uptime (CI once ended the run first).
+  assert set(kills) == {"learner_0", "learner_1"} and len(kills) <= 4, chaos.events
   ended_by_chaos = chaos.abandoned | chaotic.stopped_after_end  # Killed near the end, or restarted into a finished run.
   assert ended_by_chaos <= set(kills) and all(
       code == 0 for name, code in codes.items() if name not in ended_by_chaos), (codes, ended_by_chaos)
