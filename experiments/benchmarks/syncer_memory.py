@@ -18,11 +18,14 @@ is not part of a merge) minus the idle process's, per parameter, is the figure. 
 process is the same child with a 10,000-parameter model (imports, JAX, compiled merges,
 orbax, the log, the servers: everything but the parameters); its peak RSS is reported beside the figure
 (`idle_rss_mb`).
+After the merge the same process saves Θ and the outer state as a syncer checkpoint does, into a side
+directory: `checkpoint_bytes_per_param`, that save's peak RSS minus the idle process's, per parameter.
 Then a second fresh process restarts the syncer in that workdir (no checkpoint since version 0): it
 restores the checkpoint and replays the M pushes from the log (`watch_replay` splits the two); a text
 line gives each phase's peak RSS minus the idle process's, per parameter.
 Last line: host_bytes_per_param {M: B/param} (fp32 pushes; target <= 16). The line before:
-int4_host_bytes_per_param, steady_bytes_per_param (after the merge and pull, fp32), idle_rss_mb.
+int4_host_bytes_per_param, steady_bytes_per_param (after the merge and pull, fp32), checkpoint_bytes_per_param
+(fp32), idle_rss_mb.
 """
 
 import gc
@@ -157,11 +160,24 @@ def _child(fmt: str, count: int, path: str, n: int, transport: str) -> dict:
   jax.block_until_ready(core.syncer.params)
   gc.collect()  # The steady figure after a collection (without one, 4 B/param more lingered: not found why).
   peak_kb, steady_kb = common.status_kb("VmHWM"), common.status_kb("VmRSS")
+  save_peak_kb = _save_peak_kb(core, f"{path}.{count}.saved")
   server.stop()
   core.close()
   return {
       "format": fmt, "pushes": count, "payload_bytes": size, "peak_kb": peak_kb, "steady_kb": steady_kb,
-      "push_seconds": round(sum(seconds) / count, 3)}
+      "save_peak_kb": save_peak_kb, "push_seconds": round(sum(seconds) / count, 3)}
+
+
+def _save_peak_kb(core, directory: str) -> int:
+  """Peak RSS (KiB) while the merged Θ and outer state are saved as the syncer's checkpoints are (the same
+  `Checkpointer.save`, the same trees), into a side directory: the restart must still replay from version 0."""
+  from decoupled_diloco import checkpoint  # pylint: disable=g-import-not-at-top
+  common.reset_peak_kb()
+  with checkpoint.Checkpointer(directory) as side:
+    side.save(1, {"params": core.syncer.state.params, "opt_state": core.syncer.state.opt_state}, {})
+  peak_kb = common.status_kb("VmHWM")
+  shutil.rmtree(directory)
+  return peak_kb
 
 
 def _restart_child(fmt: str, count: int, path: str, n: int) -> dict:
@@ -235,14 +251,17 @@ def main(argv) -> None:
         rows[fmt, count] = {
             **row, "idle_rss_mb": round(idle_kb[fmt, count] / 1024, 1), "peak_bytes_per_param": round(
                 (row["peak_kb"] - idle_kb[fmt, count]) * 1024 / n, 2), "steady_bytes_per_param": round(
-                    (row["steady_kb"] - idle_kb[fmt, count]) * 1024 / n, 2)}
+                    (row["steady_kb"] - idle_kb[fmt, count]) * 1024 / n, 2), "checkpoint_bytes_per_param": round(
+                        (row["save_peak_kb"] - idle["save_peak_kb"]) * 1024 / n, 2)}
         print(json.dumps(rows[fmt, count]), flush=True)
   common.emit_keys(
       {
           "benchmark": "syncer_memory", "params": n, "host_bytes_per_param": {
               m: r["peak_bytes_per_param"] for (f, m), r in rows.items() if f == "fp32"}, "int4_host_bytes_per_param": {
                   m: r["peak_bytes_per_param"] for (f, m), r in rows.items() if f == "int4"}, "steady_bytes_per_param": {
-                      m: r["steady_bytes_per_param"] for (f, m), r in rows.items() if f == "fp32"},
+                      m: r["steady_bytes_per_param"] for (f, m), r in rows.items() if f == "fp32"
+                  }, "checkpoint_bytes_per_param": {
+                      m: r["checkpoint_bytes_per_param"] for (f, m), r in rows.items() if f == "fp32"},
           "idle_rss_mb": max(r["idle_rss_mb"] for r in rows.values()), "payload_bytes": {
               f: r["payload_bytes"] for (f, m), r in rows.items()}, "load_average": round(os.getloadavg()[0], 1)},
       ("host_bytes_per_param",))
