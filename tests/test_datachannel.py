@@ -52,7 +52,7 @@ def _ticket(address, header, token=TOKEN):
   """PushTicket called as a raw gRPC client would."""
   with grpc.insecure_channel(address) as channel:
     reply = channel.unary_unary(f"/{server_lib.SERVICE}/PushTicket")(wire.pack_header(header), timeout=10,
-                                                                     metadata=((security.TOKEN_METADATA_KEY, token),))
+                                                                     metadata=security.call_metadata(token))
   return wire.parse_header(reply, client_lib.TICKET_SCHEMA)
 
 

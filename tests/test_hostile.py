@@ -106,7 +106,7 @@ def test_bf16_pushes_apply_and_theta_comes_back_in_bf16(syncer, params):
   assert reply["status"] == "applied" and reply["version"] == status["version"] + 1
   with grpc.insecure_channel(address, options=server_lib.message_options(64 << 10)) as channel:
     replies = channel.unary_stream(f"/{server_lib.SERVICE}/Pull")(wire.pack_header({
-        "learner": 0, "fragment": 0, "have_version": -1}), timeout=20, metadata=attacks.metadata(SECRET))
+        "learner": 0, "fragment": 0, "have_version": -1}), timeout=20, metadata=security.call_metadata(SECRET))
     header = wire.parse_header(next(replies), client_lib.STATUS_SCHEMA)
     theta = wire.decode(wire.assemble(replies, header["payload_bytes"], 1 << 30, 64 << 10))
   fp32_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
@@ -157,8 +157,8 @@ def test_header_values_beyond_their_bounds_are_refused_before_anything_is_applie
   with grpc.insecure_channel(address) as channel:
     push = channel.stream_unary(f"/{server_lib.SERVICE}/Push")
     _refused(
-        lambda: push(iter([wire.pack_header(header), bytes(8)]), metadata=attacks.metadata(credential), timeout=20),
-        grpc.StatusCode.INVALID_ARGUMENT, text)
+        lambda: push(iter([wire.pack_header(header), bytes(8)]), metadata=security.call_metadata(credential), timeout=20
+                    ), grpc.StatusCode.INVALID_ARGUMENT, text)
   assert _same_state(before, _state(address))
   assert _refusals(log)["out_of_bounds"] - counted.get("out_of_bounds", 0) == 2
   # Learner 1's honest next push is applied, not taken for a duplicate.
@@ -173,7 +173,7 @@ def test_shapes_that_overflow_int64_are_invalid_argument_and_counted(syncer):
   with grpc.insecure_channel(address) as channel:
     push = channel.stream_unary(f"/{server_lib.SERVICE}/Push")
     _refused(
-        lambda: push(iter([wire.pack_header(header), payload]), metadata=attacks.metadata(
+        lambda: push(iter([wire.pack_header(header), payload]), metadata=security.call_metadata(
             security.learner_credential(SECRET, 0)), timeout=20), grpc.StatusCode.INVALID_ARGUMENT, "needs")
   assert _refusals(log)["malformed"] - counted.get("malformed", 0) == 1
   assert _same_state(before, _state(address))

@@ -190,7 +190,7 @@ def test_bad_inputs_from_a_raw_client_are_refused_and_the_run_continues(cluster)
   channel = grpc.insecure_channel(address, options=server_lib.message_options(4 << 20))
   push = channel.stream_unary(f"/{server_lib.SERVICE}/Push")
   heartbeat = channel.unary_unary(f"/{server_lib.SERVICE}/Heartbeat")
-  good = ((security.TOKEN_METADATA_KEY, TOKEN),)
+  good = security.call_metadata(TOKEN)
   delta = jax.tree.map(lambda x: np.full(x.shape, 0.01, np.float32), params)
 
   def header(parts, **fields):

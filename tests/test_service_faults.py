@@ -143,7 +143,7 @@ def test_calls_beyond_the_cap_are_refused_at_once_while_an_honest_learner_gets_t
                        "def flood():\n"
                        "  while time.monotonic() < end:\n"
                        "    calls = [beat.future(wire.pack_header({'learner': 1}), timeout=20, "
-                       f"metadata=attacks.metadata({credential!r})) for _ in range(32)]\n"
+                       f"metadata=security.call_metadata({credential!r})) for _ in range(32)]\n"
                        "    for call in calls:\n"
                        "      with lock:\n"
                        "        outcomes['OK' if call.exception() is None else call.exception().code().name] += 1\n"

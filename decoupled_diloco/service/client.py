@@ -91,7 +91,7 @@ class SyncerClient:
     self.data_channel, self.data_tls, self.link = data_channel, data_tls, link  # link paces this learner's pushes.
     self._data_channel_paused_until = 0.0  # time.monotonic() before which pushes stream (see the module doc).
     self.host = target.rsplit(":", 1)[0].strip("[]")  # The data channel is on the syncer's host.
-    self._metadata = ((security.TOKEN_METADATA_KEY, token),)
+    self._metadata = security.call_metadata(token)
     self.incarnation = 0  # This process's incarnation of the learner, from its Join: every push carries it.
     self._status_schema = {**STATUS_SCHEMA, **(reader.EXTRA_FIELDS if reader.is_reader(learner) else {})}
     method = f"/{server.SERVICE}/"

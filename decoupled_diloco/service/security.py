@@ -28,6 +28,12 @@ TOKEN_METADATA_KEY = "x-dd-token"
 MIN_TOKEN_CHARS = 16
 
 
+def call_metadata(token: str) -> tuple:
+  """gRPC call metadata presenting `token`: the one way every caller (learners, benchmarks, attack tools) sends a
+  credential, so the key cannot drift between them."""
+  return ((TOKEN_METADATA_KEY, token),)
+
+
 def load_token(token_file: str) -> str:
   """The shared secret: `service.token_file` if set, else $DD_SYNCER_TOKEN; ConfigError if neither."""
   if token_file:

@@ -19,11 +19,6 @@ from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import security, server as server_lib, wire
 
 
-def metadata(token: str) -> tuple:
-  """The call metadata carrying `token` (a credential, the run secret, or a forgery)."""
-  return ((security.TOKEN_METADATA_KEY, token),)
-
-
 def _attempts(stop: threading.Event, max_count: int):
   """Attempt numbers 0, 1, ...: each taken only while `stop` is not set, at most `max_count`."""
   return itertools.takewhile(lambda _: not stop.is_set(), range(max_count))
@@ -41,7 +36,7 @@ def ticket(address: str, header: dict, token: str) -> dict:
   """A data-channel ticket for `header`, asked as a raw gRPC client."""
   with grpc.insecure_channel(address) as channel:
     reply = channel.unary_unary(f"/{server_lib.SERVICE}/PushTicket")(wire.pack_header(header), timeout=10,
-                                                                     metadata=metadata(token))
+                                                                     metadata=security.call_metadata(token))
   return wire.parse_header(reply, client_lib.TICKET_SCHEMA)
 
 
@@ -113,7 +108,7 @@ def stalled_push(address: str, token: str, learner: int, stop: threading.Event, 
 
     for _ in _attempts(stop, max_count):
       try:
-        push(stalled(), metadata=metadata(token), timeout=600)
+        push(stalled(), metadata=security.call_metadata(token), timeout=600)
         outcomes["OK"] += 1
       except grpc.RpcError as error:
         outcomes[error.code().name] += 1
@@ -144,7 +139,7 @@ def poison_headers(address: str, token: str, learner: int, victim: int, stop: th
       method, sender, header = cases[count % len(cases)]
       request = iter([wire.pack_header(header), payload]) if method == "Push" else wire.pack_header(header)
       try:
-        calls[method](request, metadata=metadata(sender), timeout=30)
+        calls[method](request, metadata=security.call_metadata(sender), timeout=30)
         outcomes["OK"] += 1
       except grpc.RpcError as error:
         outcomes[error.code().name] += 1

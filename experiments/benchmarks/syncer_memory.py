@@ -104,7 +104,7 @@ def _sender(transport: str, server, path: str):
 
   def send(header: dict) -> bytes:
     messages = itertools.chain([wire.pack_header(header)], map(bytes, _file_chunks(path, _CHUNK_BYTES)))
-    return push(messages, timeout=600, metadata=((security.TOKEN_METADATA_KEY, _TOKEN),))
+    return push(messages, timeout=600, metadata=security.call_metadata(_TOKEN))
 
   return send
 
