@@ -18,8 +18,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 @pytest.fixture(scope="session", autouse=True)
 def _compile_once_per_process(tmp_path_factory):
-  """A cache directory per pytest process (xdist workers never share one)."""
-  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  """A cache directory per pytest process (xdist workers never share one), kept as the service's processes keep
+  theirs."""
+  from decoupled_diloco.service import runconfig  # pylint: disable=g-import-not-at-top  # After the device count.
+  runconfig.cache_compiled_programs(str(tmp_path_factory.mktemp("jax_cache")))
   compilation_cache.reset_cache()
