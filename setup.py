@@ -12,7 +12,8 @@ setuptools.setup(
         "jax>=0.7.0,<0.13",
         "flax>=0.11.0,<0.13",
         "optax>=0.2.5,<0.3",
-        "orbax-checkpoint>=0.11.0,<0.13",
+        # 0.11.26: PyTreeCheckpointHandler(use_compression=False), which keeps a save from holding a copy (checkpoint.py).
+        "orbax-checkpoint>=0.11.26,<0.13",
         "ml-collections>=1.0,<2",
         "absl-py>=2.0",
         "numpy>=1.26",
