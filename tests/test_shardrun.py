@@ -50,3 +50,18 @@ def test_one_syncer_keeps_no_file_and_stops_on_its_own_learners(tmp_path):
   assert not state.may_stop(core, 0.0)
   core.told = True
   assert state.may_stop(core, 0.0)
+
+
+def test_shard_0_stops_only_on_a_state_it_has_published(tmp_path):
+  """The last learner can hear the end between shard 0's tick `sync` and its `may_stop` (a CI flake: shard 0
+  stopped with all_told=false on record, so shard 1 and its evaluator waited out the linger)."""
+  workdirs = [shardrun.shard_workdir(str(tmp_path), s) for s in range(2)]
+  for workdir in workdirs:
+    os.makedirs(workdir)
+  leader, follower = _Core(done=True), _Core(done=True)
+  published = shardrun.RunState(workdirs[0], 0, 2)
+  following = shardrun.RunState(workdirs[1], 1, 2, read_every_seconds=0.0)
+  published.sync(leader, 0.0)  # The tick: done, not every learner told.
+  leader.told = True  # The last learner hears the end now.
+  assert published.may_stop(leader, 0.1)
+  assert following.may_stop(follower, 0.2)

@@ -14,6 +14,7 @@ once shard 0 has told every learner (docs/syncer-shards.md).
 import copy
 import json
 import os
+import threading
 
 from decoupled_diloco import storage
 from decoupled_diloco.errors import ConfigError
@@ -56,7 +57,7 @@ class RunState:
     self.shard, self.sharded = shard or 0, num_shards > 1
     self.path = os.path.join(os.path.dirname(workdir), RUN_STATE) if self.sharded else None
     self.read_every_seconds = read_every_seconds
-    self._published = None
+    self._published, self._publishing = None, threading.Lock()  # Ticks and gRPC threads (`may_stop`) publish.
     self._read_at, self._state = None, {"done": False, "all_told": False}
 
   def _read(self, now: float) -> dict:
@@ -72,15 +73,24 @@ class RunState:
     if not self.sharded:
       return
     if self.shard == 0:
-      state = {"done": core.done, "all_told": core.all_told_done()}
-      if state != self._published:
-        storage.replace_text(self.path, json.dumps(state))
-        self._published = state
+      with self._publishing:
+        state = {"done": core.done, "all_told": core.all_told_done()}
+        if state != self._published:
+          storage.replace_text(self.path, json.dumps(state))
+          self._published = state
     elif self._read(now)["done"]:
       core.end(now)
 
   def may_stop(self, core, now: float) -> bool:
-    """Whether this syncer is done serving: every learner heard the end (from shard 0, for a shard)."""
-    if not self.sharded or self.shard == 0:
+    """Whether this syncer is done serving: every learner heard the end (from shard 0, for a shard).
+
+    Shard 0 answers what it has published: the last learner may hear the end between a tick's
+    `sync` and this call, and the other shards (and their evaluators' final reads) stop only on
+    the record, so shard 0 must never stop on a state it has not written.
+    """
+    if not self.sharded:
       return core.all_told_done()
+    if self.shard == 0:
+      self.sync(core, now)
+      return self._published["all_told"]
     return core.done and self._read(now)["all_told"]

@@ -184,9 +184,6 @@ def _serve(config, workdir: str, local: str, token: str, credentials, model, par
       except core_lib.Stopped as error:  # Fail-stop: the log cannot take new state; serve nothing more.
         server.stop(grace=0)
         raise SystemExit(f"error: {error}") from error
-      # Shard 0 publishes the state it stops on: the last learner may have heard the end between the tick's
-      # sync and its may_stop, and the other shards (and their evaluator's final reads) wait for that record.
-      run_state.sync(core, time.time())
       server.stop(grace=1.0)
       if warm_up is not None:
         warm_up.join()
