@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
 from decoupled_diloco import compression, fragments, outer
 from decoupled_diloco.inner import InnerLoop, TrainState
@@ -115,6 +116,30 @@ class Learner:
     self.pushed.pop(fragment, None)  # The new Θ_p anchors: θ_p as pushed is not needed any more.
     self.tokens_since_push[fragment] = round(self.alpha * self.tokens_since_push[fragment])
     self.steps_since_push[fragment] = round(self.alpha * self.steps_since_push[fragment])
+
+  def warm_up(self) -> None:
+    """Runs once, on throwaway inputs, the programs that a push and a landing compile; changes nothing.
+
+    Why: XLA compiles a program (or loads it from the persistent cache) at its first call, so
+    a restarted learner would pay for these after its start-up, in its first round: the layout
+    converters of scanned layers (θ read for a push, written back by a landing), a compressed
+    format's encoder and error feedback, and α's blend. A runtime calls this before it counts
+    the learner as started (service/learner_main.py). With fp32 pushes, α = 0 and unscanned
+    layers there are none (a push is a device_get and numpy, a landing a device_put) and this
+    costs nothing. The inputs are copies of θ and zeros of its shapes: state, anchors,
+    residuals, counts and the data position stay as they were.
+    """
+    params = self.params  # As `push` and `land` read θ (a copy where the step holds the layers stacked).
+    ran = [self.loop.to_step(params)]  # As `land` writes it back.
+    leaves = jax.tree.leaves(params)
+    if self.alpha:  # One of each (shape, dtype, sharding): what a compiled program is specialised on.
+      ran += [_blend(self.alpha, x, x) for x in {(x.shape, x.dtype, x.sharding): x for x in leaves}.values()]
+    if self.codec.format != "fp32" or self.codec.error_feedback:
+      zeros = [np.zeros(shape, np.float32) for shape in {x.shape for x in leaves}]  # A Δ on the host, as pushed.
+      ran += compression.encode_with_feedback(self.codec, zeros)
+      if ran[-1] is not None:  # The residual: later pushes fold it in, another program.
+        ran += compression.encode_with_feedback(self.codec, zeros, ran[-1])
+    jax.block_until_ready(ran)  # XLA on CPU finishes a program loaded from its cache in its first run.
 
   def step(self) -> None:
     """Dispatch one inner step asynchronously; the loss is fetched later in `drain_losses`."""

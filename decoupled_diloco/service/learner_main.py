@@ -127,6 +127,9 @@ class LearnerProcess:
     self._restore()
     self.start_step = self.learner.steps  # Where this process took over: 0, or its checkpoint's step.
     self.learner.start_from(theta, self.status["versions"])
+    began = time.perf_counter()  # Part of start-up: else the first push and landing compile in the first round.
+    self.learner.warm_up()
+    logging.info("learner %d warmed up its push and landing in %.2fs", self.index, time.perf_counter() - began)
     self.seq = self.status["acked_seq"] + 1
     if self.group.leader:
       threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()

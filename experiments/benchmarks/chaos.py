@@ -21,7 +21,8 @@ with exactly the keys of issue 13:
   undisturbed_spread  (max - min) / mean of the undisturbed runs' final eval losses.
   rejoin_seconds    from a learner's restart to the syncer's first accepted push of it: {p50, max}, split
                     where its first step had compiled and run into `startup` (process start, imports, Join,
-                    restore, compilation or loading it from the learner's XLA cache, the first run) and `rest`
+                    restore, the warm-up of a push's and a landing's programs, the step's compilation or its
+                    loading from the learner's XLA cache, its first run) and `rest`
                     (the rest of its first round and the push; target: at most one round of H steps, which a log line
                     gives for each rejoin from the other learners' rounds over the same seconds), each {p50, max}.
   syncer_recovery_seconds  from a syncer's restart to the first call it served (a heartbeat this
