@@ -136,7 +136,7 @@ def test_calls_beyond_the_cap_are_refused_at_once_while_an_honest_learner_gets_t
   address = tight_syncer
   credential = security.learner_credential(SECRET, 1)
   # 16 threads of learner 1's credential, each keeping 32 heartbeats in flight, for 12 s.
-  attacker = _attacker("import grpc\nfrom decoupled_diloco.service import server, wire\n"
+  attacker = _attacker("import grpc\nfrom decoupled_diloco.service import security, server, wire\n"
                        f"channel = grpc.insecure_channel({address!r})\n"
                        "beat = channel.unary_unary(f'/{server.SERVICE}/Heartbeat')\n"
                        "outcomes, lock, end = collections.Counter(), threading.Lock(), time.monotonic() + 12\n"
