@@ -5,6 +5,7 @@ closures), so each pytest process keeps a persistent compilation cache of its ow
 program is compiled once per process, and what runs is the same executable either way.
 """
 
+import logging
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -23,3 +24,13 @@ def _compile_once_per_process(tmp_path_factory):
   from decoupled_diloco.service import runconfig  # pylint: disable=g-import-not-at-top  # After the device count.
   runconfig.cache_compiled_programs(str(tmp_path_factory.mktemp("jax_cache")))
   compilation_cache.reset_cache()
+
+
+@pytest.fixture(name="compile_log")
+def _compile_log(caplog):
+  """jax's compile log of every thread, captured from here on (`clear()` restarts it): what a test expects
+  compiled, loaded from the cache or traced, and what it does not."""
+  jax.config.update("jax_log_compiles", True)
+  with caplog.at_level(logging.WARNING):
+    yield caplog
+  jax.config.update("jax_log_compiles", False)

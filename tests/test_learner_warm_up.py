@@ -7,11 +7,8 @@ started, where the chaos benchmark's `rest` would hold them. Each check compares
 built from one seeded config, one warmed up and one not, through the same steps, pushes and landings.
 """
 
-import logging
-
 import jax
 import numpy as np
-import pytest
 
 from decoupled_diloco import experiment, fragments
 from tests import helpers
@@ -21,15 +18,6 @@ _OVERRIDES = {
     "mode": "decoupled", "runtime": "sim", "model.scan_layers": True, "compression.format": "int4",
     "compression.error_feedback": True, "streaming.alpha": 0.5, "streaming.num_fragments": 2,
     "streaming.strategy": "balanced"}
-
-
-@pytest.fixture(name="compiles")
-def _compiles(caplog):
-  """The names of the programs jax lowers (compiles or loads from its cache) from here on; clear() to restart."""
-  jax.config.update("jax_log_compiles", True)
-  with caplog.at_level(logging.WARNING):
-    yield caplog
-  jax.config.update("jax_log_compiles", False)
 
 
 def _programs(caplog) -> list[str]:
@@ -77,13 +65,13 @@ def _counts(learner) -> tuple:
   return learner.steps, learner.base_versions, learner.steps_since_push, learner.tokens_since_push
 
 
-def test_a_warm_up_compiles_the_first_pushes_and_landings_and_changes_no_result(compiles):
-  cold, theta, _ = _started(False, compiles)
-  cold_sent, after_start = _rounds(cold, theta, compiles)
+def test_a_warm_up_compiles_the_first_pushes_and_landings_and_changes_no_result(compile_log):
+  cold, theta, _ = _started(False, compile_log)
+  cold_sent, after_start = _rounds(cold, theta, compile_log)
   assert after_start, "without a warm-up the first pushes and landings compile their programs"
-  warm, _, warmed = _started(True, compiles)
+  warm, _, warmed = _started(True, compile_log)
   assert sorted(set(warmed)) == sorted(set(after_start)), "the warm-up lowers what the first pushes and landings do"
-  warm_sent, after_warm_up = _rounds(warm, theta, compiles)
+  warm_sent, after_warm_up = _rounds(warm, theta, compile_log)
   assert not after_warm_up, f"compiled after the warm-up, in what would be the first round: {after_warm_up}"
   # The warm-up changed no state: the same payloads, params, optimizer state, residuals, anchors and counts.
   for a, b in zip(jax.tree.leaves(cold_sent), jax.tree.leaves(warm_sent), strict=True):

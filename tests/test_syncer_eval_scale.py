@@ -3,10 +3,8 @@ on an evaluator process (service.evaluate_on='evaluator'), validation refuses sy
 scale, and a syncer built with it off merges and finishes without tracing the model's loss (jax's compile log)."""
 
 import importlib
-import logging
 import time
 
-import jax
 import pytest
 
 from decoupled_diloco import metrics as metrics_lib, model as model_lib
@@ -15,15 +13,6 @@ from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.run import records
 from decoupled_diloco.service import runconfig, syncer_main
 from tests import service_config
-
-
-@pytest.fixture(name="compile_log")
-def _compile_log(caplog):
-  """jax's compile log of every thread (the syncer evaluates in its own), captured."""
-  jax.config.update("jax_log_compiles", True)
-  with caplog.at_level(logging.WARNING):
-    yield caplog
-  jax.config.update("jax_log_compiles", False)
 
 
 def _model_traces(caplog) -> list[str]:
