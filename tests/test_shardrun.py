@@ -2,6 +2,8 @@
 
 import dataclasses
 import os
+import threading
+import time
 
 from decoupled_diloco.service import shardrun
 
@@ -12,9 +14,11 @@ class _Core:
   done: bool = False
   told: bool = False
   ended_at: float | None = None
+  lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)  # SyncerCore's: guards its state.
 
   def all_told_done(self) -> bool:
-    return self.told
+    with self.lock:
+      return self.told
 
   def end(self, now: float) -> None:
     self.done, self.ended_at = True, now
@@ -65,3 +69,27 @@ def test_shard_0_stops_only_on_a_state_it_has_published(tmp_path):
   leader.told = True  # The last learner hears the end now.
   assert published.may_stop(leader, 0.1)
   assert following.may_stop(follower, 0.2)
+
+
+def test_a_tick_and_a_call_that_holds_the_cores_lock_never_deadlock_on_publishing(tmp_path):
+  """A CI hang: an evaluator's status call holds the core's lock and asks `may_stop`, which publishes, while
+  the tick publishes and waits for the core's lock; with a lock of its own RunState took them in both orders."""
+  os.makedirs(shardrun.shard_workdir(str(tmp_path), 0))
+  core, published = _Core(done=True), shardrun.RunState(shardrun.shard_workdir(str(tmp_path), 0), 0, 2)
+  holding, answered = threading.Event(), threading.Event()
+
+  def status_call():  # Reader.status: the core's lock, then `is_final` (may_stop).
+    with core.lock:
+      holding.set()
+      time.sleep(0.3)  # The tick starts publishing meanwhile and waits for the core's lock.
+      published.may_stop(core, 0.1)
+    answered.set()
+
+  call = threading.Thread(target=status_call, daemon=True)
+  call.start()
+  holding.wait()
+  tick = threading.Thread(target=published.sync, args=(core, 0.0), daemon=True)
+  tick.start()
+  assert answered.wait(10.0), "the status call and the tick deadlocked"
+  tick.join(10.0)
+  assert not tick.is_alive()

@@ -14,7 +14,6 @@ once shard 0 has told every learner (docs/syncer-shards.md).
 import copy
 import json
 import os
-import threading
 
 from decoupled_diloco import storage
 from decoupled_diloco.errors import ConfigError
@@ -57,7 +56,7 @@ class RunState:
     self.shard, self.sharded = shard or 0, num_shards > 1
     self.path = os.path.join(os.path.dirname(workdir), RUN_STATE) if self.sharded else None
     self.read_every_seconds = read_every_seconds
-    self._published, self._publishing = None, threading.Lock()  # Ticks and gRPC threads (`may_stop`) publish.
+    self._published = None
     self._read_at, self._state = None, {"done": False, "all_told": False}
 
   def _read(self, now: float) -> dict:
@@ -73,7 +72,9 @@ class RunState:
     if not self.sharded:
       return
     if self.shard == 0:
-      with self._publishing:
+      # Ticks and gRPC threads (`may_stop`, under the core's lock) publish: under that same lock, so that no
+      # thread holds a lock of this object while it waits for the core's (the order that deadlocked).
+      with core.lock:
         state = {"done": core.done, "all_told": core.all_told_done()}
         if state != self._published:
           storage.replace_text(self.path, json.dumps(state))
