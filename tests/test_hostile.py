@@ -29,7 +29,7 @@ from decoupled_diloco import model as model_lib
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import datachannel, security, server as server_lib, wire
 from decoupled_diloco.service import limits as core_limits
-from experiments.benchmarks import attacks
+from experiments.benchmarks import attacks, hostile
 from experiments.launch_local import LocalCluster
 from tests import service_config
 from tests.test_datachannel import _serving
@@ -383,3 +383,16 @@ def test_the_hostile_benchmark_runs_to_the_end_with_no_honest_exchange_refused()
   context, figures = (json.loads(line) for line in process.stdout.strip().splitlines()[-2:])
   assert context["run_done"] and figures["honest_refused"] == 0 and context["honest_exchanges"] > 0, (figures, context)
   assert sum(figures["refused"].values()) > 0, figures
+
+
+def test_the_hostile_benchmark_charges_each_round_to_the_window_it_began_in():
+  """Alternating windows share a change in the machine's load out between both phases, only if
+  each round counts where it began and each phase divides by its own windows' seconds."""
+  # Each window: its first and last samples (time, then the syncer's CPU and RSS, not needed here).
+  spans = {"undisturbed": [((0,), (10,)), ((25,), (35,))], "attack": [((10,), (25,))]}
+  begins = (-1, 0, 9.9, 10, 24.9, 25, 35)
+  assert [hostile._phase(t, spans) for t in begins] == [  # pylint: disable=protected-access
+      "other", "undisturbed", "undisturbed", "attack", "attack", "undisturbed", "other"]
+  rounds = [(1.0, 0.5, "applied"), (12.0, 3.0, "applied"), (30.0, 1.5, "applied"), (40.0, 9.0, "applied")]
+  assert hostile._fraction(rounds, "undisturbed", spans) == pytest.approx(2.0 / 20)  # pylint: disable=protected-access
+  assert hostile._fraction(rounds, "attack", spans) == pytest.approx(3.0 / 15)  # pylint: disable=protected-access

@@ -58,17 +58,23 @@ def reconnect_flood(host: str, port: int, stop: threading.Event, hold_seconds: f
       stop.wait(begin + attempt / per_second - time.monotonic())
     try:
       with socket.create_connection((host, port), timeout=5) as connection:
-        if hold_seconds:
-          connection.settimeout(hold_seconds)
-          try:
-            outcomes["CLOSED" if connection.recv(1) == b"" else "DATA"] += 1
-          except TimeoutError:
-            outcomes["HELD"] += 1
-        else:
-          outcomes["CONNECTED"] += 1
+        outcomes[_hold(connection, hold_seconds, stop) if hold_seconds else "CONNECTED"] += 1
     except OSError:
       outcomes["REFUSED"] += 1
   return outcomes
+
+
+def _hold(connection: socket.socket, seconds: float, stop: threading.Event) -> str:
+  """Holds an idle connection for `seconds`, or until `stop`, so that an attack ends when told to;
+  'CLOSED' if the syncer dropped it first."""
+  connection.settimeout(0.25)
+  deadline = time.monotonic() + seconds
+  while time.monotonic() < deadline and not stop.is_set():
+    try:
+      return "CLOSED" if connection.recv(1) == b"" else "DATA"
+    except TimeoutError:
+      continue
+  return "HELD"
 
 
 def slow_sender(address: str, data_port: int, token: str, learner: int, stop: threading.Event,

@@ -3,16 +3,18 @@ r"""Honest learners' service while attackers hit the same syncer: the starvation
   python -m experiments.benchmarks.hostile [--phase_seconds=45]
 
 A real syncer process (experiments.launch_local's LocalCluster, the demo model, 5 learner
-ids) on loopback. Learners 0-3 are honest: each (a thread of one process) computes for
+ids) on loopback. Learners 0-3 are honest: each (a process of its own) computes for
 `--round_seconds` (a sleep: the syncer's side is what is measured), then pushes its round
 and pulls Θ, waiting for both (`blocked`). Learner 4 is compromised: the attackers (another
-process) hold its credential, and none other. The first phase runs undisturbed, the second
-under bounded attacker loops (experiments/benchmarks/attacks.py): reconnect floods of the
-data port (connect-and-close and idle holders), slow senders trickling ticketed payloads,
+process) hold its credential, and none other. Undisturbed windows alternate with windows
+under bounded attacker loops (experiments/benchmarks/attacks.py), `--windows` of each, so
+that a change in the shared machine's load falls on both phases alike: reconnect floods of
+the data port (connect-and-close and idle holders), slow senders trickling ticketed payloads,
 Push streams that stall after their header, and poison headers (out of bounds,
-impersonating learner 0, shapes overflowing int64, forged tokens). Then the honest learners
-spend the rest of the budget, so that the syncer ends the run and its summary counts every
-refusal.
+impersonating learner 0, shapes overflowing int64, forged tokens). An attack window ends
+once its loops have stopped, and the next undisturbed window starts only then. Then the
+honest learners spend the rest of the budget, so that the syncer ends the run and its
+summary counts every refusal.
 
 What it measures, and what it leaves out: everything shares one machine's cores, where a real
 attacker would be other machines. So the attackers run at `--attacker_nice` (10) above the
@@ -25,9 +27,9 @@ machine and cost up to twice the CPU per honest exchange; docs/security.md has t
 JSON keys: `honest_push_p99_seconds` (an honest push + pull under attack, p99),
 `blocked_ratio` (honest blocked fraction under attack / undisturbed; target <= 2),
 `honest_refused` (honest exchanges that failed; target 0), `refused` (the syncer's refusal
-counters by kind), `syncer_rss_growth_mb` (the syncer's resident memory at the attack's end
-minus at its start; target <= 64). The JSON line before it has the attack volume and
-`syncer_cpu_ratio` (the syncer's CPU seconds per honest exchange under attack / undisturbed:
+counters by kind), `syncer_rss_growth_mb` (the syncer's resident memory at the last attack
+window's end minus at the first one's start; target <= 64). The JSON line before it has the
+attack volume and `syncer_cpu_ratio` (the syncer's CPU seconds per honest exchange under attack / undisturbed:
 its own cost of the attack, whatever the machine's load).
 """
 
@@ -54,8 +56,8 @@ OVERRIDES = ("--config.mode=decoupled", "--config.learners.devices=(1,1,1,1,1)",
              "--config.service.lease_seconds=600", f"--config.syncer.min_learners_to_start={len(HONEST)}")
 
 
-def _honest(address: str, learner: int, start, round_seconds: float, out) -> None:
-  """One honest learner: rounds of (compute, push + pull) through both phases, then the budget's rest."""
+def _honest(address: str, learner: int, go, finish, round_seconds: float, out) -> None:
+  """One honest learner: rounds of (compute, push + pull) from `go` until `finish`, then the budget's rest fast."""
   from decoupled_diloco.service import client as client_lib  # pylint: disable=g-import-not-at-top
   from decoupled_diloco.service import security  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
@@ -65,12 +67,11 @@ def _honest(address: str, learner: int, start, round_seconds: float, out) -> Non
   delta = jax.tree.map(lambda x: np.full(x.shape, 1e-4, np.float32), theta)
   seq, rounds = status["acked_seq"] + 1, []
   out.put(("ready", learner))
-  phases = start.get()  # The same two phase ends for every learner, once all of them are ready.
+  go.wait()  # Every learner starts at once; the windows are told apart afterwards, by their times.
   while not status["done"]:
-    if time.time() < phases[1]:  # After the phases, the budget's rest goes as fast as it can.
+    if not finish.is_set():  # After the windows, the budget's rest goes as fast as it can.
       time.sleep(round_seconds)
     begin = time.time()
-    phase = "undisturbed" if begin < phases[0] else "attack" if begin < phases[1] else "finish"
     try:
       reply = client.push(seq, delta, base_version=status["version"], tokens=INNER_STEPS * BATCH * SEQ_LEN,
                           local_steps=INNER_STEPS, compute_seconds=round_seconds)
@@ -79,12 +80,15 @@ def _honest(address: str, learner: int, start, round_seconds: float, out) -> Non
     except Exception as error:  # pylint: disable=broad-except
       outcome = f"failed: {type(error).__name__}: {error}"
     seq += 1
-    rounds.append((phase, begin, time.time() - begin, outcome))
+    rounds.append((begin, time.time() - begin, outcome))
   out.put((learner, rounds))
 
 
-def _attack(address: str, seconds: float, niceness: int, flood_rate: float, out) -> None:
-  """The compromised learner's attack loops, bounded in time (and count), at `niceness` (see the module doc)."""
+def _attack(address: str, syncer_pid: int, seconds: float, windows: int, niceness: int, flood_rate: float, go,
+            out) -> None:
+  """Alternates `windows` undisturbed windows with as many of the compromised learner's attack loops,
+  `seconds` each, at `niceness` (see the module doc), from `go`; reports each window's span and
+  the syncer's CPU seconds and RSS (MB) at its ends, and the attack's volume."""
   os.nice(niceness)
   from decoupled_diloco.service import security  # pylint: disable=g-import-not-at-top
   credential = security.learner_credential(SECRET, ATTACKER)
@@ -95,11 +99,22 @@ def _attack(address: str, seconds: float, niceness: int, flood_rate: float, out)
            [lambda stop: attacks.slow_sender(address, data_port, credential, ATTACKER, stop)] * 2 +
            [lambda stop: attacks.stalled_push(address, credential, ATTACKER, stop, payload_bytes=64 << 10)] * 4 +
            [lambda stop: attacks.poison_headers(address, credential, ATTACKER, 0, stop, pause=0.01)] * 2)
-  results = attacks.run_for(seconds, loops)
-  total = collections.Counter()
-  for result in results:
-    total.update(result)
-  out.put(dict(total))
+  total, spans = collections.Counter(), {"undisturbed": [], "attack": []}
+  out.put("ready")
+  go.wait()
+
+  def sample():
+    return time.time(), _cpu_seconds(syncer_pid), common.status_kb("VmRSS", syncer_pid) / 1024
+
+  for _ in range(windows):
+    begin = sample()
+    time.sleep(seconds)
+    spans["undisturbed"].append((begin, sample()))
+    begin = sample()
+    for result in attacks.run_for(seconds, loops):
+      total.update(result)
+    spans["attack"].append((begin, sample()))
+  out.put({"spans": spans, "volume": dict(total), "cpu_seconds": time.process_time()})
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -109,15 +124,23 @@ def _cpu_seconds(pid: int) -> float:
   return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _fraction(rounds, phase: str, start: float, end: float) -> float:
-  """A learner's blocked seconds in `phase` over that phase's wall-clock."""
-  return sum(seconds for p, _, seconds, _ in rounds if p == phase) / (end - start)
+def _phase(begin: float, spans: dict) -> str:
+  """The kind of window a round began in ('undisturbed', 'attack'), or 'other' (before, between or after them)."""
+  return next((kind for kind, windows in spans.items() for (start, *_), (end, *_) in windows if start <= begin < end),
+              "other")
+
+
+def _fraction(rounds, phase: str, spans: dict) -> float:
+  """A learner's blocked seconds in rounds begun in `phase`'s windows over those windows' wall-clock."""
+  blocked = sum(seconds for begin, seconds, _ in rounds if _phase(begin, spans) == phase)
+  return blocked / sum(end[0] - start[0] for start, end in spans[phase])
 
 
 def main():
-  """One syncer, two phases; prints the JSON line."""
+  """One syncer, undisturbed and attack windows alternating; prints the JSON line."""
   parser = common.parser(__doc__)
-  parser.add_argument("--phase_seconds", type=float, default=45.0, help="Length of each phase.")
+  parser.add_argument("--phase_seconds", type=float, default=45.0, help="Length of each phase, its windows together.")
+  parser.add_argument("--windows", type=int, default=3, help="Windows of each phase; they alternate.")
   parser.add_argument("--round_seconds", type=float, default=1.0, help="An honest learner's compute per round.")
   parser.add_argument("--flood_rate", type=float, default=2400.0, help="Connect-and-close attempts a second.")
   parser.add_argument("--attacker_nice", type=int, default=10, help="The attackers' niceness above the syncer's.")
@@ -131,31 +154,25 @@ def main():
     try:
       address = cluster.start_syncer()
       pid = cluster.processes["syncer"].pid
-      out, start = context.Queue(), context.Queue()
-      honest = [context.Process(target=_honest, args=(address, m, start, args.round_seconds, out)) for m in HONEST]
+      out, attack_out, go, finish = context.Queue(), context.Queue(), context.Event(), context.Event()
+      honest = [context.Process(target=_honest, args=(address, m, go, finish, args.round_seconds, out)) for m in HONEST]
       for process in honest:
         process.start()
       for _ in HONEST:
         assert out.get(timeout=300)[0] == "ready"
-      begin = time.time()
-      phases = (begin + args.phase_seconds, begin + 2 * args.phase_seconds)
-      for _ in HONEST:
-        start.put(phases)
-      cpu = [_cpu_seconds(pid)]
-      time.sleep(max(0.0, phases[0] - time.time()))
-      cpu.append(_cpu_seconds(pid))
-      rss_before = common.status_kb("VmRSS", pid) / 1024
-      attacker = context.Process(target=_attack,
-                                 args=(address, args.phase_seconds, args.attacker_nice, args.flood_rate, out))
+      attacker = context.Process(
+          target=_attack, args=(address, pid, args.phase_seconds / args.windows, args.windows, args.attacker_nice,
+                                args.flood_rate, go, attack_out))
       attacker.start()
-      rss_peak = rss_before
-      while time.time() < phases[1]:
+      assert attack_out.get(timeout=300) == "ready"
+      go.set()
+      rss_peak = 0.0
+      while attacker.is_alive() and attack_out.empty():
         rss_peak = max(rss_peak, common.status_kb("VmRSS", pid) / 1024)
         time.sleep(0.5)
-      rss_after = common.status_kb("VmRSS", pid) / 1024
-      cpu.append(_cpu_seconds(pid))
-      attacker_cpu = _cpu_seconds(attacker.pid)
-      results = [out.get(timeout=600) for _ in range(len(HONEST) + 1)]
+      attack = attack_out.get(timeout=600)
+      finish.set()
+      learners = dict(out.get(timeout=600) for _ in HONEST)
       for process in [*honest, attacker]:
         process.join(timeout=60)
       cluster.processes["syncer"].wait(timeout=300)
@@ -163,31 +180,35 @@ def main():
           r for r in metrics_lib.read_metrics(os.path.join(workdir, "metrics.jsonl")) if r["kind"] == "summary")
     finally:
       cluster.stop()
-  attack_volume = next(r for r in results if isinstance(r, dict))
-  learners = dict(r for r in results if isinstance(r, tuple))
-  attacked = [s for rounds in learners.values() for p, _, s, _ in rounds if p == "attack"]
-  undisturbed = np.mean([_fraction(r, "undisturbed", begin, phases[0]) for r in learners.values()])
-  under_attack = np.mean([_fraction(r, "attack", phases[0], phases[1]) for r in learners.values()])
+  spans = attack["spans"]
+  attacked = [s for rounds in learners.values() for begin, s, _ in rounds if _phase(begin, spans) == "attack"]
+  blocked = {phase: float(np.mean([_fraction(r, phase, spans) for r in learners.values()])) for phase in spans}
   failed = [o for rounds in learners.values() for *_, o in rounds if o not in ("applied", "dropped", "late")]
   for outcome in failed[:5]:
     print("honest exchange failed:", outcome)
-  exchanges = [
-      sum(p == phase for rounds in learners.values() for p, *_ in rounds) for phase in ("undisturbed", "attack")]
-  cpu_per_exchange = [(cpu[i + 1] - cpu[i]) / max(1, exchanges[i]) for i in range(2)]
-  print(f"syncer CPU s per honest exchange: undisturbed {cpu_per_exchange[0]:.4f} ({exchanges[0]} exchanges), "
-        f"under attack {cpu_per_exchange[1]:.4f} ({exchanges[1]}); the attackers' CPU {attacker_cpu:.2f} s")
+  exchanges = {
+      phase: sum(_phase(b, spans) == phase for rounds in learners.values() for b, *_ in rounds) for phase in spans}
+  cpu_per_exchange = {
+      phase: sum(end[1] - start[1] for start, end in windows) / max(1, exchanges[phase])
+      for phase, windows in spans.items()}
+  print(f"syncer CPU s per honest exchange: undisturbed {cpu_per_exchange['undisturbed']:.4f} "
+        f"({exchanges['undisturbed']} exchanges), under attack {cpu_per_exchange['attack']:.4f} "
+        f"({exchanges['attack']}); the attackers' CPU {attack['cpu_seconds']:.2f} s; windows (s): " +
+        ", ".join(f"{kind[0]} {end[0] - start[0]:.1f}" for pair in zip(spans["undisturbed"], spans["attack"])
+                  for kind, (start, end) in zip(("undisturbed", "attack"), pair)))
   p50, p99 = (round(float(np.percentile(attacked, q)), 4) for q in (50, 99))
-  fractions = {"undisturbed": round(float(undisturbed), 4), "under_attack": round(float(under_attack), 4)}
+  rss_start = spans["attack"][0][0][2]
   common.emit_keys(
       {
-          "honest_push_p99_seconds": p99, "blocked_ratio": round(under_attack / undisturbed, 3),
+          "honest_push_p99_seconds": p99, "blocked_ratio": round(blocked["attack"] / blocked["undisturbed"], 3),
           "honest_refused": len(failed), "refused": summary["refused_calls"], "syncer_rss_growth_mb": round(
-              rss_after - rss_before, 1), "honest_push_p50_seconds": p50,
-          "syncer_cpu_ratio": round(cpu_per_exchange[1] / cpu_per_exchange[0], 3), **{
-              f"blocked_fraction_{phase}": value for phase, value in fractions.items()}, "honest_exchanges": sum(
-              len(r) for r in learners.values()), "attack_attempts": attack_volume, "syncer_rss_peak_growth_mb": round(
-                  rss_peak - rss_before, 1), "phase_seconds": args.phase_seconds, "round_seconds":
-                      args.round_seconds, "run_done": summary["done"]},
+              spans["attack"][-1][1][2] - rss_start, 1), "honest_push_p50_seconds": p50, "syncer_cpu_ratio": round(
+                  cpu_per_exchange["attack"] / cpu_per_exchange["undisturbed"], 3),
+          "blocked_fraction_undisturbed": round(blocked["undisturbed"], 4), "blocked_fraction_under_attack": round(
+              blocked["attack"], 4), "honest_exchanges": sum(len(r) for r in learners.values()),
+          "attack_attempts": attack["volume"], "syncer_rss_peak_growth_mb": round(
+              max(rss_peak, rss_start) - rss_start, 1), "phase_seconds": args.phase_seconds, "windows":
+                  args.windows, "round_seconds": args.round_seconds, "run_done": summary["done"]},
       ("honest_push_p99_seconds", "blocked_ratio", "honest_refused", "refused", "syncer_rss_growth_mb"))
 
 
