@@ -99,21 +99,21 @@ def _attack(address: str, syncer_pid: int, seconds: float, windows: int, nicenes
            [lambda stop: attacks.slow_sender(address, data_port, credential, ATTACKER, stop)] * 2 +
            [lambda stop: attacks.stalled_push(address, credential, ATTACKER, stop, payload_bytes=64 << 10)] * 4 +
            [lambda stop: attacks.poison_headers(address, credential, ATTACKER, 0, stop, pause=0.01)] * 2)
-  total, spans = collections.Counter(), {"undisturbed": [], "attack": []}
+  total = collections.Counter()
   out.put("ready")
   go.wait()
 
   def sample():
     return time.time(), _cpu_seconds(syncer_pid), common.status_kb("VmRSS", syncer_pid) / 1024
 
+  edges = [sample()]  # One sample where each window ends and the next begins.
   for _ in range(windows):
-    begin = sample()
     time.sleep(seconds)
-    spans["undisturbed"].append((begin, sample()))
-    begin = sample()
+    edges.append(sample())
     for result in attacks.run_for(seconds, loops):
       total.update(result)
-    spans["attack"].append((begin, sample()))
+    edges.append(sample())
+  spans = {"undisturbed": list(zip(edges[0::2], edges[1::2])), "attack": list(zip(edges[1::2], edges[2::2]))}
   out.put({"spans": spans, "volume": dict(total), "cpu_seconds": time.process_time()})
 
 
@@ -125,7 +125,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _phase(begin: float, spans: dict) -> str:
-  """The kind of window a round began in ('undisturbed', 'attack'), or 'other' (before, between or after them)."""
+  """The kind of window a round began in ('undisturbed', 'attack'), or 'other' (before or after them all)."""
   return next((kind for kind, windows in spans.items() for (start, *_), (end, *_) in windows if start <= begin < end),
               "other")
 
