@@ -81,9 +81,9 @@ class _Writable:
 def host_view(array: np.ndarray, device: jax.Device) -> jax.Array:
   """`array` on `device` without a copy when it is aligned and on the host, through DLPack.
 
-  Why DLPack, not `device_put(may_alias=True)`: XLA frees an imported buffer's owner the moment
-  the view is deleted, while an aliased numpy array was let go of from a runtime thread and
-  dropped only at JAX's next `gc` pass, so the syncer had to collect until it was (under the
+  Why DLPack, not `device_put(may_alias=True)`: XLA frees an imported buffer's owner once the
+  view is deleted and no computation reads it any more, while an aliased numpy array was let go of
+  from a runtime thread and dropped only at JAX's next `gc` pass, so the syncer had to collect until it was (under the
   service's lock). The fold never donates a push, so XLA never writes this memory. Dtypes
   DLPack lacks (bfloat16) are imported as unsigned integers and bit-cast (one copy of that leaf).
   """
@@ -100,8 +100,9 @@ def host_view(array: np.ndarray, device: jax.Device) -> jax.Array:
 def release(push: Push) -> None:
   """Deletes a checked push's device views of its receive buffer, so that the caller's reference is the last.
 
-  XLA lets go of DLPack-imported memory at once (`host_view`): nothing to wait for. Only views
-  `on_device` made are deleted: a caller's own device arrays are never touched.
+  XLA lets go of DLPack-imported memory without a gc pass (`host_view`), from its worker thread
+  just after the last computation reading it is done: nothing to wait for. Only views `on_device`
+  made are deleted: a caller's own device arrays are never touched.
   """
   if push.host_views:
     payload = push.delta.leaves if isinstance(push.delta, compression.Compressed) else push.delta

@@ -8,6 +8,7 @@ outlive the next push's arrival. Run on real wire payloads, real device views an
 finite check."""
 
 import gc
+import time
 import weakref
 
 import jax
@@ -50,13 +51,22 @@ def _no_gc():
   gc.enable()
 
 
-def _freed_once_dropped(delta, take) -> bool:
-  """Whether the receive buffer of `delta` is gone as soon as the caller drops it, after `take(payload)`
-  (no gc pass)."""
+def _freed_once_dropped(delta, take, seconds: float = 5.0) -> bool:
+  """Whether the receive buffer of `delta` is gone, with no gc pass, once the caller drops it after
+  `take(payload)`.
+
+  XLA's worker thread drops its hold on a computation's inputs just after it marks the outputs
+  ready, so on a busy machine the last reference can go a few milliseconds after `take` returns
+  (measured: up to 3 ms with two other threads computing). Waiting for it is not waiting for a gc
+  pass: the collector is off, and a buffer only a cycle holds is never freed here.
+  """
   buffer, payload = _received(delta)
   owner = weakref.ref(buffer.base)
   take(payload)
   del buffer, payload
+  deadline = time.monotonic() + seconds
+  while owner() is not None and time.monotonic() < deadline:
+    time.sleep(1e-3)
   return owner() is None
 
 
