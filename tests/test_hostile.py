@@ -13,8 +13,6 @@ import json
 import os
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -29,7 +27,7 @@ from decoupled_diloco import model as model_lib
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import datachannel, security, server as server_lib, wire
 from decoupled_diloco.service import limits as core_limits
-from experiments.benchmarks import attacks, hostile
+from experiments.benchmarks import attacks
 from experiments.launch_local import LocalCluster
 from tests import service_config
 from tests.test_datachannel import _serving
@@ -371,28 +369,3 @@ def test_push_limits_follow_each_learners_batch_and_the_round_policy():
   for change in ({"tokens": header["tokens"] + 1}, {"local_steps": 9, "tokens": 1}, {"seq": 65}):
     with pytest.raises(core_limits.OutOfBounds):
       core_limits.check_push(limits, {**header, **change}, acked_seq=0, steps_left=0)
-
-
-@pytest.mark.slow
-def test_the_hostile_benchmark_runs_to_the_end_with_no_honest_exchange_refused():
-  # The attacker holds learner 4's credential and never trains: the start barrier must not wait for it.
-  process = subprocess.run([sys.executable, "-m", "experiments.benchmarks.hostile", "--phase_seconds=4"],
-                           capture_output=True, text=True, timeout=600,
-                           env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
-  assert process.returncode == 0, process.stderr[-3000:]
-  context, figures = (json.loads(line) for line in process.stdout.strip().splitlines()[-2:])
-  assert context["run_done"] and figures["honest_refused"] == 0 and context["honest_exchanges"] > 0, (figures, context)
-  assert sum(figures["refused"].values()) > 0, figures
-
-
-def test_the_hostile_benchmark_charges_each_round_to_the_window_it_began_in():
-  """Alternating windows share a change in the machine's load out between both phases, only if
-  each round counts where it began and each phase divides by its own windows' seconds."""
-  # Each window: its first and last samples (time, then the syncer's CPU and RSS, not needed here).
-  spans = {"undisturbed": [((0,), (10,)), ((25,), (35,))], "attack": [((10,), (25,))]}
-  begins = (-1, 0, 9.9, 10, 24.9, 25, 35)
-  assert [hostile._phase(t, spans) for t in begins] == [  # pylint: disable=protected-access
-      "other", "undisturbed", "undisturbed", "attack", "attack", "undisturbed", "other"]
-  rounds = [(1.0, 0.5, "applied"), (12.0, 3.0, "applied"), (30.0, 1.5, "applied"), (40.0, 9.0, "applied")]
-  assert hostile._fraction(rounds, "undisturbed", spans) == pytest.approx(2.0 / 20)  # pylint: disable=protected-access
-  assert hostile._fraction(rounds, "attack", spans) == pytest.approx(3.0 / 15)  # pylint: disable=protected-access

@@ -36,6 +36,7 @@ its own cost of the attack, whatever the machine's load).
 import collections
 import multiprocessing
 import os
+import queue as queue_lib
 import tempfile
 import time
 
@@ -117,6 +118,23 @@ def _attack(address: str, syncer_pid: int, seconds: float, windows: int, nicenes
   out.put({"spans": spans, "volume": dict(total), "cpu_seconds": time.process_time()})
 
 
+def _next(results, children, seconds: float):
+  """The next item `children` put on `results`; raises at once, naming it, if one of them died instead.
+
+  Why: a crashed child puts nothing, and waiting out `seconds` (up to 10 minutes) for it hid the crash.
+  """
+  deadline = time.monotonic() + seconds
+  while True:
+    try:
+      return results.get(timeout=0.5)
+    except queue_lib.Empty:
+      dead = [child for child in children if child.exitcode not in (None, 0)]
+      if dead:
+        raise RuntimeError(f"{dead[0].name} exited with status {dead[0].exitcode}; its output is above") from None
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"nothing from {[child.name for child in children]} in {seconds:.0f} s") from None
+
+
 def _cpu_seconds(pid: int) -> float:
   """A process's user + system CPU seconds so far (Linux /proc)."""
   with open(f"/proc/{pid}/stat", encoding="ascii") as f:
@@ -159,20 +177,20 @@ def main():
       for process in honest:
         process.start()
       for _ in HONEST:
-        assert out.get(timeout=300)[0] == "ready"
+        assert _next(out, honest, 300)[0] == "ready"
       attacker = context.Process(
           target=_attack, args=(address, pid, args.phase_seconds / args.windows, args.windows, args.attacker_nice,
                                 args.flood_rate, go, attack_out))
       attacker.start()
-      assert attack_out.get(timeout=300) == "ready"
+      assert _next(attack_out, [attacker], 300) == "ready"
       go.set()
       rss_peak = 0.0
       while attacker.is_alive() and attack_out.empty():
         rss_peak = max(rss_peak, common.status_kb("VmRSS", pid) / 1024)
         time.sleep(0.5)
-      attack = attack_out.get(timeout=600)
+      attack = _next(attack_out, [attacker], 600)
       finish.set()
-      learners = dict(out.get(timeout=600) for _ in HONEST)
+      learners = dict(_next(out, honest, 600) for _ in HONEST)
       for process in [*honest, attacker]:
         process.join(timeout=60)
       cluster.processes["syncer"].wait(timeout=300)
