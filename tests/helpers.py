@@ -1,6 +1,8 @@
-"""Shrunken real configs for tests: the demo's shape, a model and data small enough for CPU."""
+"""Shared test helpers: shrunken real configs (the demo's shape, a model and data small enough for CPU),
+and waiting for what another thread or process does a moment later."""
 
 import os
+import time
 
 from configs import default
 from decoupled_diloco import experiment
@@ -44,3 +46,12 @@ def write_documents(directory, counts=(("train", 200), ("eval", 20))) -> str:
       writer.write((f"doc {i}: " + "abcab" * (i % 7 + 1) + ".").encode())
     writer.close()
   return str(directory)
+
+
+def wait_for(condition, seconds: float = 5.0) -> bool:
+  """Whether `condition()` holds within `seconds`: for effects another thread or process makes a moment
+  later (a loaded machine delays them; a fixed sleep either wastes time or races)."""
+  deadline = time.monotonic() + seconds
+  while not condition() and time.monotonic() < deadline:
+    time.sleep(0.01)
+  return condition()

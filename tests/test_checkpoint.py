@@ -130,7 +130,7 @@ def test_save_interval_skips_off_interval_steps(tmp_path):
 
 
 _CRASH_MID_SAVE = textwrap.dedent("""
-    import os, sys
+    import os, sys, time
     import numpy as np
     import orbax.checkpoint as ocp
     from decoupled_diloco.checkpoint import Checkpointer
@@ -144,6 +144,10 @@ _CRASH_MID_SAVE = textwrap.dedent("""
     manager.save(2, args=ocp.args.Composite(
         syncer=ocp.args.StandardSave({"x": np.full((1 << 22,), 2.0, np.float32)}),
         metadata=ocp.args.JsonSave({"outer_step": 2})))
+    # Orbax may make the step's temporary folder in a thread of its own: die once it is there.
+    deadline = time.monotonic() + 60
+    while not any(name.startswith("2.") for name in os.listdir(directory)) and time.monotonic() < deadline:
+      time.sleep(1e-3)
     os._exit(1)
 """)
 

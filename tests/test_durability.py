@@ -291,13 +291,14 @@ def test_a_full_checkpoint_disk_keeps_the_syncer_serving_and_retries(params, tin
   _push(core, params, 0, 0)
   _push(core, params, 1, 0)  # Version 1: a checkpoint is due.
   filler = _fill(str(tiny_disk), 150 << 10)  # Room for log records, not for a checkpoint.
-  core.tick(time.time())
+  failed_at = time.time()  # The ticks' clock: the retry is due by it, not by how long the saves took.
+  core.tick(failed_at)
   assert core.store.checkpointer.all_steps() == [0]  # The save failed...
   assert _push(core, params, 0, 1)["status"] == "applied"  # ...and the syncer serves on from its log.
   os.remove(filler)
-  core.tick(time.time())
+  core.tick(failed_at + 1.0)
   assert core.store.checkpointer.all_steps() == [0]  # Not retried at once...
-  core.tick(time.time() + durable.CHECKPOINT_RETRY_SECONDS)
+  core.tick(failed_at + durable.CHECKPOINT_RETRY_SECONDS)
   assert core.store.checkpointer.all_steps() == [0, 1]  # ...but once the retry is due.
   before, acked = jax.device_get(core.syncer.params), dict(core.acked)
   core.store.log.close()

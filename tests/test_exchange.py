@@ -124,8 +124,10 @@ def test_a_shaped_transfer_takes_its_bytes_at_the_link_rate_plus_latency():
   link = link_lib.Link.shaped(MBPS, 50.0)
   expected = nbytes * 8 / (MBPS * 1e6) + 0.05
   assert link.seconds(nbytes) == pytest.approx(expected)
-  assert 0.9 * expected < _shaped_transfer_seconds(link, nbytes) < 1.5 * expected
-  assert _shaped_transfer_seconds(link_lib.UNSHAPED, nbytes) < 0.25 * expected
+  # Load only slows a transfer down: the lower bound holds for every try, the upper one for the fastest.
+  shaped = [_shaped_transfer_seconds(link, nbytes) for _ in range(3)]
+  assert 0.9 * expected < min(shaped) < 1.5 * expected, shaped
+  assert min(_shaped_transfer_seconds(link_lib.UNSHAPED, nbytes) for _ in range(3)) < 0.25 * expected
 
 
 def test_both_directions_of_a_learner_are_shaped(params, tmp_path):
@@ -135,18 +137,21 @@ def test_both_directions_of_a_learner_are_shaped(params, tmp_path):
   with _serving(core, links=links) as (_, address):
     client = _client(address, 0, data_channel=True, link=link_lib.Link.shaped(4.0, 0.0))
     client.join()
+    pushed, pulled = [], []
     for seq in range(3):  # The first two merges compile.
       begin = time.perf_counter()
       client.push(seq, _delta(params), base_version=seq, tokens=64, local_steps=4, compute_seconds=0.1)
-      pushed = time.perf_counter() - begin
+      pushed.append(time.perf_counter() - begin)
       begin = time.perf_counter()
       _, theta = client.pull(seq)
-      pulled = time.perf_counter() - begin
+      pulled.append(time.perf_counter() - begin)
   nbytes = client.pulled_bytes // 4  # join + 3 pulls: the model's bytes 4 times.
   fastest = links[0].seconds(nbytes - links[0].bucket.burst)  # A full bucket's burst goes out at once.
   assert theta is not None
+  # A push's time holds a ticket call, the log's fsync and a merge beside the paced bytes, and load only
+  # slows those: every round is paced (the lower bound), and the fastest one is not much more than that.
   for seconds in (pushed, pulled):
-    assert 0.95 * fastest < seconds < 2.0 * links[0].seconds(nbytes) + 0.5
+    assert 0.95 * fastest < min(seconds) and min(seconds) < 2.0 * links[0].seconds(nbytes) + 0.5, seconds
   core.close()
 
 

@@ -20,6 +20,7 @@ from decoupled_diloco.service import wire
 from decoupled_diloco.syncer import Settings, Syncer
 from experiments.launch_local import LocalCluster
 from tests import service_config
+from tests.helpers import wait_for
 
 CONFIG = "tests/service_config.py"
 # Quorum 1 with a window far longer than a round (γ·τ_g·ξ_step): the first push of a round opens it and
@@ -55,8 +56,8 @@ def test_a_service_pull_waits_for_the_merge_of_the_grace_window_its_push_is_in(t
   replies, bounds = [], []
   waiter = threading.Thread(target=lambda: replies.append(core.pull(0, 0, 0, now, on_wait=bounds.append)))
   waiter.start()
-  time.sleep(0.5)
-  assert waiter.is_alive() and bounds == [pytest.approx(1.0 + 5.0)]  # Deadline + the tick's slack.
+  assert wait_for(lambda: bounds) and waiter.is_alive()  # It waits; an answer at once never calls on_wait.
+  assert bounds == [pytest.approx(1.0 + 5.0)]  # Deadline + the tick's slack.
   status, theta = core.pull(1, 0, 0, now)  # Learner 1 pushed nothing: answered at once, Θ unchanged.
   assert status["versions"] == [0] and theta is None
   core.tick(now + 1.0)  # The window closes: merge.

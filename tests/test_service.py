@@ -116,9 +116,12 @@ def test_measured_dylu_keeps_equal_learners_rounds_near_h(cluster):
                 "--config.inner_steps=20", "--config.outer_steps=8")
   run.start()
   _assert_completed(run.workdir, run.wait(RUN_TIMEOUT))
-  for m in range(2):  # Rounds 3-6: measured (1 compiles), before the budget's end cuts periods short.
-    steps = [r["local_steps"] for r in _syncer_records(run.workdir, "push") if r["learner"] == m][2:6]
-    assert len(steps) == 4 and statistics.median(steps) >= 10, steps  # Before the fix: 1-3.
+  # Rounds 3-6: measured (1 compiles), before the budget's end cuts periods short. DyLU gives the faster learner H
+  # and the other H times their speeds' ratio, which two processes sharing loaded cores can move far from 1.
+  pushes = _syncer_records(run.workdir, "push")
+  rounds = [[r["local_steps"] for r in pushes if r["learner"] == m][2:6] for m in range(2)]
+  assert all(len(steps) == 4 for steps in rounds), rounds
+  assert max(map(max, rounds)) >= 16 and min(map(statistics.median, rounds)) >= 4, rounds  # Before the fix: 1-3.
 
 
 def test_a_killed_learner_rejoins_while_the_other_keeps_training(cluster):

@@ -126,7 +126,9 @@ def test_a_frozen_peer_holding_streams_loses_its_slots_to_keepalive_long_before_
     while _busy(honest) and time.monotonic() < frozen_at + 60:
       time.sleep(0.2)
     freed = time.monotonic() - frozen_at
-    assert freed < 6.0 and frozen_at + freed < streams_from + deadline - 2.0, (freed, deadline)
+    # Keepalive frees them ~2 s after the freeze (a 1 s ping, a 1 s timeout), later on a loaded machine; without
+    # it, at their deadline. The bound is that deadline's: a fixed one only measured the machine's load.
+    assert frozen_at + freed < streams_from + deadline - 2.0, (freed, frozen_at - streams_from, deadline)
   finally:
     attacker.kill()
     attacker.wait()

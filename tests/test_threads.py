@@ -76,7 +76,10 @@ def test_the_fast_learner_takes_more_local_steps_and_never_waits_for_the_slow_on
   # γ = 0.5, τ = H, ξ_step at most the slow learner's step): half a slow round, never a whole one.
   windows = sum(1 for o in _kind(records, "outer") if o["trigger"] == "deadline" and 1 in o["learners"])
   window_bound = windows * 0.5 * H * slow["busy_seconds"] / slow["steps"]
-  assert fast["blocked_seconds"] <= summary["syncer_seconds"] + window_bound + 0.05
+  # Slack: 10 ms a round for the lock held beside the syncer's work (the slow learner's train records, the
+  # merge's records, a late wake-up on a loaded machine); waiting out the slow learner's rounds costs ~150 ms each.
+  slack = 0.05 + 0.01 * fast["pushes"]
+  assert fast["blocked_seconds"] <= summary["syncer_seconds"] + window_bound + slack
   # Merges went on while it worked: its pushes were based on versions already superseded.
   # (DyLU evens out round times, so by how many depends on scheduling: 1 or 2 here.)
   assert max(int(s) for s in slow["staleness_histogram"]) >= 1
