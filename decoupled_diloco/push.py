@@ -82,9 +82,9 @@ def host_view(array: np.ndarray, device: jax.Device) -> jax.Array:
   """`array` on `device` without a copy when it is aligned and on the host, through DLPack.
 
   Why DLPack, not `device_put(may_alias=True)`: XLA frees an imported buffer's owner once the
-  view is deleted and no computation reads it any more, while an aliased numpy array was let go of
-  from a runtime thread and dropped only at JAX's next `gc` pass, so the syncer had to collect until it was (under the
-  service's lock). The fold never donates a push, so XLA never writes this memory. Dtypes
+  view is deleted and no computation reads it any more, while an aliased numpy array was let go
+  of from a runtime thread and dropped only at JAX's next `gc` pass, so the syncer had to collect
+  until it was (under the service's lock). The fold never donates a push, so XLA never writes this memory. Dtypes
   DLPack lacks (bfloat16) are imported as unsigned integers and bit-cast (one copy of that leaf).
   """
   exported = np.asarray(_Writable(array))

@@ -48,10 +48,13 @@ def write_documents(directory, counts=(("train", 200), ("eval", 20))) -> str:
   return str(directory)
 
 
-def wait_for(condition, seconds: float = 5.0) -> bool:
-  """Whether `condition()` holds within `seconds`: for effects another thread or process makes a moment
-  later (a loaded machine delays them; a fixed sleep either wastes time or races)."""
+def wait_for(condition, seconds: float = 5.0, interval: float = 0.01) -> bool:
+  """Whether `condition()` holds within `seconds`, asked every `interval`: for effects another thread or
+  process makes a moment later (a loaded machine delays them; a fixed sleep either wastes time or races).
+  A condition that reads files of a running cluster is asked less often, so as not to load it."""
   deadline = time.monotonic() + seconds
-  while not condition() and time.monotonic() < deadline:
-    time.sleep(0.01)
-  return condition()
+  while not condition():
+    if time.monotonic() >= deadline:
+      return False
+    time.sleep(interval)
+  return True

@@ -217,8 +217,8 @@ def test_a_connect_and_close_flood_starts_no_thread_is_counted_and_leaves_ticket
         thread.join(timeout=30)
     connected = sum(flood["CONNECTED"] for flood in floods)
     assert connected > 100 and client.retries == 0 and max(seconds) < 5.0, (connected, client.retries, seconds)
-    assert started.count("data-push") == len(seconds), collections.Counter(
-        started)  # One per push, none per flood connection.
+    # One data-push thread per push, none per flood connection.
+    assert started.count("data-push") == len(seconds), collections.Counter(started)
     # Each flood connection is refused and counted once: closed before its ticket, or evicted.
     assert wait_for(lambda: refused() == connected), (server.rejections, connected)
   core.close()

@@ -151,7 +151,7 @@ def test_both_directions_of_a_learner_are_shaped(params, tmp_path):
   # A push's time holds a ticket call, the log's fsync and a merge beside the paced bytes, and load only
   # slows those: every round is paced (the lower bound), and the fastest one is not much more than that.
   for seconds in (pushed, pulled):
-    assert 0.95 * fastest < min(seconds) and min(seconds) < 2.0 * links[0].seconds(nbytes) + 0.5, seconds
+    assert 0.95 * fastest < min(seconds) < 2.0 * links[0].seconds(nbytes) + 0.5, seconds
   core.close()
 
 

@@ -30,6 +30,7 @@ from decoupled_diloco.service import limits as core_limits
 from experiments.benchmarks import attacks
 from experiments.launch_local import LocalCluster
 from tests import service_config
+from tests.helpers import wait_for
 from tests.test_datachannel import _serving
 from tests.test_service_units import TOKEN, _core, _delta, _header, _push
 
@@ -224,9 +225,7 @@ def test_floods_trickles_and_stalled_streams_leave_honest_pushes_and_heartbeats_
     # Past the trickle's and the stalled streams' whole-call deadlines (~10 s from when each got its slot,
     # later on a loaded machine): attackers stopped earlier end their streams themselves, which is not
     # what this test checks. The trickle's thread ends once the syncer has cut it (max_count=1).
-    bound = time.monotonic() + 45.0
-    while (trickle.is_alive() or _refusals(log).get("too_slow", 0) < 2) and time.monotonic() < bound:
-      time.sleep(0.5)
+    wait_for(lambda: not trickle.is_alive() and _refusals(log).get("too_slow", 0) >= 2, 45.0, 0.5)
   finally:
     stop.set()
     for thread in threads:
@@ -319,9 +318,8 @@ def test_a_stalled_grpc_push_is_cut_off_by_its_deadline_and_logs_nothing(params,
       stop.set()
     assert time.monotonic() - begin < datachannel.transfer_seconds(8 << 10) + 3
     assert sum(outcomes.values()) == 1 and "OK" not in outcomes, outcomes
-    counted = time.monotonic() + 5.0  # The client hears of the cancel before the handler's thread counts it.
-    while not server.rejections["too_slow"] and time.monotonic() < counted:
-      time.sleep(0.05)
+    # The client hears of the cancel before the handler's thread counts it.
+    wait_for(lambda: server.rejections["too_slow"], 5.0, 0.05)
     assert server.rejections["too_slow"] == 1 and core.acked == {0: -1, 1: -1}
   assert {name: os.path.getsize(os.path.join(log_dir, name)) for name in os.listdir(log_dir)} == before
   core.close()

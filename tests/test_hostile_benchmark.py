@@ -32,8 +32,8 @@ def test_the_hostile_benchmark_charges_each_round_to_the_window_it_began_in():
   # Each window: its first and last samples (time, then the syncer's CPU and RSS, not needed here).
   spans = {"undisturbed": [((0,), (10,)), ((25,), (35,))], "attack": [((10,), (25,))]}
   begins = (-1, 0, 9.9, 10, 24.9, 25, 35)
-  assert [hostile._phase(t, spans) for t in begins
-         ] == ["other", "undisturbed", "undisturbed", "attack", "attack", "undisturbed", "other"]
+  phases = [hostile._phase(t, spans) for t in begins]
+  assert phases == ["other", "undisturbed", "undisturbed", "attack", "attack", "undisturbed", "other"]
   rounds = [(1.0, 0.5, "applied"), (12.0, 3.0, "applied"), (30.0, 1.5, "applied"), (40.0, 9.0, "applied")]
   assert hostile._fraction(rounds, "undisturbed", spans) == pytest.approx(2.0 / 20)
   assert hostile._fraction(rounds, "attack", spans) == pytest.approx(3.0 / 15)

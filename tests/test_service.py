@@ -21,6 +21,7 @@ from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import security, server as server_lib, wire
 from experiments.launch_local import Chaos, LocalCluster
 from tests import service_config
+from tests.helpers import wait_for
 
 # Real syncer and learner processes, SIGKILLs and a chaos run: the fast subset leaves them out.
 pytestmark = pytest.mark.slow
@@ -40,13 +41,6 @@ def _syncer_records(workdir, kind):
 
 def _learner_records(workdir, index, kind):
   return [r for r in _records(os.path.join(workdir, f"learner_{index}", "metrics.jsonl")) if r["kind"] == kind]
-
-
-def _wait_until(condition, timeout=RUN_TIMEOUT, what="condition"):
-  deadline = time.monotonic() + timeout
-  while not condition():
-    assert time.monotonic() < deadline, f"timed out waiting for {what}"
-    time.sleep(0.2)
 
 
 @pytest.fixture
@@ -127,12 +121,14 @@ def test_measured_dylu_keeps_equal_learners_rounds_near_h(cluster):
 def test_a_killed_learner_rejoins_while_the_other_keeps_training(cluster):
   run = cluster("--config.outer_steps=80")  # Learner 0 alone must not spend the budget while 1 restarts.
   run.start()
-  _wait_until(lambda: len(_learner_records(run.workdir, 1, "ack")) >= 4, what="learner 1's fourth ack")
+  assert wait_for(lambda: len(_learner_records(run.workdir, 1, "ack")) >= 4, RUN_TIMEOUT,
+                  0.2), ("timed out waiting for learner 1's fourth ack")
   run.kill("learner_1")
   acks_before = len(_learner_records(run.workdir, 1, "ack"))
   pushes_of_0 = len([r for r in _syncer_records(run.workdir, "push") if r["learner"] == 0])
   run.restart("learner_1")
-  _wait_until(lambda: len(_learner_records(run.workdir, 1, "ack")) > acks_before, what="learner 1 to push again")
+  assert wait_for(lambda: len(_learner_records(run.workdir, 1, "ack")) > acks_before, RUN_TIMEOUT,
+                  0.2), ("timed out waiting for learner 1 to push again")
   during_outage = len([r for r in _syncer_records(run.workdir, "push") if r["learner"] == 0]) - pushes_of_0
   assert during_outage >= 2, "learner 0 stopped while learner 1 was down"
   codes = run.wait(RUN_TIMEOUT)
@@ -150,7 +146,8 @@ def test_a_killed_syncer_resumes_from_its_checkpoint_and_log_with_streamed_fragm
   run = cluster("--config.outer_steps=10", "--config.inner_steps=8", "--config.streaming.num_fragments=2",
                 "--config.streaming.strategy=balanced")
   run.start()
-  _wait_until(lambda: len(_syncer_records(run.workdir, "outer")) >= 10, what="10 merges")
+  assert wait_for(lambda: len(_syncer_records(run.workdir, "outer")) >= 10, RUN_TIMEOUT,
+                  0.2), ("timed out waiting for 10 merges")
   run.kill("syncer")
   killed_at = max(r["outer_step"] for r in _syncer_records(run.workdir, "outer"))
   time.sleep(1.0)

@@ -7,7 +7,6 @@ uninterrupted stream, which `learner_batches` rebuilds here from the same config
 """
 
 import os
-import time
 import zlib
 
 import pytest
@@ -28,13 +27,6 @@ def _records(workdir, name, kind):
   return [r for r in metrics_lib.read_metrics(path) if r["kind"] == kind] if os.path.exists(path) else []
 
 
-def _wait_until(condition, what):
-  deadline = time.monotonic() + RUN_TIMEOUT
-  while not condition():
-    assert time.monotonic() < deadline, f"timed out waiting for {what}"
-    time.sleep(0.2)
-
-
 def test_a_restarted_learner_continues_its_packed_stream_exactly(tmp_path):
   (tmp_path / "data").mkdir()
   data = helpers.write_documents(tmp_path / "data")
@@ -46,12 +38,13 @@ def test_a_restarted_learner_continues_its_packed_stream_exactly(tmp_path):
                          env=dict(os.environ, DD_SYNCER_TOKEN="d" * 32))
   try:
     cluster.start()
-    _wait_until(lambda: len(_records(cluster.workdir, "learner_1", "batches")) >= 3, "learner 1's third period")
+    assert helpers.wait_for(lambda: len(_records(cluster.workdir, "learner_1", "batches")) >= 3, RUN_TIMEOUT,
+                            0.2), "timed out waiting for learner 1's third period"
     cluster.kill("learner_1")
     before = len(_records(cluster.workdir, "learner_1", "batches"))
     cluster.restart("learner_1")
-    _wait_until(lambda: len(_records(cluster.workdir, "learner_1", "batches")) > before + 1,
-                "learner 1 to train two periods after its restart")
+    assert helpers.wait_for(lambda: len(_records(cluster.workdir, "learner_1", "batches")) > before + 1, RUN_TIMEOUT,
+                            0.2), "timed out waiting for learner 1 to train two periods after its restart"
     assert cluster.running() == ["learner_0", "learner_1", "syncer"]  # Nothing failed meanwhile.
   finally:
     cluster.stop()

@@ -19,6 +19,7 @@ import pytest
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import datachannel, durable, runconfig, security, wire
 from experiments.launch_local import LocalCluster
+from tests.helpers import wait_for
 from tests.test_durability import _fill
 from tests.test_service_units import _delta, params  # pylint: disable=unused-import
 
@@ -123,8 +124,7 @@ def test_a_frozen_peer_holding_streams_loses_its_slots_to_keepalive_long_before_
       assert time.monotonic() < streams_from + 30, "the stalled streams never took learner 1's slots"
     attacker.send_signal(signal.SIGSTOP)  # Frozen: its kernel still ACKs, but nothing answers gRPC's pings.
     frozen_at = time.monotonic()
-    while _busy(honest) and time.monotonic() < frozen_at + 60:
-      time.sleep(0.2)
+    wait_for(lambda: not _busy(honest), 60, 0.2)
     freed = time.monotonic() - frozen_at
     # Keepalive frees them ~2 s after the freeze (a 1 s ping, a 1 s timeout), later on a loaded machine; without
     # it, at their deadline. The bound is that deadline's: a fixed one only measured the machine's load.

@@ -14,6 +14,7 @@ import pytest
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import server as server_lib
 from decoupled_diloco.service import wal, wire
+from tests.helpers import wait_for
 from tests.test_datachannel import _client, _ticket
 from tests.test_durability import _fill, _segment_bytes, tiny_disk  # pylint: disable=unused-import
 from tests.test_service_units import TOKEN, _core, _delta, _header, _leaves_equal, _push, params  # pylint: disable=unused-import
@@ -114,10 +115,7 @@ def test_a_syncer_killed_while_a_push_streams_in_loses_no_acknowledged_push(para
     ticket = _ticket(address, _header(learner=1, payload_bytes=len(data)))["ticket"]
     with socket.create_connection(("127.0.0.1", data_port)) as connection:
       connection.sendall(bytes.fromhex(ticket) + data[:len(data) // 2])
-      deadline = time.monotonic() + 10
-      while not _has_spool(syncer.pid, tmp_path / "wal") and time.monotonic() < deadline:  # Half of it is spooled.
-        time.sleep(0.01)
-      assert _has_spool(syncer.pid, tmp_path / "wal")
+      assert wait_for(lambda: _has_spool(syncer.pid, tmp_path / "wal"), 10)  # Half of it is spooled.
       syncer.kill()  # SIGKILL, halfway through the stream.
       syncer.wait()
   finally:
