@@ -82,15 +82,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.inner.microbatches = 1  # Gradient accumulation over k microbatches (batch % (k x devices) == 0).
 
   config.outer = ml_collections.ConfigDict()
-  config.outer.optimizer = "sgd"  # 'sgd' (with momentum / Nesterov) or 'adam'.
+  # 'auto' (and buffer_size 0, policy.kind 'auto'): the mode's recipe, decoupled_diloco/mode_defaults.py.
+  config.outer.optimizer = "auto"  # 'sgd' (momentum / Nesterov), 'adam', 'delayed_nesterov'; auto: DN if decoupled.
   config.outer.lr = 0.7  # Outer learning rate (DiLoCo: 0.7; 1.0 without momentum = parameter averaging).
   config.outer.momentum = 0.9  # Outer momentum, Adam's b1 for optimizer='adam' (0 = none).
   config.outer.nesterov = True  # Nesterov momentum (DiLoCo's choice).
-  config.outer.buffer_size = 1  # Delayed Nesterov: N merges per momentum update (= arrivals with quorum 1).
+  config.outer.buffer_size = 0  # Delayed Nesterov: N merges per momentum update; 0 = a round's merges (M / quorum).
   config.outer.activation = 0.0  # Delayed Nesterov: c in [0, 1/buffer_size], momentum share between updates.
 
   config.syncer = ml_collections.ConfigDict()  # Merge policy (docs/syncer.md); mode='diloco': quorum all, staleness 0.
-  config.syncer.quorum = 1  # K: distinct learners that must report before a merge (0 = all).
+  config.syncer.quorum = -1  # K: distinct learners that must report before a merge (0 = all; -1 = auto: 1 if decoupled).
   config.syncer.grace_gamma = 0.0  # γ of the adaptive grace window (0 = merge as soon as K reported).
   config.syncer.grace_overlap_steps = 0.0  # τ: steps of slack before learners need Θ (sizes the window).
   config.syncer.staleness = "polynomial"  # 'constant', 'polynomial' (1+s)^-a, 'hinge' or 'exponential' exp(-a s).
@@ -103,7 +104,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.syncer.start_timeout_seconds = 600.0  # Service: start with those joined after this long (a 'start' record).
 
   config.policy = ml_collections.ConfigDict()  # Local work per push (virtual-clock and threads runtimes).
-  config.policy.kind = "fixed"  # 'fixed' (H steps), 'dylu' (H scaled by speed) or 'time_budget'.
+  config.policy.kind = "auto"  # 'fixed' (H steps), 'dylu' (H scaled by speed), 'time_budget'; auto: dylu if decoupled.
   config.policy.speed_source = "declared"  # DyLU speeds: 'declared' (hardware) or 'measured' (EMA of steps).
   config.policy.round_seconds = 0.0  # Time budget of a round in (virtual) seconds, for 'time_budget'.
   config.policy.dylu_rounding = "floor"  # DyLU steps ⌊v/max v·H⌋ ('floor', the paper) or 'nearest' step.
@@ -175,6 +176,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.service.shards = 1  # S syncers, each owning fragments balanced by bytes (1 <= S <= streaming.num_fragments).
 
   config.eval_every = 1  # Evaluate the global params every this many outer steps (and at the end).
+  # A run is diverged (it stops, says so, exits 3) at a non-finite eval loss or after N evals in a row above the
+  # untrained model's loss ln(vocab_size) (run/monitor.py).
+  config.divergence_evals = 3  # N; 0 = only a non-finite eval loss is a divergence.
   config.eval_batches = 4  # Held-out batches per evaluation.
   config.eval_batch_size = 32  # Sequences per eval batch.
   config.log_every = 10  # Inner steps between train-loss records.

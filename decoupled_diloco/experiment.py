@@ -11,7 +11,8 @@ from typing import Any
 from absl import logging
 import jax
 
-from decoupled_diloco import compression, fragments, hardware, inner, mesh, model as model_lib, outer, policy
+from decoupled_diloco import compression, fragments, hardware, inner, mesh, mode_defaults, model as model_lib, outer
+from decoupled_diloco import policy
 from decoupled_diloco import shards
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.data import batches as batches_lib
@@ -77,8 +78,10 @@ def validate(config) -> settings_lib.Groups:
   """Builds every typed config group, each checking its own fields, and applies the rules that span groups.
 
   Rejects impossible run shapes with one line that names the fix, before a runtime touches the
-  workdir; returns the groups, so that nothing has to parse the config again.
+  workdir; returns the groups, so that nothing has to parse the config again. Fields left at
+  'auto' take the mode's recipe first (mode_defaults), in place, so every reader sees the values.
   """
+  mode_defaults.resolve(config)
   _validate_run_shape(config)
   data = data_settings.Settings.from_config(config.data)
   tokenizer_lib.resolve_model_vocab(config)
@@ -118,6 +121,8 @@ def _validate_run_shape(config) -> None:
   _require(config.outer_steps >= 1, f"outer_steps = {config.outer_steps} must be >= 1: set --config.outer_steps=N")
   for name in ("eval_every", "checkpoint_every", "log_every", "eval_batches", "eval_batch_size"):
     _require(config[name] >= 1, f"{name} = {config[name]} must be >= 1: set --config.{name}=N")
+  _require(config.divergence_evals >= 0,
+           f"divergence_evals = {config.divergence_evals} must be >= 0 (0 = only a non-finite loss is divergence)")
   devices, batch_sizes = tuple(config.learners.devices), tuple(config.learners.batch_size)
   _require(len(devices) >= 1, "learners.devices is empty: list one device count per learner group")
   _require(

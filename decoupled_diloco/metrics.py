@@ -128,9 +128,12 @@ class MetricsWriter:
   separate eval job); a run restarted without any checkpoint passes -1 to drop every
   record of the crashed attempt (outer steps are >= 0, so none is kept). `keep_records=N`
   keeps the first N records instead (the virtual clock's checkpoints count records written).
+  `observer(record)` sees every record written from now on (run/monitor.py: the console and the divergence watch).
   """
 
-  def __init__(self, workdir, resume_from_step: int | None = None, keep_records: int | None = None):
+  def __init__(self, workdir, resume_from_step: int | None = None, keep_records: int | None = None,
+               observer=None):
+    self.observer = observer
     directory = storage.makedirs(workdir)
     self.path = os.fspath(directory / METRICS_FILE)
     kept = []
@@ -188,6 +191,8 @@ class MetricsWriter:
     for run in self._count_staleness(record):
       self._tb_run(run).add_histogram_raw("push/staleness_distribution", global_step=step,
                                           **_integer_histogram(self._staleness[run]))
+    if self.observer is not None:
+      self.observer(record)
 
   def sync(self) -> None:
     """Makes every record written so far durable (fsync, or an upload of a remote file).

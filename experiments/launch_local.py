@@ -184,13 +184,16 @@ class LocalCluster:
     """Names of the syncer and learner groups with a process alive now."""
     return sorted({_unit(name) for name, p in self.processes.items() if p.poll() is None})
 
-  def wait(self, timeout: float, chaos: "Chaos | None" = None, end_grace_seconds: float = 60.0) -> dict[str, int]:
+  def wait(self, timeout: float, chaos: "Chaos | None" = None, end_grace_seconds: float = 60.0,
+           watch=None) -> dict[str, int]:
     """Waits for the syncer to finish and the learners to exit; returns each one's exit code.
 
     A learner that has not exited `end_grace_seconds` after the syncer did is stopped
     (SIGTERM) and named in `stopped_after_end`: e.g. one restarted after its previous
-    incarnation heard the run was over, which finds no syncer to tell it again.
+    incarnation heard the run was over, which finds no syncer to tell it again. `watch()` runs
+    about once a second meanwhile (the console's progress lines).
     """
+    watched = 0.0
     deadline = time.monotonic() + timeout
     while self.processes["syncer"].poll() is None or (chaos and chaos.down):
       if time.monotonic() > deadline:
@@ -198,6 +201,9 @@ class LocalCluster:
         raise TimeoutError(f"the run did not finish within {timeout:.0f}s: see {self.workdir}/logs")
       if chaos is not None:
         chaos.step(self, time.monotonic())
+      if watch is not None and time.monotonic() - watched >= 1.0:
+        watch()
+        watched = time.monotonic()
       failed = [
           n for n, p in self.processes.items()
           if p.poll() not in (None,
@@ -255,6 +261,23 @@ def _validate(config) -> None:
     cli.fail(error)
   if _PROCESSES_PER_GROUP.value < 1:
     cli.fail(f"--processes_per_group={_PROCESSES_PER_GROUP.value} must be >= 1")
+  workdir = _WORKDIR.value
+  if os.path.isdir(workdir) and any(os.scandir(workdir)) and not config.resume:
+    cli.fail(f"workdir {workdir} already holds files (a run?): pass --config.resume=True to continue it, or pick a "
+             "new --workdir")
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    cli.fail(f"workdir {workdir} is a file: pick a new --workdir")
+  from decoupled_diloco.service import runconfig  # pylint: disable=g-import-not-at-top
+  try:
+    runconfig.check_ports_free(config.service.host, *_fixed_ports(config))
+  except ConfigError as error:
+    cli.fail(error)
+
+
+def _fixed_ports(config) -> list[int]:
+  """The ports a run's syncer shards will bind when service.port / data_port are set (0: any free one)."""
+  shards = range(config.service.shards)
+  return [port + s for port in (config.service.port, config.service.data_port) if port > 0 for s in shards]
 
 
 def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
@@ -359,10 +382,13 @@ def main(argv: list[str]) -> None:
     chaos = Chaos(_CHAOS_SEED.value, _KILL_EVERY.value, _RESTART_DELAY.value, _CHAOS_SYNCER.value, _MIN_UPTIME.value,
                   _MAX_KILLS.value)
   signal.signal(signal.SIGTERM, lambda *_: (cluster.stop(), sys.exit(143)))
+  from decoupled_diloco.run import monitor as monitor_lib  # pylint: disable=g-import-not-at-top
+  from decoupled_diloco.service.console import RunConsole  # pylint: disable=g-import-not-at-top
+  console = RunConsole(config, cluster.workdir)
   try:
     cluster.start()
     print(f"syncer at {cluster.address}; logs in {cluster.workdir}/logs", flush=True)
-    codes = cluster.wait(_TIMEOUT.value, chaos)
+    codes = cluster.wait(_TIMEOUT.value, chaos, watch=console.poll)
   except (RuntimeError, TimeoutError) as error:
     cluster.stop()
     said = error_lines(cluster.workdir, cluster.processes)
@@ -374,6 +400,10 @@ def main(argv: list[str]) -> None:
   # Under chaos, a learner killed after it heard the run was over may be restarted into a finished run.
   abandoned = chaos.abandoned | cluster.stopped_after_end if chaos is not None else set()
   print(f"exit codes: {codes}" + (f" (killed or stopped at the end: {sorted(abandoned)})" if abandoned else ""))
+  for line in console.closing_lines():
+    print(line, flush=True)
+  if console.diverged:
+    sys.exit(monitor_lib.DIVERGED_EXIT_STATUS)
   failed = [name for name, code in codes.items() if code and name not in abandoned]
   for line in error_lines(cluster.workdir, failed):
     sys.stderr.write(f"error: {line}\n")

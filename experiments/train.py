@@ -19,7 +19,8 @@ A config whose groups need more devices than the process sees is refused in one 
 the launcher (experiments/startup.py); on Cloud TPU, experiments.launch_tpu starts every process.
 
 Bad input (unknown config key, impossible device layout, missing data) prints one line
-starting with `error:` and exits with status 2 before anything is written.
+starting with `error:` and exits with status 2 before anything is written. A run that
+diverges (run/monitor.py) says so at once, stops, and exits with status 3.
 """
 
 import logging as py_logging
@@ -129,8 +130,18 @@ def main(argv: list[str]) -> None:
     message += (f"; virtual time {summary['virtual_seconds']:.1f}s, goodput {summary['goodput']:.3f}, "
                 f"{summary['outer_updates']} outer updates, steps per learner {summary['steps']}, "
                 f"idle fraction per learner {summary['idle_fraction']}")
+  _report(message, summary)
+
+
+def _report(message: str, summary: dict) -> None:
+  """Prints the run's last line; a diverged run says so and exits DIVERGED_EXIT_STATUS (docs/usage.md)."""
+  from decoupled_diloco.run import monitor  # pylint: disable=g-import-not-at-top
+  if summary.get("diverged"):
+    message = f"DIVERGED: {message}"
   logging.info(message)
-  print(message)
+  print(message, flush=True)
+  if summary.get("diverged"):
+    sys.exit(monitor.DIVERGED_EXIT_STATUS)
 
 
 def _run_service_role(config) -> None:
@@ -166,8 +177,7 @@ def _run_service_role(config) -> None:
   except ConnectionError as error:  # SyncerUnreachable: retried for service.retry_seconds already.
     sys.stderr.write(f"error: {error}\n")
     sys.exit(1)
-  logging.info(message)
-  print(message)
+  _report(message, summary)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import ml_collections
 import pytest
 
 from configs import default
-from decoupled_diloco import compression, experiment, fragments, inner, outer, policy
+from decoupled_diloco import compression, experiment, fragments, inner, mode_defaults, outer, policy
 from decoupled_diloco.data import settings as data_settings
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.model import sizing
@@ -15,8 +15,11 @@ from tests.helpers import tiny_config
 
 
 def _unlocked_group(name: str, **extra) -> ml_collections.ConfigDict:
-  """A hand-built copy of default.py's group `name` (not locked, as a notebook's own ConfigDict) plus `extra`."""
-  return ml_collections.ConfigDict({**default.get_config()[name].to_dict(), **extra})
+  """A hand-built copy of default.py's group `name` (not locked, as a notebook's own ConfigDict) plus `extra`, with the
+  mode's recipe filled in where default.py says 'auto', as experiment.validate fills it before building the groups."""
+  config = default.get_config()
+  mode_defaults.resolve(config)
+  return ml_collections.ConfigDict({**config[name].to_dict(), **extra})
 
 
 @pytest.mark.parametrize("group, build", [

@@ -220,10 +220,12 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
 
 
 def run_point(point: Point, workdir: str) -> dict:
-  """Trains one point in `workdir` as experiments.train would; returns its summary figures."""
+  """Trains one point in `workdir` as experiments.train would; returns its summary figures and its status:
+  'diverged' (recorded, and the sweep goes on) or 'ok'."""
   exp = experiment.build(point.config)
-  RUNTIMES[point.config.runtime].run(exp, workdir)
-  return report.summarize_run(metrics.read_metrics(storage.path(workdir) / metrics.METRICS_FILE))
+  summary = RUNTIMES[point.config.runtime].run(exp, workdir)
+  figures = report.summarize_run(metrics.read_metrics(storage.path(workdir) / metrics.METRICS_FILE))
+  return {**figures, "status": "diverged" if summary.get("diverged") else "ok"}
 
 
 def _finished_row(point: Point, workdir: str) -> dict | None:

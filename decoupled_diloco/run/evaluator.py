@@ -91,9 +91,7 @@ class Evaluator:
         if self.max_waiting is not None:
           record["evals_skipped"] = skipped
         self.write(record)
-        self.last = record
-        logging.info("version %d | %s tokens | eval %.4f", clock["outer_step"], f"{clock['tokens']:,}",
-                     record["eval_loss"])
+        self.last = record  # Its writer's monitor (run/monitor.py) prints the progress line.
     except BaseException as error:  # pylint: disable=broad-except  # Re-raised by close().
       self.failure = error
 

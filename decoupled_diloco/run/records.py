@@ -24,7 +24,7 @@ SUMMARY_FIELDS = ("eval_loss", "optimal_loss", "outer_updates", "steps", "steps_
                   "wall_seconds", "syncer_seconds", "goodput", "compute_utilization", "bytes_sent", "idle_fraction",
                   "blocked_fraction", "merges", "accepted_pushes", "dropped_pushes", "rejected_pushes",
                   "duplicates_pushes", "late_pushes", "excluded_pushes", "failures", "lost_steps", "down_seconds",
-                  "refused_calls")
+                  "refused_calls", "diverged")
 # Where the run stood when a record was written.
 CLOCK_FIELDS = ("outer_step", "inner_step", "tokens", "time", "wall_time")
 
@@ -79,7 +79,7 @@ def write_summaries(write, exp, clock: dict, accounts, end: float, weights, usef
   share = lambda seconds: sum(w * s for w, s in zip(weights, seconds)) / allocated if allocated else 0.0
   steps = [l.steps for l in exp.learners]
   record = summary(clock, optimal_loss=exp.corpus.optimal_loss, outer_updates=clock["outer_step"], steps=steps,
-                   steps_done=sum(steps), done=True, goodput=share(useful),
+                   steps_done=sum(steps), done=not fields.get("diverged"), goodput=share(useful),
                    compute_utilization=share([a.busy for a in accounts]),
                    **(push_counts(exp.syncer.counts) if exp.syncer else {}), **fields)
   write(record)

@@ -17,6 +17,7 @@ from decoupled_diloco import storage
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.experiment import Experiment
 from decoupled_diloco.run import evaluator, records, schedule, state
+from decoupled_diloco.run import monitor as monitor_lib
 
 
 def _round(exp: Experiment) -> dict:
@@ -59,42 +60,44 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
   if start:
     state.restore(exp, checkpointer, start)
     logging.info("resumed from checkpoint at outer step %d", start)
+  elif config.resume:
+    logging.warning("resume=True, but %s holds no checkpoint: starting a fresh run", workdir)
   # Records an interrupted run wrote after its last checkpoint (or before its first) are dropped.
-  writer = metrics_lib.MetricsWriter(workdir, resume_from_step=start)
-  tokens_per_round = exp.plan.tokens_per_round
-  begin, eval_loss = time.time(), None
+  monitor = monitor_lib.Monitor.for_config(config, exp.corpus.optimal_loss)
+  writer = metrics_lib.MetricsWriter(workdir, resume_from_step=start, observer=monitor.observe)
+  begin, eval_loss, outer_step = time.time(), None, start
   try:
     last = config.outer_steps if stop_after is None else min(stop_after, config.outer_steps)
     for outer_step in range(start + 1, last + 1):
-      round_begin = time.time()
       outer_record = _round(exp)
       wall = time.time() - begin
-      train_records = [
-          r for l in exp.learners for r in records.train_records(l, outer_step, config.log_every, {"wall_time": wall})]
-      for record in train_records:
+      for record in [
+          r for l in exp.learners for r in records.train_records(l, outer_step, config.log_every, {"wall_time": wall})
+      ]:
         writer.write(record)
       clock = {
           "outer_step": outer_step, "inner_step": outer_step * config.inner_steps,
-          "tokens": outer_step * tokens_per_round, "wall_time": wall}
+          "tokens": outer_step * exp.plan.tokens_per_round, "wall_time": wall}
       if outer_record:
         writer.write({"kind": "outer", **clock, **outer_record})
       if outer_step % config.eval_every == 0 or outer_step == config.outer_steps:
         record = evaluator.evaluate(exp, clock)
         eval_loss = record["eval_loss"]
-        writer.write(record)
-      if outer_step % config.checkpoint_every == 0 or outer_step == last:
+        writer.write(record)  # The monitor prints the progress line and judges the loss.
+      if outer_step % config.checkpoint_every == 0 or outer_step == last or monitor.diverged:
         writer.sync()  # Every record up to this checkpoint is durable before it is.
         state.save(checkpointer, exp, outer_step, state.metadata(exp, outer_step))
-      round_time = time.time() - round_begin
-      logging.info(
-          "%s",
-          metrics_lib.format_progress(outer_step=outer_step, num_outer_steps=config.outer_steps,
-                                      step=clock["inner_step"],
-                                      loss=sum(r["loss"] for r in train_records) / len(train_records),
-                                      eval_loss=eval_loss, optimum=exp.corpus.optimal_loss,
-                                      tokens_per_sec=tokens_per_round / max(round_time, 1e-9),
-                                      eta_seconds=(last - outer_step) * wall / (outer_step - start)))
+      if monitor.diverged:
+        break
+    if outer_step > start and (outer_step == config.outer_steps or monitor.diverged):
+      syncer = exp.syncer
+      writer.write(
+          records.summary(clock, eval_loss=eval_loss, optimal_loss=exp.corpus.optimal_loss,
+                          outer_updates=syncer.version if syncer else outer_step, steps=[l.steps for l in exp.learners],
+                          steps_done=sum(l.steps for l in exp.learners), done=not monitor.diverged,
+                          wall_seconds=time.time() - begin, diverged=bool(monitor.diverged),
+                          **(records.push_counts(syncer.counts) if syncer else {})))
   finally:
     writer.close()
     checkpointer.close()
-  return {"eval_loss": eval_loss, "optimal_loss": exp.corpus.optimal_loss}
+  return {"eval_loss": eval_loss, "optimal_loss": exp.corpus.optimal_loss, "diverged": monitor.diverged}

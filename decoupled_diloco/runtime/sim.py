@@ -14,7 +14,6 @@ import heapq
 import itertools
 import time
 
-from absl import logging
 import jax
 import numpy as np
 
@@ -27,6 +26,7 @@ from decoupled_diloco.costmodel.link import Link
 from decoupled_diloco.experiment import Experiment
 from decoupled_diloco.run import account as account_lib
 from decoupled_diloco.run import evaluator, records, schedule
+from decoupled_diloco.run import monitor as monitor_lib
 from decoupled_diloco.runtime import failures as failures_lib
 from decoupled_diloco.runtime import sim_checkpoint
 from decoupled_diloco.syncer import MergeReport
@@ -58,8 +58,9 @@ class LearnerClock(account_lib.Account):
 class Simulation:
   """Runs one experiment on the virtual clock; `run()` returns the summary figures."""
 
-  def __init__(self, exp: Experiment, writer: metrics_lib.MetricsWriter):
+  def __init__(self, exp: Experiment, writer: metrics_lib.MetricsWriter, monitor: monitor_lib.Monitor | None = None):
     self.exp, self.config, self.writer = exp, exp.config, writer
+    self.monitor = monitor  # Sees the records written (writer's observer): the run stops once it says diverged.
     self.syncer = exp.syncer
     self.blocking = exp.config.mode == "diloco"
     self.num_fragments = exp.learners[0].num_fragments
@@ -276,13 +277,13 @@ class Simulation:
     if not self.eval_due.due(self.tokens) and not force:
       return
     record = evaluator.evaluate(self.exp, self._clock(version))
-    self.writer.write(record)
+    self.writer.write(record)  # The monitor, if any, prints the progress line and judges the loss.
     self.last_eval = record
-    gap = (
-        f" (optimum {self.exp.corpus.optimal_loss:.3f}, gap {record['eval_loss'] - self.exp.corpus.optimal_loss:.3f})"
-        if self.exp.corpus.optimal_loss is not None else "")
-    logging.info("version %d | virtual %.1fs | steps per learner %s | eval %.3f%s", version, self.now,
-                 [l.steps for l in self.exp.learners], record["eval_loss"], gap)
+
+  @property
+  def diverged(self) -> str | None:
+    """Why the run diverged (its monitor's verdict), or None."""
+    return self.monitor.diverged if self.monitor is not None else None
 
   def run(self, between_events=None, resumed: bool = False) -> dict:
     """Processes events until the token budget is spent; then merges what is left and evaluates.
@@ -297,7 +298,8 @@ class Simulation:
     if self.failures:
       self.failures.start()
     # Once the budget is spent, pending failure events (and rejoins) no longer matter.
-    while self._events and not (self.steps_left == 0 and all(e[1] >= failures_lib.FAIL for e in self._events)):
+    while self._events and not self.diverged and not (self.steps_left == 0 and
+                                                      all(e[1] >= failures_lib.FAIL for e in self._events)):
       self.now, _, _, handler, payload = heapq.heappop(self._events)
       handler(*payload)
       if between_events is not None:
@@ -323,7 +325,7 @@ class Simulation:
     return records.write_summaries(
         self.writer.write, self.exp, self._clock(version), self.clocks, self.now, [p.chips for p in self.plan.profiles],
         [a.useful if self.syncer else a.busy for a in self.clocks], per_learner, eval_loss=self.last_eval["eval_loss"],
-        virtual_seconds=self.now, bytes_sent=sum(c.up.bytes for c in self.clocks),
+        virtual_seconds=self.now, bytes_sent=sum(c.up.bytes for c in self.clocks), diverged=bool(self.diverged),
         idle_fraction=[round(c.idle / self.now, 4) if self.now else 0.0 for c in self.clocks],
         **(self.failures.summary(self.now) if self.failures else {}))
 
@@ -335,8 +337,10 @@ def run(exp: Experiment, workdir: str) -> dict:
   with checkpoint_lib.Checkpointer(storage.makedirs(workdir) / "checkpoints") as checkpointer:
     resume_from = sim_checkpoint.latest(checkpointer, exp, workdir)
     # Without a checkpoint, a rerun after a crash drops every record of the crashed attempt.
-    with metrics_lib.MetricsWriter(workdir, keep_records=resume_from["records"] if resume_from else 0) as writer:
-      simulation = Simulation(exp, writer)
+    monitor = monitor_lib.Monitor.for_config(exp.config, exp.corpus.optimal_loss)
+    with metrics_lib.MetricsWriter(workdir, keep_records=resume_from["records"] if resume_from else 0,
+                                   observer=monitor.observe) as writer:
+      simulation = Simulation(exp, writer, monitor)
       if resume_from is not None:
         sim_checkpoint.restore(checkpointer, simulation, resume_from)
       summary = simulation.run(sim_checkpoint.Cadence(checkpointer, simulation), resumed=resume_from is not None)

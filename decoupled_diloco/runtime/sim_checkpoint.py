@@ -98,6 +98,8 @@ def latest(checkpointer: checkpoint_lib.Checkpointer, exp, workdir: str) -> dict
   that holds another run, a finished one, or a run of a different config."""
   step = checkpointer.latest_step()
   if step is None:
+    if exp.config.resume:
+      logging.warning("resume=True, but %s holds no checkpoint: starting a fresh run", workdir)
     return None
   metadata = checkpointer.restore_metadata(step)
   if not exp.config.resume:

@@ -22,6 +22,7 @@ from decoupled_diloco import policy as policy_lib
 from decoupled_diloco.experiment import Experiment
 from decoupled_diloco.run import account as account_lib
 from decoupled_diloco.run import evaluator as evaluator_lib
+from decoupled_diloco.run import monitor as monitor_lib
 from decoupled_diloco.run import records, schedule, state
 from decoupled_diloco import push as push_lib
 from decoupled_diloco.push import Push
@@ -31,8 +32,9 @@ from decoupled_diloco.syncer import MergeReport
 class ThreadedRun:
   """Runs one experiment with a thread per learner; `run()` returns the summary figures."""
 
-  def __init__(self, exp: Experiment, writer: metrics_lib.MetricsWriter):
+  def __init__(self, exp: Experiment, writer: metrics_lib.MetricsWriter, monitor: monitor_lib.Monitor | None = None):
     config = exp.config
+    self.monitor = monitor  # Sees the records written (writer's observer): learners stop once it says diverged.
     schedule.require_supported(config.mode, "threads")
     self.exp, self.config, self.writer, self.syncer = exp, config, records.Recorder(writer), exp.syncer
     self.blocking = config.mode == "diloco"
@@ -138,7 +140,7 @@ class ThreadedRun:
     """Takes one step of the run's budget if the round and the budget allow it."""
     with self._holding(m, self.budget):
       speed = self.measured.speeds[m]
-      if self.failure is not None or self.steps_left == 0 or not policy_lib.keep_training(
+      if self.failure is not None or self.steps_left == 0 or self.diverged or not policy_lib.keep_training(
           self.config.policy, target, steps, compute, 1.0 / speed if speed else 0.0):
         return False
       self.steps_left -= 1
@@ -152,6 +154,11 @@ class ThreadedRun:
     self.tokens += self.exp.learners[m].batches.tokens_per_batch
     if account.steps >= 2:  # The first step pays one-off dispatch costs.
       self.measured.observe(m, seconds)
+
+  @property
+  def diverged(self) -> str | None:
+    """Why the run diverged (its monitor's verdict, from the background evaluator), or None."""
+    return self.monitor.diverged if self.monitor is not None else None
 
   # Syncer side (syncer lock held).
   def _hand_over(self, m: int, push) -> bool:
@@ -175,8 +182,8 @@ class ThreadedRun:
   def _no_merge_coming(self) -> bool:
     """The budget is spent and nobody will push again: the quorum (diloco) or the window can no longer fill."""
     with self.budget:
-      spent = self.steps_left == 0
-    return spent and all(k in self.waiting or k in self.done for k in range(len(self.accounts)))
+      spent = self.steps_left == 0 or self.diverged
+    return bool(spent) and all(k in self.waiting or k in self.done for k in range(len(self.accounts)))
 
   def _on_merge(self, report: MergeReport, trigger: str) -> None:
     """Records a merge ('push': it completed the quorum; 'deadline': a grace window closed;
@@ -279,7 +286,7 @@ class ThreadedRun:
     return records.write_summaries(self.writer.write, self.exp, self._clock(self.syncer.version), self.accounts, end,
                                    self.config.learners.devices, [a.useful for a in self.accounts], per_learner,
                                    eval_loss=self.evaluator.last["eval_loss"], wall_seconds=end,
-                                   syncer_seconds=self.syncer_seconds,
+                                   syncer_seconds=self.syncer_seconds, diverged=bool(self.diverged),
                                    bytes_sent=sum(a.bytes_sent for a in self.accounts),
                                    blocked_fraction=[round(a.blocked / end, 4) for a in self.accounts])
 
@@ -288,8 +295,9 @@ def run(exp: Experiment, workdir: str) -> dict:
   """Trains `exp` in real time in `workdir` and checkpoints the final state; returns the summary."""
   checkpoints = records.fresh_workdir(workdir, exp.config.resume,
                                       "the threads runtime does not resume: start a new run with a new --workdir")
-  with metrics_lib.MetricsWriter(workdir, resume_from_step=-1) as writer:
-    summary = ThreadedRun(exp, writer).run()
+  monitor = monitor_lib.Monitor.for_config(exp.config, exp.corpus.optimal_loss)
+  with metrics_lib.MetricsWriter(workdir, resume_from_step=-1, observer=monitor.observe) as writer:
+    summary = ThreadedRun(exp, writer, monitor).run()
   logging.info("wall-clock %.1fs, goodput %.3f, %d outer updates, steps per learner %s, blocked fraction %s",
                summary["wall_seconds"], summary["goodput"], summary["outer_updates"], summary["steps"],
                summary["blocked_fraction"])

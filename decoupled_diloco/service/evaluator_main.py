@@ -21,6 +21,7 @@ from decoupled_diloco.data import sources
 from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.run import evaluator as evaluator_lib
+from decoupled_diloco.run import monitor as monitor_lib
 from decoupled_diloco.run import schedule
 from decoupled_diloco.service import runconfig, security, shardclient
 
@@ -57,7 +58,9 @@ class EvaluatorProcess:
     self.client = shardclient.connect(target, service, security.EVALUATOR,
                                       shards.ShardMap.of(shapes, self.assignment, service.shards), self.assignment)
     evaluate, evals = build_evaluate(config, jax.devices())
-    self.writer = metrics_lib.MetricsWriter(os.path.join(workdir, metrics_lib.EVALUATOR_DIR))
+    self.monitor = monitor_lib.Monitor.for_config(config, evals.optimal_loss)  # Progress lines, divergence.
+    self.writer = metrics_lib.MetricsWriter(os.path.join(workdir, metrics_lib.EVALUATOR_DIR),
+                                            observer=self.monitor.observe)
     self.evaluator = evaluator_lib.Evaluator(evaluate, evals, self.writer.write, max_waiting=1)
     self.num_fragments = max(self.assignment) + 1
     self.eval_due = schedule.Every(schedule.RunPlan.from_config(config).tokens_per_eval)
@@ -97,7 +100,7 @@ class EvaluatorProcess:
     summary = {
         "kind": "evaluator_summary", **_clock(status), "eval_loss": last.get("eval_loss"),
         "evaluated_version": last.get("outer_step"), "evals_skipped": self.evaluator.skipped,
-        "pulled_bytes": self.client.pulled_bytes}
+        "pulled_bytes": self.client.pulled_bytes, "diverged": bool(self.monitor.diverged)}
     self.writer.write(summary)
     return summary
 

@@ -27,6 +27,7 @@ from decoupled_diloco.data import sources
 from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.run import evaluator as evaluator_lib
+from decoupled_diloco.run import monitor as monitor_lib
 from decoupled_diloco.run import records, schedule
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import limits, runconfig, security, shardrun, wal
@@ -145,7 +146,9 @@ def _serve(config, workdir: str, local: str, token: str, credentials, model, par
     except (wal.CorruptLog, checkpoint_lib.CorruptCheckpoint) as error:
       raise ConfigError(str(error)) from error
     # Records after the checkpoint the restart resumed from were replayed from the log: drop them first.
-    with metrics_lib.MetricsWriter(workdir, resume_from_step=-1 if step is None else step) as writer:
+    monitor = monitor_lib.Monitor.for_config(config, evaluator.evals.optimal_loss if evaluator else None)
+    with metrics_lib.MetricsWriter(workdir, resume_from_step=-1 if step is None else step,
+                                   observer=monitor.observe) as writer:
       recorder.attach(writer)
       # A fresh run warms up first, so that no learner's first exchange waits for XLA; a restart
       # answers calls first (learners are waiting) and compiles meanwhile.
@@ -175,6 +178,8 @@ def _serve(config, workdir: str, local: str, token: str, credentials, model, par
         while not stop.wait(TICK_SECONDS):
           now = time.time()
           core.tick(now)
+          if monitor.diverged and not core.done:
+            core.end(now)  # Learners hear 'done' at their next call; the summary says why.
           run_state.sync(core, now)
           if core.done:
             done_at = done_at or now
@@ -188,7 +193,8 @@ def _serve(config, workdir: str, local: str, token: str, credentials, model, par
       if warm_up is not None:
         warm_up.join()
       core.checkpoint(time.time())  # SIGTERM: keeps the log short; at the end: already saved.
-      return _finish(core, evaluator, recorder, server, write_summary=core.done and not _has_summary(writer.path))
+      return _finish(core, evaluator, recorder, server, write_summary=core.done and not _has_summary(writer.path),
+                     monitor=monitor)
   finally:
     core.close()
 
@@ -256,7 +262,7 @@ def _has_summary(path: str) -> bool:
 
 
 def _finish(core: core_lib.SyncerCore, evaluator: evaluator_lib.Evaluator | None, recorder: records.Recorder,
-            server: server_lib.SyncerServer, write_summary: bool) -> dict:
+            server: server_lib.SyncerServer, write_summary: bool, monitor: monitor_lib.Monitor) -> dict:
   """Final eval (when this host evaluates), and the run's summary record once it is done (nothing more on SIGTERM)."""
   if evaluator is not None:
     if core.done and (evaluator.last_queued or {}).get("outer_step") != core.syncer.version:
@@ -268,6 +274,7 @@ def _finish(core: core_lib.SyncerCore, evaluator: evaluator_lib.Evaluator | None
                             optimal_loss=evaluator.evals.optimal_loss if evaluator else None,
                             outer_updates=core.syncer.version, steps_done=core.steps_done, done=core.done,
                             wall_seconds=now["wall_time"], refused_calls=dict(server.rejections),
+                            diverged=bool(monitor.diverged),
                             **records.push_counts(counts))
   if write_summary:
     recorder.write(summary)

@@ -1,0 +1,67 @@
+"""Each mode's recipe for the fields a user leaves at 'auto', and the warning for the combination known to diverge."""
+
+import logging
+
+import pytest
+
+from configs import async_naive, default, demo, hetero_v5p_v6e
+from decoupled_diloco import experiment, mode_defaults
+
+
+def _resolved(config, **overrides):
+  config = experiment.with_overrides(config, overrides)
+  mode_defaults.resolve(config)
+  return config
+
+
+def test_decoupled_defaults_are_delayed_nesterov_over_a_round_dylu_and_quorum_1():
+  config = _resolved(demo.get_config(), mode="decoupled", runtime="sim")
+  assert (config.syncer.quorum, config.outer.optimizer, config.outer.buffer_size,
+          config.policy.kind) == (1, "delayed_nesterov", 4, "dylu")
+
+
+def test_diloco_and_ddp_keep_diloco_s_outer_nesterov():
+  for mode in ("diloco", "ddp"):
+    config = _resolved(default.get_config(), mode=mode)
+    assert (config.syncer.quorum, config.outer.optimizer, config.outer.buffer_size,
+            config.policy.kind) == (0, "sgd", 1, "fixed"), mode
+    assert config.outer.nesterov and config.outer.momentum == 0.9 and config.outer.lr == 0.7
+
+
+def test_the_buffer_follows_the_learners_and_the_quorum():
+  assert _resolved(demo.get_config(), mode="decoupled", **{"syncer.quorum": 2}).outer.buffer_size == 2
+  assert _resolved(demo.get_config(), mode="decoupled", **{"learners.devices": (2,) * 3,
+                                                            "learners.batch_size": (16,) * 3}).outer.buffer_size == 3
+  assert _resolved(demo.get_config(), mode="decoupled", **{"syncer.quorum": 0}).outer.buffer_size == 1
+
+
+def test_an_explicit_setting_always_wins():
+  config = _resolved(demo.get_config(), mode="decoupled", **{"outer.optimizer": "adam", "policy.kind": "fixed",
+                                                              "syncer.quorum": 3, "outer.buffer_size": 7})
+  assert (config.outer.optimizer, config.policy.kind, config.syncer.quorum, config.outer.buffer_size) == ("adam",
+                                                                                                         "fixed", 3, 7)
+  assert hetero_v5p_v6e.get_config().outer.buffer_size == _resolved(hetero_v5p_v6e.get_config()).outer.buffer_size
+
+
+def test_resolving_twice_changes_nothing():
+  config = _resolved(demo.get_config(), mode="decoupled")
+  before = config.to_dict()
+  assert mode_defaults.resolve(config) == {} and config.to_dict() == before
+
+
+def test_nesterov_on_every_arrival_is_warned_about_in_one_line_naming_the_fix(caplog):
+  with caplog.at_level(logging.WARNING):
+    mode_defaults.resolve(async_naive.get_config())
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert len(warnings) == 1 and "--config.outer.optimizer=delayed_nesterov" in warnings[0]
+  assert mode_defaults.known_bad(_resolved(demo.get_config(), mode="decoupled")) is None
+  assert mode_defaults.known_bad(_resolved(demo.get_config(), mode="decoupled", **{"syncer.quorum": 0,
+                                                                                   "outer.optimizer": "sgd"})) is None
+
+
+@pytest.mark.parametrize("mode, runtime", [("decoupled", "sim"), ("diloco", "lockstep")])
+def test_validate_fills_the_recipe_before_the_typed_groups_read_it(mode, runtime):
+  config = experiment.with_overrides(demo.get_config(), {"mode": mode, "runtime": runtime})
+  groups = experiment.validate(config)
+  assert groups.outer.optimizer == config.outer.optimizer != mode_defaults.AUTO
+  assert groups.policy.kind == config.policy.kind != mode_defaults.AUTO
