@@ -21,7 +21,7 @@ from configs import default
 
 
 def get_config():
-  """Decoupled DiLoCo (DN + DyLU) on v5p + v6e profiles; see configs/default.py for every field."""
+  """Decoupled DiLoCo (its defaults: DN + DyLU) on v5p + v6e profiles; see configs/default.py for every field."""
   config = default.get_config()
   config.mode = "decoupled"
   config.runtime = "sim"
@@ -33,12 +33,8 @@ def get_config():
   config.sim.simulated_tokens_per_step = 1_048_576  # ...with 1M-token batches per inner step.
   config.sim.link_gbps = 25.0  # Link per learner: 4 GB of fp32 pseudo-gradient take ~1.3 s.
   config.sim.link_latency_seconds = 0.05
-  config.syncer.quorum = 1
-  config.syncer.staleness = "polynomial"
-  config.syncer.token_weighting = "tokens"
-  config.outer.optimizer = "delayed_nesterov"
-  config.outer.buffer_size = 4  # One momentum step per 4 merges (each one arrival, quorum 1).
-  config.policy.kind = "dylu"
+  # Left to mode='decoupled''s defaults (decoupled_diloco/mode_defaults.py): quorum 1, polynomial staleness, token
+  # weights, Delayed Nesterov with one momentum step per 4 merges, DyLU.
   config.eval_every = 2
   return config
 

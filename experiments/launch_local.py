@@ -43,6 +43,7 @@ from ml_collections import config_flags
 
 from decoupled_diloco.service import security, shardrun
 from experiments import cli
+from experiments.chaos_schedule import Chaos
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py", "Experiment config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Shared workdir of the syncer and learners.")
@@ -310,56 +311,6 @@ def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
   with socket.socket() as probe:  # Everything sampled was busy: let the OS choose.
     probe.bind((host, 0))
     return probe.getsockname()[1]
-
-
-class Chaos:
-  """A seeded schedule: every `every` seconds SIGKILL one process that has been up `min_uptime`
-  seconds, restart it `delay` s later; at most `max_kills` kills (0 = no limit).
-
-  `plan`: the kinds of the successive victims ('learner' or 'syncer'), e.g. to be sure a
-  benchmark kills both; with a plan, the kills are the plan's (`include_syncer` and
-  `max_kills` follow from it) and which learner dies is still the seeded choice.
-  """
-
-  def __init__(self, seed: int, every: float, delay: float, include_syncer: bool, min_uptime: float = 0.0,
-               max_kills: int = 0, plan: tuple[str, ...] = ()):
-    self.rng, self.every, self.delay, self.plan = random.Random(seed), every, delay, tuple(plan)
-    self.include_syncer = include_syncer or "syncer" in self.plan
-    self.min_uptime, self.max_kills = min_uptime, len(self.plan) or max_kills
-    self.next_kill: float | None = None
-    self.down: dict[str, float] = {}  # name -> when to restart it
-    self.abandoned: set[str] = set()  # Killed, and not restarted because the run ended meanwhile.
-    self.events: list[tuple[float, str, str]] = []
-
-  def step(self, cluster: LocalCluster, now: float) -> None:
-    """Restarts what is due, then kills the next victim if it is time."""
-    self.next_kill = self.next_kill or now + self.every
-    if cluster.processes["syncer"].poll() is not None and "syncer" not in self.down:  # The run is over.
-      self.abandoned.update(self.down)
-      self.down.clear()
-      return
-    for name, when in list(self.down.items()):
-      if now >= when:
-        del self.down[name]
-        cluster.restart(name)
-        self.events.append((now, "restart", name))
-    learners_running = any(not n.startswith("syncer") for n in [*cluster.running(), *self.down])
-    kills = sum(event == "kill" for _, event, _ in self.events)
-    if self.max_kills and kills >= self.max_kills:
-      return  # The kill budget is spent.
-    if now < self.next_kill or cluster.processes["syncer"].poll() is not None or not learners_running:
-      return  # Too early, or the run is over (the learners exited after hearing so).
-    self.next_kill = now + self.every
-    candidates = [n for n in sorted(cluster.running()) if not n.startswith("syncer") or self.include_syncer]
-    candidates = [n for n in candidates if n not in self.down and now - cluster.started_at[n] >= self.min_uptime]
-    if self.plan:
-      candidates = [n for n in candidates if n.startswith("syncer") == (self.plan[kills] == "syncer")]
-    if candidates:
-      victim = self.rng.choice(candidates)
-      cluster.kill(victim)
-      self.down[victim] = now + self.delay
-      self.events.append((now, "kill", victim))
-      logging.info("chaos: killed %s, restarting it in %.1fs", victim, self.delay)
 
 
 def main(argv: list[str]) -> None:

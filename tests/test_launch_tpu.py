@@ -73,6 +73,9 @@ def test_dry_run_creates_each_slice_and_starts_the_syncer_and_one_learner_per_sl
     assert f"--learner_id={i} " in remote and "--syncer=SYNCER_IP:50051 " in remote
     assert "--group_coordinator=auto" in remote  # the slice's workers form one multi-host JAX program
     assert "--config.learners.devices=(16, 32)" in remote  # overrides reach every process
+  # The workdir is gs://: what needs fsync and flock (the syncer's log, every lock) goes to the host's own disk,
+  # or storage.local_dir refuses to start (service.wal_dir, tested for before, was renamed local_dir).
+  assert all('--config.service.local_dir="$D/local"' in _remote(c) for c in [*syncers, *learners])
   # Secrets travel as file paths only: the run secret to the syncer's host, each learner its own credential.
   assert '--config.service.token_file="$D/secret"' in syncer and "DD_SYNCER_TOKEN" not in syncer
   for command in learners:

@@ -40,7 +40,10 @@ def test_an_explicit_setting_always_wins():
                                                               "syncer.quorum": 3, "outer.buffer_size": 7})
   assert (config.outer.optimizer, config.policy.kind, config.syncer.quorum, config.outer.buffer_size) == ("adam",
                                                                                                          "fixed", 3, 7)
-  assert hetero_v5p_v6e.get_config().outer.buffer_size == _resolved(hetero_v5p_v6e.get_config()).outer.buffer_size
+  assert _resolved(async_naive.get_config()).outer.optimizer == "sgd"  # Set in the config file: kept.
+  hetero = _resolved(hetero_v5p_v6e.get_config())  # Left to the defaults: the recipe it used to spell out.
+  assert (hetero.syncer.quorum, hetero.outer.optimizer, hetero.outer.buffer_size,
+          hetero.policy.kind) == (1, "delayed_nesterov", 4, "dylu")
 
 
 def test_resolving_twice_changes_nothing():

@@ -19,7 +19,8 @@ from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco import model as model_lib
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import security, server as server_lib, wire
-from experiments.launch_local import Chaos, LocalCluster
+from experiments.chaos_schedule import Chaos
+from experiments.launch_local import LocalCluster
 from tests import service_config
 from tests.helpers import wait_for
 

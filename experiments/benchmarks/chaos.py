@@ -58,7 +58,8 @@ from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import security
 from experiments.benchmarks import common
-from experiments.launch_local import Chaos, LocalCluster
+from experiments.chaos_schedule import Chaos
+from experiments.launch_local import LocalCluster
 
 _SIZE = flags.DEFINE_enum("size", "demo", ["demo", "tiny"], "Model and budget: the demo's, or the test's.")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Undisturbed runs (config seeds 0..n-1) for the spread.")

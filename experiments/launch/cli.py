@@ -119,7 +119,7 @@ def options_from_flags(f: dict, argv: list[str], verb: str) -> Options:
       archive=os.path.join(tempfile.gettempdir(), f"{run}_src.tar.gz"), insecure=f["insecure"].value,
       local_dir=os.path.join(os.path.dirname(default_token_file(run)), run), syncer_on_slice=f["syncer_on_slice"].value,
       queued=f["queued"].value, xpk_cluster=f["xpk_cluster"].value,
-      image=f["image"].value, wal_dir="wal_dir" in config.service, syncer_shards=config.service.shards,
+      image=f["image"].value, syncer_shards=config.service.shards,
       **_data(config.data), evaluator_slice=_evaluator_slice(f["evaluator_slice"].value, config.service,
                                                              parse_slices(f["slices"].value)))
   check(options, tuple(config.learners.devices), tuple(config.learners.hardware or ()))

@@ -158,24 +158,25 @@ def _setup(o: Options, tpu: bool) -> str:
 
 
 def _train(o: Options, log: str, env: str, *args: str, token: str = "token") -> str:
-  """A detached `experiments.train` process on a host: its secret by file path, output in its log."""
+  """A detached `experiments.train` process on a host: its secret by file path, output in its log, and its
+  files that need fsync and flock (the syncer's write-ahead log, every process's lock) on the host's own disk,
+  since the workdir is a gs:// bucket (storage.local_dir refuses a remote one)."""
   command = [
       "\"$D/venv/bin/python\" -m experiments.train", *map(shlex.quote, train_args(o)), *args,
-      f"--config.service.token_file=\"$D/{token}\""]
+      f"--config.service.token_file=\"$D/{token}\"", "--config.service.local_dir=\"$D/local\""]
   return f"D={o.remote}; cd \"$D/src\" && {env}nohup {' '.join(command)} > \"$D/{log}.log\" 2>&1 < /dev/null &"
 
 
 def _syncer_command(o: Options, on_tpu: bool, shard: int = 0) -> str:
   """The syncer binds every interface (learners come from other hosts); on a slice it keeps off the TPU; its
-  write-ahead log stays on local disk (it needs fsync) while checkpoints and metrics go to the workdir.
+  write-ahead log stays on local disk (`_train`) while checkpoints and metrics go to the workdir.
   Shard s of S binds port + s and its data channel port + S + s (service/shardrun.py adds the s)."""
   tls = ["--config.service.tls_cert=\"$D/tls.crt\"", "--config.service.tls_key=\"$D/tls.key\""
         ] if o.tls != "none" else []
-  wal = ["--config.service.wal_dir=\"$D/wal\""] if o.wal_dir else []
   sharded = [f"--shard={shard}"] if o.syncer_shards > 1 else []
   return _train(o, f"syncer_{shard}" if sharded else "syncer", "JAX_PLATFORMS=cpu " if on_tpu else "", "--role=syncer",
                 *sharded, "--config.service.host=0.0.0.0", f"--config.service.port={o.port}",
-                f"--config.service.data_port={o.port + o.syncer_shards}", *tls, *wal, token="secret")
+                f"--config.service.data_port={o.port + o.syncer_shards}", *tls, token="secret")
 
 
 def _learner_step(o: Options, index: int, address: str) -> Step:

@@ -38,7 +38,6 @@ class Options:
   tfds_name: str = ""  # data.tfds_name when data.source='tfds': prepared once into data_dir by `start`.
   data_dir: str = ""  # TFDS data_dir every process reads ('' = <bucket>/tfds).
   extras: str = ""  # setup.py extras the hosts install ('tfds' for TFDS / ArrayRecord data).
-  wal_dir: bool = False  # The config has service.wal_dir: the syncer keeps its write-ahead log on local disk.
   xpk_cluster: str = ""  # GKE cluster of an XPK launch of the learner slices ('' = TPU VMs over gcloud).
   image: str = ""  # Container image of an XPK launch ('' = gcr.io/<project>/decoupled-diloco:<run_name>).
   evaluator_slice: Slice | None = None  # The evaluator's slice (service.evaluate_on='evaluator'), <run_name>-eval.

@@ -83,7 +83,8 @@ def learner_command(o: Options, index: int, address: str) -> str:
   return (f"set -e; mkdir -p -m 700 {d}; {options_lib.fetch_secret(o)} | python -m experiments.credentials learner "
           f"--secret_file=- --learner={index} --out={d}/token; " +
           (f"gcloud storage cp {o.run_workdir}/tls_ca.pem {d}/tls_ca.pem; " if o.tls == "generated" else "") +
-          f"python -m experiments.train {' '.join(args)} --config.service.token_file={d}/token")
+          f"python -m experiments.train {' '.join(args)} --config.service.token_file={d}/token "
+          f"--config.service.local_dir={d}/local")  # Its lock needs a local disk: the workdir is gs://.
 
 
 def start_learner(o: Options, index: int, address: str) -> Step:
