@@ -13,7 +13,8 @@ import pytest
 from experiments import cli
 
 REPO = pathlib.Path(__file__).parents[1]
-ENTRY_POINTS = ("train", "launch_local", "sweep", "plan", "launch_tpu", "report", "prepare_data", "train_tokenizer")
+ENTRY_POINTS = ("train", "launch_local", "sweep", "plan", "launch_tpu", "report", "prepare_data", "train_tokenizer",
+                "notebooks")
 
 
 def _run(entry_point: str, *args: str) -> subprocess.CompletedProcess:
