@@ -4,7 +4,7 @@ A record is a dict with a 'kind' and the 'outer_step' it belongs to (the checkpo
 outer step k covers every record with outer_step <= k), so a run resumed from checkpoint k
 drops the crashed run's later records and its file equals an uninterrupted run's. Every
 numeric field is also a TensorBoard scalar `<kind>/<field>`, one run per learner so curves
-overlay. Conventions in full: docs/records.md.
+overlay; a list of one value per learner (an outer record's `delta_norms`) goes to each learner's run. Conventions in full: docs/records.md.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ TENSORBOARD_DIR = "tensorboard"
 UPLOAD_SECONDS = 30.0
 # Fields that locate a record rather than measure something; never plotted.
 _INDEX_FIELDS = ("kind", "outer_step", "inner_step", "learner")
+# List fields with one value per learner (of the record's `learners`, else 0..M-1) -> the tag's name in each
+# learner's TensorBoard run: lockstep's outer records carry every learner's pseudo-gradient norm in one list.
+_PER_LEARNER_FIELDS = {"delta_norms": "pseudo_gradient_norm", "weights": "merge_weight"}
 
 
 def _plain(value: Any) -> Any:
@@ -58,6 +61,22 @@ def _scalar_tags(record: dict) -> dict[str, float]:
   return {
       f"{record['kind']}/{name}": float(value) for name, value in record.items()
       if name not in _INDEX_FIELDS and _is_scalar(value)}
+
+
+def _per_learner_scalars(record: dict) -> list[tuple[str, str, float]]:
+  """(TensorBoard run, tag, value) for each value of a per-learner list field (_PER_LEARNER_FIELDS).
+
+  Why: a list is no scalar, so a merge's per-learner figures would reach TensorBoard nowhere;
+  in each learner's run under one tag, they overlay like `train/loss`.
+  """
+  scalars = []
+  for field, name in _PER_LEARNER_FIELDS.items():
+    values = record.get(field)
+    if isinstance(values, list):
+      learners = record.get("learners", range(len(values)))
+      scalars += [
+          (f"learner_{m}", f"{record['kind']}/{name}", float(v)) for m, v in zip(learners, values) if _is_scalar(v)]
+  return scalars
 
 
 def _tensorboard_run(record: dict) -> str:
@@ -188,6 +207,8 @@ class MetricsWriter:
     writer = self._tb_run(_tensorboard_run(record))
     for tag, value in _scalar_tags(record).items():
       writer.add_scalar(tag, value, global_step=step)
+    for run, tag, value in _per_learner_scalars(record):
+      self._tb_run(run).add_scalar(tag, value, global_step=step)
     for run in self._count_staleness(record):
       self._tb_run(run).add_histogram_raw("push/staleness_distribution", global_step=step,
                                           **_integer_histogram(self._staleness[run]))

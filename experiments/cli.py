@@ -7,8 +7,11 @@ and an impossible setting read the same everywhere, and nothing is written befor
 import sys
 
 from absl import flags
+import ml_collections
 
 BAD_INPUT = 2  # The exit status of bad input (absl and argparse use it for usage errors too).
+# absl's help flags print usage and exit 1 while parsing; asking for help is not an error.
+_HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")
 
 
 def fail(message: str) -> None:
@@ -19,9 +22,16 @@ def fail(message: str) -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's parser, except that bad flags and config files exit 2 with one line instead of 1 with a trace."""
+  """absl's parser, except that bad flags and config files exit 2 with one line instead of 1 with a trace,
+  and `--help` (`--helpfull`, ...) exits 0 after printing usage, where absl exits 1."""
   try:
     return flags.FLAGS(argv)
+  except SystemExit as exit_:
+    if exit_.code == 1 and _asks_for_help(argv):
+      sys.exit(0)
+    raise
+  except flags.UnrecognizedFlagError as error:
+    fail(_unknown_flag(error))
   except SyntaxError as error:  # The config file itself does not parse: name the file and line.
     fail(f"cannot load --config: {error.msg} in {error.filename} line {error.lineno}: fix the file")
   except (flags.Error, KeyError, AttributeError, ValueError, TypeError, ImportError, NameError) as error:
@@ -39,6 +49,43 @@ def parse_flags(argv: list[str]) -> list[str]:
     if "has no attribute 'get_config'" in text:
       fail("cannot load --config: the file has no get_config(): pass a configs/*.py that defines one")
     fail(error)
+
+
+def _asks_for_help(argv: list[str]) -> bool:
+  """Whether a flag before `--` is one of absl's help flags (`--help`, `-?`, `--helpfull=true`, ...)."""
+  options = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+  return any(arg.startswith("-") and arg.lstrip("-").split("=", 1)[0] in _HELP_FLAGS for arg in options)
+
+
+def _unknown_flag(error: flags.UnrecognizedFlagError) -> str:
+  """What to say about an unknown `--NAME`: the `--config.NAME` override it meant when NAME is a field of the
+  config, else absl's suggestions. Why: config fields are flags only under their config's prefix, and a
+  bare `--outer_steps=3` is the commonest slip."""
+  holders = _config_flags_holding(error.flagname)
+  if holders:
+    value = error.flagvalue.partition("=")[2] or "VALUE"  # absl's flagvalue is the whole argument.
+    return (f"unknown flag --{error.flagname}: {error.flagname} is a config field, set it with "
+            f"--{holders[0]}.{error.flagname}={value}")
+  suggestions = str(error).partition("Did you mean: ")[2].rstrip(" ?")
+  hint = f"did you mean {', '.join('--' + s for s in suggestions.split(', '))}? " if suggestions else ""
+  return f"unknown flag --{error.flagname}: {hint}--helpfull lists every flag"
+
+
+def _config_flags_holding(path: str) -> list[str]:
+  """The config flags (ml_collections config files) whose config has the dotted field `path`."""
+  found = []
+  for name in list(flags.FLAGS):
+    try:
+      config = flags.FLAGS[name].value
+    except Exception:  # pylint: disable=broad-except  # A config file that does not load holds no field.
+      continue
+    for part in path.split("."):
+      if not isinstance(config, ml_collections.ConfigDict) or part not in config:
+        break
+      config = config[part]
+    else:
+      found.append(name)
+  return found
 
 
 def _override_path(argv: list[str], key: str) -> str:

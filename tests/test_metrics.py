@@ -187,6 +187,29 @@ def test_tensorboard_staleness_histograms_count_every_push_so_far(tmp_path):
   assert last == ("push/staleness_distribution", 5, {0.5: 2, 1.5: 0, 2.5: 2, 3.5: 1})
 
 
+def test_tensorboard_gets_pseudo_gradient_norms_bits_per_byte_stalls_and_bytes_sent(tmp_path):
+  """The records as the runtimes write them (lockstep outer, sim outer, eval, learner_summary), read back."""
+  with MetricsWriter(tmp_path) as writer:
+    writer.write({"kind": "outer", "outer_step": 1, "inner_step": 3, "version": 1, "delta_norms": [0.5, 0.25]})
+    writer.write({
+        "kind": "outer", "outer_step": 2, "inner_step": 6, "fragment": 0, "learners": [1], "staleness": [2],
+        "weights": [0.75]})
+    writer.write({"kind": "eval", "outer_step": 2, "inner_step": 6, "eval_loss": 2.0, "eval_bits_per_byte": 2.885})
+    for learner, stalls in ((0, 5), (1, None)):  # (null: a runtime that does not measure it)
+      writer.write({
+          "kind": "learner_summary", "outer_step": 2, "inner_step": 6, "learner": learner, "stalls": stalls,
+          "bytes_sent": 1000 * (learner + 1), "staleness_histogram": {"2": 1}})
+  scalars = {(run, tag, step): round(value, 4) for run, tag, step, value in _visible_scalars(tmp_path / "tensorboard")}
+  assert {key: value for key, value in scalars.items() if key[1].startswith("outer/")} == {
+      ("", "outer/version", 3): 1.0, ("", "outer/fragment", 6): 0.0,
+      ("learner_0", "outer/pseudo_gradient_norm", 3): 0.5, ("learner_1", "outer/pseudo_gradient_norm", 3): 0.25,
+      ("learner_1", "outer/merge_weight", 6): 0.75}
+  assert scalars[("", "eval/eval_bits_per_byte", 6)] == 2.885
+  assert scalars[("learner_0", "learner_summary/stalls", 6)] == 5.0
+  assert ("learner_1", "learner_summary/stalls", 6) not in scalars
+  assert [scalars[(f"learner_{m}", "learner_summary/bytes_sent", 6)] for m in (0, 1)] == [1000.0, 2000.0]
+
+
 def test_format_progress():
   line = format_progress(outer_step=3, num_outer_steps=20, step=60, loss=2.31, eval_loss=2.402, optimum=1.95,
                          tokens_per_sec=12_300, eta_seconds=80)

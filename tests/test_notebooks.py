@@ -1,58 +1,43 @@
-"""Every notebook in colabs/ runs top to bottom in a real kernel, at the CI size, and draws its plots.
+"""Every notebook in colabs/ is stored with its outputs, and runs top to bottom in a real kernel at the CI size.
 
-Why execute them: the notebooks are what researchers open first, and nothing else calls
-their cells, so an API change they missed would only surface in front of a reader. Each
-runs with DD_NOTEBOOK_SIZE=ci, which shrinks every run to about a minute, and TMPDIR set to
-one directory per test session: the notebooks make their workdirs there with mkdtemp and
-share JAX's compilation cache (tempdir/dd_jax_cache), so shapes compiled by one are not
-compiled again by the next. One test per notebook, so pytest-xdist spreads them over its
-workers.
+Why both: the repository is where most readers first see a notebook, so the stored copy must
+show its plots (`python -m experiments.notebooks` regenerates them); and nothing else calls the
+cells, so an API change they missed would only surface in front of a reader. The executed copy
+is never written back: the run here checks the code, the stored outputs are what a reader sees.
+One test per notebook, so pytest-xdist spreads them over its workers; they share one TMPDIR, so
+JAX's compilation cache (TMPDIR/dd_jax_cache) compiles each shape once.
 """
 
-import json
-import os
-import pathlib
-import sys
-
-from jupyter_client.kernelspec import KernelSpecManager
-from jupyter_client.manager import KernelManager
-import nbclient
 import nbformat
 import pytest
 
-# Executes each notebook in a kernel: the fast subset leaves them out.
-pytestmark = pytest.mark.slow
+from experiments import notebooks
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((REPO / "colabs").glob("*.ipynb"))
-CELL_TIMEOUT_SECONDS = 600
-
-
-def _kernel_manager(directory: pathlib.Path) -> KernelManager:
-  """A kernel on this interpreter (sys.executable), whatever kernelspecs the machine has installed."""
-  spec = directory / "kernels" / "dd_python"
-  spec.mkdir(parents=True)
-  (spec / "kernel.json").write_text(
-      json.dumps({
-          "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-          "display_name": "decoupled_diloco", "language": "python"}))
-  return KernelManager(kernel_name="dd_python", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)]))
+NOTEBOOKS = notebooks.notebook_paths()
+STORED_BYTES = 3_000_000  # All of colabs/: the plots are PNGs at a modest dpi.
 
 
 def _outputs(notebook) -> list[dict]:
   return [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
 
 
-def test_there_are_notebooks():
-  assert len(NOTEBOOKS) >= 4, f"expected the notebooks in {REPO / 'colabs'}"
+def test_there_are_notebooks_and_they_stay_small():
+  assert len(NOTEBOOKS) >= 4, f"expected the notebooks in {notebooks.NOTEBOOK_DIR}"
+  assert sum(path.stat().st_size for path in notebooks.NOTEBOOK_DIR.iterdir()) < STORED_BYTES
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_is_committed_without_outputs(path):
+def test_stored_notebook_has_its_outputs(path):
+  """Stored as one top-to-bottom run left it: every code cell executed in order, plots, no error."""
   notebook = nbformat.read(path, as_version=4)
   nbformat.validate(notebook)
-  assert not _outputs(notebook), f"{path.name} has outputs: clear them before committing"
-  assert all(cell.get("execution_count") is None for cell in notebook.cells if cell.cell_type == "code")
+  code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+  assert [cell.execution_count for cell in code] == list(range(
+      1,
+      len(code) + 1)), (f"{path.name} is not stored as one run: python -m experiments.notebooks {path.stem}")
+  outputs = _outputs(notebook)
+  assert not [o for o in outputs if o.output_type == "error"], f"{path.name} is stored with an error"
+  assert any("image/png" in o.get("data", {}) for o in outputs), f"{path.name} is stored without a plot"
 
 
 @pytest.fixture(scope="session")
@@ -60,16 +45,16 @@ def notebook_tempdir(tmp_path_factory):
   return tmp_path_factory.mktemp("notebooks")
 
 
+@pytest.mark.slow  # Executes the notebook in a kernel: the fast subset leaves it out.
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_and_plots(path, tmp_path, monkeypatch, notebook_tempdir):
-  monkeypatch.setenv("DD_NOTEBOOK_SIZE", "ci")
-  monkeypatch.setenv("TMPDIR", str(notebook_tempdir))
-  # The checkout's package, whether or not it is pip-installed in this environment.
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-  notebook = nbformat.read(path, as_version=4)
-  client = nbclient.NotebookClient(notebook, km=_kernel_manager(tmp_path), timeout=CELL_TIMEOUT_SECONDS,
-                                   resources={"metadata": {"path": str(tmp_path)}})
-  client.execute()  # Raises CellExecutionError, with the cell and its traceback, if any cell fails.
+def test_notebook_runs_and_plots(path, notebook_tempdir):
+  stored = path.read_bytes()
+  notebook = nbformat.reads(stored.decode(), as_version=4)
+  for cell in notebook.cells:  # Start from no outputs, so that every output checked below is this run's.
+    if cell.cell_type == "code":
+      cell.outputs, cell.execution_count = [], None
+  notebooks.execute(notebook, "ci", notebook_tempdir)  # Raises CellExecutionError, with the cell, if one fails.
   outputs = _outputs(notebook)
   assert not [o for o in outputs if o.output_type == "error"]
   assert any("image/png" in o.get("data", {}) for o in outputs), f"{path.name} drew no plot"
+  assert path.read_bytes() == stored, f"executing {path.name} rewrote the stored notebook"

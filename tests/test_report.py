@@ -81,8 +81,56 @@ def test_runs_without_clock_or_pushes_skip_those_plots():
   curves = both["loss_vs_tokens"].axes[0].get_lines()
   assert [line.get_label() for line in curves] == ["sync", "async", "optimum"]
   assert [line.get_label() for line in both["loss_vs_virtual_time"].axes[0].get_lines()] == ["async", "optimum"]
-  assert len(both["staleness"].axes) == 1  # Only the run with pushes gets a histogram.
+  assert len(both["staleness"].subfigs) == 1  # Only the run with pushes gets histograms.
   assert report.figures({"empty": []}) == {}
+
+
+def _visible(figure):
+  return [axes for axes in figure.axes if axes.get_visible()]
+
+
+def test_staleness_panels_show_each_learners_own_pushes_unclipped():
+  panels = _visible(report.staleness_histogram({"async": _sim_records()}))
+  assert [axes.get_title() for axes in panels] == ["learner 0: 2 pushes, mean 0.50", "learner 1: 2 pushes, mean 2.00"]
+  # Staleness 0..3 in each panel: learner 0 pushed at 0 and 1, learner 1 at 1 and 3.
+  assert [[bar.get_height() for bar in axes.patches] for axes in panels] == [[1, 1, 0, 0], [0, 1, 0, 1]]
+  for axes in panels:  # Nothing touches the frame: the axes fit the data with room to spare.
+    assert axes.get_ylim()[1] > max(bar.get_height() for bar in axes.patches)
+    assert axes.get_xlim()[0] < -0.4 and axes.get_xlim()[1] > 3.4
+
+
+def _on_the_wall_clock(record):
+  """A sim record as threads would write it: no virtual seconds, blocked time measured (1 s + the learner)."""
+  if record["kind"] == "summary":
+    return {**record, "virtual_seconds": None}
+  if record["kind"] == "learner_summary":
+    return {**record, "blocked_seconds": 1.0 + record["learner"]}
+  return record
+
+
+def test_utilization_bars_are_each_learners_own_and_fit_the_axes():
+  times, steps = report.utilization({"async": _sim_records()}).axes
+  # Busy (18, 16) then idle (2, 4) seconds of learners 0 and 1; nobody finished early, so no grey segment.
+  assert [bar.get_width() for bar in times.patches] == [18.0, 16.0, 2.0, 4.0]
+  assert [bar.get_width() for bar in steps.patches] == [8, 4]
+  assert times.get_xlabel() == "virtual seconds" and times.get_xlim()[1] > 20 and steps.get_xlim()[1] > 8
+  # Threads measure blocked time on the wall clock: a fourth segment and the right unit.
+  threads = [_on_the_wall_clock(record) for record in _sim_records()]
+  figure = report.utilization({"threads": threads})
+  assert [bar.get_width() for bar in figure.axes[0].patches][-2:] == [1.0, 2.0]
+  assert figure.axes[0].get_xlabel() == "wall-clock seconds" and figure.axes[0].get_xlim()[1] > 22
+  assert [text.get_text() for text in figure.legends[0].get_texts()] == ["busy", "idle", "blocked"]
+
+
+def test_runs_with_the_same_learner_data_share_one_row():
+  """A sweep over a knob that leaves timing alone (the staleness function on the virtual clock) draws it once."""
+  same = report.figures({"a": _sim_records(), "b": _sim_records(), "sync": _lockstep_records()})
+  for stem in ("utilization", "staleness"):
+    assert [row.get_suptitle() for row in same[stem].subfigs] == ["2 runs, same data: a, b"]
+  other = _sim_records()
+  other[-2] = {**other[-2], "steps": 5}  # Learner 1's summary.
+  rows = report.utilization({"a": _sim_records(), "b": other}).subfigs
+  assert [row.get_suptitle() for row in rows] == ["a", "b"]
 
 
 def test_write_report_saves_pngs_and_a_markdown_page(tmp_path):

@@ -18,6 +18,7 @@ import textwrap
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from decoupled_diloco import metrics, storage
 from decoupled_diloco.errors import ConfigError
@@ -186,59 +187,104 @@ def loss_vs_time(runs: dict[str, list[dict]], clock: str = "wall") -> Figure | N
   return _loss_curves(runs, "wall_time", "wall-clock seconds", "Eval loss vs wall-clock time")
 
 
-def _grid(count: int, columns: int, width: float, height: float):
-  figure = _figure(width * min(count, columns), height * -(-count // columns))
-  return figure, [figure.add_subplot(-(-count // columns), min(count, columns), i + 1) for i in range(count)]
+_PANELS_PER_LINE = 4  # Staleness panels (one per learner) side by side before they wrap.
+# Segments of a learner's time in the utilization plot: (learner_summary field, colour).
+_TIME_PARTS = (("busy_seconds", "tab:green"), ("idle_seconds", "tab:orange"), ("blocked_seconds", "tab:red"),
+               ("finished_early_seconds", "tab:gray"))
+
+
+def _distinct(per_run: dict[str, object]) -> dict[str, object]:
+  """Title -> data, once per distinct data: runs with equal data share one title naming them all.
+
+  Why: a sweep over a knob that leaves timing alone (the staleness function, on the virtual
+  clock) gives every point the same utilization and staleness; drawing them once says so,
+  where identical rows repeated say nothing.
+  """
+  groups: list[tuple[list[str], object]] = []
+  for name, data in per_run.items():
+    same = next((names for names, seen in groups if seen == data), None)
+    if same is None:
+      groups.append(([name], data))
+    else:
+      same.append(name)
+  return {
+      names[0] if len(names) == 1 else f"{len(names)} runs, same data: {', '.join(names)}": data
+      for names, data in groups}
+
+
+def _utilization_data(records: list[dict]) -> tuple | None:
+  """(clock, ((learner, steps, *seconds of each _TIME_PARTS), ...)) from a run's learner_summary records."""
+  learners = tuple((r["learner"], r["steps"], *(r[field] or 0.0 for field, _ in _TIME_PARTS))
+                   for r in _of(records, "learner_summary"))  # (null: a runtime that does not measure it)
+  virtual = any(r["virtual_seconds"] is not None for r in _of(records, "summary"))
+  return ("virtual" if virtual else "wall-clock", learners) if learners else None
 
 
 def utilization(runs: dict[str, list[dict]]) -> Figure | None:
-  """Per learner: busy / idle / finished-early seconds, and local steps taken (sim runs).
+  """Per learner: busy / idle / blocked / finished-early seconds, and local steps taken.
 
   Shows who waited for whom: in sync DiLoCo fast learners idle; decoupled, they take more steps.
+  Each bar is one learner's own learner_summary; runs with the same figures share a row.
   """
-  summaries = {name: _of(records, "learner_summary") for name, records in runs.items()}
-  summaries = {name: rows for name, rows in summaries.items() if rows}
-  if not summaries:
+  rows = _distinct({name: _utilization_data(records) for name, records in runs.items()})
+  rows = {title: data for title, data in rows.items() if data is not None}
+  if not rows:
     return None
-  figure = _figure(10.0, 0.6 + 2.6 * len(summaries))
-  for row, (name, learners) in zip(figure.subfigures(len(summaries), 1, squeeze=False)[:, 0], summaries.items()):
-    row.suptitle(_wrap(name, 100))
-    labels = [f"learner {r['learner']}" for r in learners]
+  figure = _figure(10.0, 0.6 + 2.6 * len(rows))
+  legend = {}
+  for row, (title, (clock, learners)) in zip(figure.subfigures(len(rows), 1, squeeze=False)[:, 0], rows.items()):
+    row.suptitle(_wrap(title, 100))
+    labels = [f"learner {learner[0]}" for learner in learners]
     times, steps = row.subplots(1, 2)
     left = [0.0] * len(learners)
-    for field, color in (("busy_seconds", "tab:green"), ("idle_seconds", "tab:orange"), ("finished_early_seconds",
-                                                                                         "tab:gray")):
-      values = [r[field] or 0.0 for r in learners]  # (null: a runtime that does not measure it)
-      times.barh(labels, values, left=left, color=color, label=field[:-len("_seconds")].replace("_", " "))
-      left = [a + b for a, b in zip(left, values)]
-    times.invert_yaxis()
-    times.set(xlabel="virtual seconds")
-    steps.barh(labels, [r["steps"] for r in learners], color="tab:blue")
-    steps.invert_yaxis()
-    steps.set(xlabel="local steps")
-  handles = row.axes[0].get_legend_handles_labels()
-  figure.legend(*handles, loc="outside lower center", ncol=3, fontsize="small")
+    for index, (field, color) in enumerate(_TIME_PARTS, 2):
+      values = [learner[index] for learner in learners]
+      if any(values):
+        label = field[:-len("_seconds")].replace("_", " ")
+        legend[label] = times.barh(labels, values, left=left, color=color, label=label)
+        left = [a + b for a, b in zip(left, values)]
+    steps.barh(labels, [learner[1] for learner in learners], color="tab:blue")
+    times.set(xlabel=f"{clock} seconds", xlim=(0, 1.05 * max(left) or 1))
+    steps.set(xlabel="local steps", xlim=(0, 1.05 * max(learner[1] for learner in learners) or 1))
+    for axes in (times, steps):
+      axes.invert_yaxis()
+  figure.legend(legend.values(), legend.keys(), loc="outside lower center", ncol=len(legend), fontsize="small")
   return figure
 
 
 def staleness_histogram(runs: dict[str, list[dict]]) -> Figure | None:
-  """Pushes per staleness (merges between a push's base version and its arrival), stacked by learner."""
-  counts = {name: staleness_counts(records) for name, records in runs.items()}
-  counts = {name: per_learner for name, per_learner in counts.items() if per_learner}
-  if not counts:
+  """Pushes per staleness (merges between a push's base version and its arrival): a panel per learner.
+
+  Each panel is one learner's own pushes (its push records, else its learner_summary); a row's
+  panels share their axes, which fit the tallest bar, so learners compare at a glance.
+  """
+  rows = _distinct({name: staleness_counts(records) for name, records in runs.items()})
+  rows = {title: per_learner for title, per_learner in rows.items() if per_learner}
+  if not rows:
     return None
-  figure, axes_list = _grid(len(counts), 3, 4.5, 3.4)
-  for axes, (name, per_learner) in zip(axes_list, counts.items()):
-    values = range(max(max(c) for c in per_learner.values()) + 1)
-    bottom = [0] * len(values)
-    for learner, counter in per_learner.items():
+  columns = min(_PANELS_PER_LINE, max(len(per_learner) for per_learner in rows.values()))
+  lines = [-(-len(per_learner) // columns) for per_learner in rows.values()]
+  figure = _figure(0.4 + 2.8 * columns, 0.4 + sum(0.4 + 2.3 * n for n in lines))
+  subfigures = figure.subfigures(len(rows), 1, squeeze=False, height_ratios=[0.4 + 2.3 * n for n in lines])[:, 0]
+  for row, line_count, (title, per_learner) in zip(subfigures, lines, rows.items()):
+    row.suptitle(_wrap(title, 35 * columns))
+    values = list(range(max(max(counter) for counter in per_learner.values()) + 1))
+    tallest = max(n for counter in per_learner.values() for n in counter.values())
+    panels = row.subplots(line_count, columns, squeeze=False).ravel()
+    for axes, (learner, counter) in zip(panels, per_learner.items()):
       heights = [counter.get(s, 0) for s in values]
-      axes.bar(list(values), heights, bottom=bottom, label=f"learner {learner}")
-      bottom = [a + b for a, b in zip(bottom, heights)]
-    axes.set(xlabel="staleness (merges)", ylabel="pushes", title=_wrap(name, 40))
-    axes.set_xticks(list(values))
-    axes.legend(fontsize="x-small")
-  figure.suptitle("Staleness of pushes")
+      bars = axes.bar(values, heights, color=f"C{learner % 10}")
+      axes.bar_label(bars, [str(n) if n else "" for n in heights], fontsize="x-small")
+      mean = sum(s * n for s, n in counter.items()) / sum(heights)
+      axes.set(title=f"learner {learner}: {sum(heights)} pushes, mean {mean:.2f}", xlabel="staleness (merges)",
+               xlim=(-0.6, values[-1] + 0.6), ylim=(0, 1.15 * tallest))
+      axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+      axes.yaxis.set_major_locator(MaxNLocator(integer=True))
+    for axes in panels[::columns]:
+      axes.set_ylabel("pushes")
+    for axes in panels[len(per_learner):]:
+      axes.set_visible(False)
+  figure.suptitle("Staleness of each learner's pushes")
   return figure
 
 

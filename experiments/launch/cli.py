@@ -13,7 +13,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from decoupled_diloco.errors import ConfigError
-from experiments.cli import fail
+from experiments.cli import fail, parse_flags
 from experiments.launch import deploy, provision, runner, watch, xpk
 from experiments.launch import options as options_lib
 from experiments.launch.hosts import EXAMPLE, Slice, Step, parse_slices
@@ -228,4 +228,4 @@ def main(f: dict, argv: list[str]) -> None:
 
 def run() -> None:
   """The program: flags are defined only here, so importing the launcher claims no flag names."""
-  app.run(functools.partial(main, define_flags()))
+  app.run(functools.partial(main, define_flags()), flags_parser=parse_flags)
