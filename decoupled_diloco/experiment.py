@@ -236,6 +236,7 @@ def build_syncer(config, params, shard: int | None = None) -> Syncer | None:
   one interface) and the syncer process's (`shard`: that shard's own fragments only)."""
   if config.mode == "ddp":
     return None
+  mode_defaults.resolve(config)  # Idempotent: a config built by hand (a test, a notebook) gets the mode's recipe too.
   settings, codec = syncer_settings(config), compression.Codec.from_config(config.compression)
 
   def make(part, assignment) -> Syncer:

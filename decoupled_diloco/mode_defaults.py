@@ -46,8 +46,6 @@ def resolve(config) -> dict:
     chosen["outer.buffer_size"] = config.outer.buffer_size = merges_per_round(config) if dn else 1
   if config.policy.kind == AUTO:
     chosen["policy.kind"] = config.policy.kind = "dylu" if decoupled else "fixed"
-  if chosen:
-    logging.info("mode=%r defaults: %s", config.mode, ", ".join(f"{k}={v!r}" for k, v in chosen.items()))
   warn_known_bad(config)
   return chosen
 

@@ -8,7 +8,7 @@ import sys
 import jax
 import pytest
 
-from decoupled_diloco import plan
+from decoupled_diloco import mode_defaults, plan
 from tests.helpers import tiny_config
 
 GB = 1e9
@@ -67,15 +67,20 @@ def test_shipped_tpu_configs_fit_every_group_analytically(name):
 
 
 def test_the_syncer_host_holds_theta_outer_state_sums_and_one_tensor_whatever_the_learners():
-  """Nesterov SGD: Θ 4 + momentum 4 + sums 4 B/param and the largest tensor being received (gRPC fallback too)."""
+  """Delayed Nesterov (decoupled's default): Θ 4 + momentum 4 + its window's sum 4 + the merge's sums 4 B/param and
+  the largest tensor being received (gRPC fallback too); Nesterov SGD holds no window sum."""
   config = importlib.import_module("configs.tpu_1b").get_config()
+  mode_defaults.resolve(config)  # As experiments.plan's validation does.
   _, shapes, _ = plan.model_lib.abstract_params(config.model)
   theta, largest = 4 * plan.model_lib.count_params(shapes), max(4 * x.size for x in jax.tree.leaves(shapes))
-  assert config.outer.optimizer == "sgd" and plan.syncer_bytes(config) == 3 * theta + largest
+  largest += 4  # DN's arrival count (an int32) rides along.
+  assert config.outer.optimizer == "delayed_nesterov" and plan.syncer_bytes(config) == 4 * theta + largest
   config.learners.devices, config.learners.batch_size = (8,) * 16, (8,) * 16
-  assert plan.syncer_bytes(config) == 3 * theta + largest  # Flat in the number of learners.
+  assert plan.syncer_bytes(config) == 4 * theta + largest  # Flat in the number of learners.
   config.service.data_port = -1  # Spooled as on the data channel.
-  assert plan.syncer_bytes(config) == 3 * theta + largest
+  assert plan.syncer_bytes(config) == 4 * theta + largest
+  config.outer.optimizer = "sgd"
+  assert plan.syncer_bytes(config) == 3 * theta + largest - 4
 
 
 def _run_plan(*flags):

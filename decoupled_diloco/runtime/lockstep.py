@@ -90,13 +90,12 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
       if monitor.diverged:
         break
     if outer_step > start and (outer_step == config.outer_steps or monitor.diverged):
-      syncer = exp.syncer
+      # Only what a resumed run restores: its summary equals an uninterrupted run's (wall_time aside).
       writer.write(
           records.summary(clock, eval_loss=eval_loss, optimal_loss=exp.corpus.optimal_loss,
-                          outer_updates=syncer.version if syncer else outer_step, steps=[l.steps for l in exp.learners],
-                          steps_done=sum(l.steps for l in exp.learners), done=not monitor.diverged,
-                          wall_seconds=time.time() - begin, diverged=bool(monitor.diverged),
-                          **(records.push_counts(syncer.counts) if syncer else {})))
+                          outer_updates=exp.syncer.version if exp.syncer else outer_step,
+                          steps=[l.steps for l in exp.learners], steps_done=sum(l.steps for l in exp.learners),
+                          done=not monitor.diverged, diverged=bool(monitor.diverged)))
   finally:
     writer.close()
     checkpointer.close()
