@@ -47,7 +47,7 @@ class SyncerCore(recovery.Recovery):
                checkpoint_every_merges: int, lease_seconds: float, metadata: dict, emit=None, on_merge=None,
                limits: limits_lib.PushLimits | None = None, downlink_format: str = "fp32",
                truncate_corrupt_log: bool = False, min_learners_to_start: int = 1, start_timeout_seconds: float = 600.0,
-               local_dir: str | None = None):
+               local_dir: str | None = None, merge_wait_seconds: float = 0.0):
     self.syncer, self.num_learners, self.budget_steps = syncer, num_learners, budget_steps
     self.checkpoint_every, self.lease_seconds = checkpoint_every_merges, lease_seconds
     self.metadata = metadata  # Static facts saved with every checkpoint (e.g. the config).
@@ -56,7 +56,7 @@ class SyncerCore(recovery.Recovery):
     self.emit = emit or (lambda record: None)  # Metric records (push, outer).
     self.on_merge = on_merge or (lambda version, params, now: None)
     self.lock = threading.RLock()
-    self.grace = membership.GraceWaits(self.lock)
+    self.grace = membership.GraceWaits(self.lock, merge_wait_seconds=merge_wait_seconds)  # > 0: synchronous.
     self.barrier = membership.StartBarrier(self.lock, min_learners_to_start, start_timeout_seconds)
     self.quorum_setting = syncer.settings.quorum
     self.acked = {m: -1 for m in range(num_learners)}

@@ -104,6 +104,10 @@ class LearnerProcess:
       if reply["done"]:  # The syncer is winding down: no Θ to fetch, nothing more to push.
         return seq, reply, {**reply, "payload_bytes": 0}, None
       status, theta = self.client.pull(push.base_version, push.fragment)
+      # Synchronous DiLoCo: the syncer holds each pull until the merge that has this push (up to half a call's
+      # deadline): ask again until Θ moved, so every round starts from the last round's merge.
+      while self.config.mode == "diloco" and theta is None and not status["done"] and reply["status"] == "applied":
+        status, theta = self.client.pull(push.base_version, push.fragment)
       return seq, reply, status, theta
     finally:
       self.account.exchange += time.perf_counter() - begin

@@ -63,15 +63,26 @@ class GraceWaits:
   Callers hold `lock`; the core calls `merged()` after every merge.
   """
 
-  def __init__(self, lock: threading.RLock, slack_seconds: float = 5.0):
+  def __init__(self, lock: threading.RLock, slack_seconds: float = 5.0, merge_wait_seconds: float = 0.0):
     self.slack_seconds = slack_seconds  # How late past its deadline a window's merge is still waited for.
+    # Synchronous DiLoCo (mode='diloco'): every pull after a push waits this long at most for the merge that holds
+    # the push (the learner asks again until it has it), as the in-process runtimes' learners wait; 0 = never.
+    self.merge_wait_seconds = merge_wait_seconds
     self._condition = threading.Condition(lock)
 
   def wait(self, syncer: Syncer, learner: int, fragment: int, now: float, on_wait=None) -> None:
     """Returns once the learner's push in `fragment`'s open window is merged (at once if it is in none),
-    or `slack_seconds` after the deadline (ticks close windows); `on_wait(seconds)` hears that bound first."""
-    if not (0 <= fragment < len(syncer.fragments) and syncer.in_window(learner, fragment)):
+    or `slack_seconds` after the deadline (ticks close windows); `on_wait(seconds)` hears that bound first.
+    In synchronous DiLoCo every unmerged push waits so, up to `merge_wait_seconds`."""
+    if not 0 <= fragment < len(syncer.fragments):
       return  # (A fragment the run does not have is refused by the pull itself.)
+    if self.merge_wait_seconds and syncer.holds(learner, fragment):
+      if on_wait is not None:
+        on_wait(self.merge_wait_seconds)
+      self._condition.wait_for(lambda: not syncer.holds(learner, fragment), self.merge_wait_seconds)
+      return
+    if not syncer.in_window(learner, fragment):
+      return
     limit = max(syncer.fragments[fragment].deadline - now, 0.0) + self.slack_seconds
     if on_wait is not None:
       on_wait(limit)

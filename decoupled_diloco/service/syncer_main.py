@@ -64,8 +64,16 @@ def build_core(config, params, workdir: str, recorder: records.Recorder, evaluat
                                  config, plan.budget_steps), downlink_format=config.compression.downlink_format,
                              truncate_corrupt_log=config.service.truncate_corrupt_log, local_dir=local_dir,
                              min_learners_to_start=config.syncer.min_learners_to_start or plan.num_learners,
-                             start_timeout_seconds=config.syncer.start_timeout_seconds)
+                             start_timeout_seconds=config.syncer.start_timeout_seconds,
+                             merge_wait_seconds=merge_wait_seconds(config))
   return core
+
+
+def merge_wait_seconds(config) -> float:
+  """How long a pull waits for the merge that holds its learner's push: in synchronous DiLoCo (mode='diloco')
+  half a call's deadline, after which the learner asks again (every learner starts each round from the merge of
+  the last, as in lockstep); 0 in decoupled mode, where nobody waits but for a grace window."""
+  return config.service.rpc_timeout_seconds / 2 if config.mode == "diloco" else 0.0
 
 
 def clock(core: core_lib.SyncerCore, version: int, now: float) -> dict:
