@@ -220,13 +220,15 @@ def test_a_streaming_run_ends_without_an_empty_push(tmp_path, caplog):
   after a learner's last step of the budget loses the steps it had (Θ_p replaces them), so the closing period
   has nothing of it to push. The run used to push it anyway and end with "push rejected: tokens=0,
   local_steps=0" warnings (issue 27)."""
-  config = experiment.with_overrides(
-      streaming_shakespeare.get_config(), {
-          "data.source": "synthetic", "data.synthetic.num_tokens": 60_000, "model.seq_len": 16, "model.d_model": 32,
-          "model.d_ff": 64, "model.num_heads": 2, "learners.hardware": ("v6e", "v5p"), "learners.chips": (16, 16),
-          "learners.devices": (1, 1), "learners.batch_size": (4, 4), "sim.learner_link_gbps": (5.0, 2.0),
-          "sim.learner_link_latency_seconds": (0.03, 0.05), "outer_steps": 3, "inner_steps": 6, "eval_batches": 1,
-          "eval_batch_size": 8})
+  tiny = {
+      "data.source": "synthetic", "data.synthetic.num_tokens": 60_000, "model.seq_len": 16, "model.d_model": 32,
+      "model.d_ff": 64, "model.num_heads": 2, "outer_steps": 3, "inner_steps": 6, "eval_batches": 1,
+      "eval_batch_size": 8}
+  v6e_and_v5p = {
+      "learners.hardware": ("v6e", "v5p"), "learners.chips": (16, 16), "learners.devices": (1, 1),
+      "learners.batch_size": (4, 4), "sim.learner_link_gbps": (5.0, 2.0),
+      "sim.learner_link_latency_seconds": (0.03, 0.05)}
+  config = experiment.with_overrides(streaming_shakespeare.get_config(), {**tiny, **v6e_and_v5p})
   with caplog.at_level(logging.WARNING):
     summary = sim.run(experiment.build(config), str(tmp_path))
   assert summary["rejected_pushes"] == 0 and not [r for r in caplog.records if "rejected" in r.getMessage()]
