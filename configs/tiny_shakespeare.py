@@ -1,13 +1,10 @@
 r"""Synchronous DiLoCo on tiny Shakespeare through TFDS (byte-level, 4 groups of 2 devices).
 
-TFDS downloads the text on first use. Offline, prepare a TFDS data dir from a local copy
-(see ../shared/data/README.md) and point at it:
+TFDS downloads the text on first use (preparing it needs `pip install -e '.[tfds]'`). Without a
+network, point TFDS at a data dir prepared elsewhere (docs/data.md, "Tiny Shakespeare offline"):
 
-  python -m experiments.train --config=configs/tiny_shakespeare.py \
-    --config.data.tfds_data_dir=/tmp/tfds --workdir=/tmp/dd_shakespeare
-  # or read the plain file directly:
-  python -m experiments.train --config=configs/tiny_shakespeare.py --config.data.source=text_file \
-    --config.data.path=../shared/data/tinyshakespeare.txt --workdir=/tmp/dd_shakespeare_file
+  python -m experiments.train --config=configs/tiny_shakespeare.py --workdir=/tmp/dd_shakespeare
+  TFDS_DATA_DIR=/tmp/tfds python -m experiments.train --config=configs/tiny_shakespeare.py --workdir=/tmp/dd_shakespeare
 """
 
 from configs import default

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from experiments.launch_local import free_port
+from tests.tfds_fixture import tiny_shakespeare_data_dir  # noqa: F401  (pytest fixture)
 
 # Every test here starts real processes (the entry points): the fast subset leaves them out.
 pytestmark = pytest.mark.slow
@@ -128,13 +129,14 @@ def test_demo_command_trains_writes_outputs_and_resumes(tmp_path):
 @pytest.mark.parametrize("command", [
     c for c in readme_train_commands()
     if "configs/demo.py --workdir" not in c and "resume=True" not in c and "--role=" not in c])
-def test_other_readme_commands_run(command, tmp_path):
-  if "tinyshakespeare" in command and not (REPO.parent / "shared" / "data" / "tinyshakespeare.txt").exists():
-    pytest.skip("../shared/data is not beside the repository")
+def test_other_readme_commands_run(command, tmp_path, request, monkeypatch):
+  if "shakespeare" in command:  # Through TFDS, which reads $TFDS_DATA_DIR: offline, a dir built from ../shared/data.
+    monkeypatch.setenv("TFDS_DATA_DIR", str(request.getfixturevalue("tiny_shakespeare_data_dir")))
   result = run_train(_with_documented_tokenizer(command, tmp_path), tmp_path)
   assert result.returncode == 0, result.stderr[-3000:]
   vocab = re.search(r"--vocab_size=(\d+)", " ".join(_doc_commands("experiments.train_tokenizer")))
   assert_learned(result.stdout, int(vocab.group(1)) if "sentencepiece" in command else 256)
+  assert ("data tfds(tiny_shakespeare" in result.stderr) == ("shakespeare" in command), result.stderr[-3000:]
 
 
 def _readme_block(marker: str) -> str:

@@ -1,18 +1,21 @@
 """Tests for decoupled_diloco.data: tokenizer, synthetic Markov corpus, sources and batches."""
 
 import math
+import sys
 import time
+import types
 
 import ml_collections
 import numpy as np
 import pytest
 
+from configs import hetero_shakespeare, streaming_shakespeare, tiny_shakespeare
 from decoupled_diloco.data import batches
 from decoupled_diloco.data import sources
 from decoupled_diloco.data import synthetic
 from decoupled_diloco.data import tokenizer
 from decoupled_diloco.errors import ConfigError
-from tests.tfds_fixture import tiny_shakespeare_data_dir  # noqa: F401  (pytest fixture)
+from tests.tfds_fixture import SHARED_TEXT, tiny_shakespeare_data_dir  # noqa: F401  (pytest fixture)
 
 
 def data_config(**overrides) -> ml_collections.ConfigDict:
@@ -179,6 +182,13 @@ def test_unknown_tfds_name_fails_fast_without_network(tmp_path):
   assert time.monotonic() - start < 20
 
 
+def test_tfds_without_tensorflow_names_the_extra(monkeypatch):
+  """Without TensorFlow, importing TFDS logs its failure and leaves a module without the API."""
+  monkeypatch.setitem(sys.modules, "tensorflow_datasets", types.ModuleType("tensorflow_datasets"))
+  with pytest.raises(ConfigError, match=r"needs TensorFlow: pip install 'decoupled_diloco\[tfds\]'"):
+    sources.load_corpus(data_config(source="tfds"), seq_len=16)
+
+
 @pytest.mark.slow  # Long: the fast subset leaves it to CI.
 def test_tfds_tiny_shakespeare_offline(tiny_shakespeare_data_dir):  # noqa: F811
   cfg = data_config(source="tfds", tfds_name="tiny_shakespeare", tfds_data_dir=str(tiny_shakespeare_data_dir))
@@ -197,6 +207,24 @@ def test_tfds_tiny_shakespeare_offline(tiny_shakespeare_data_dir):  # noqa: F811
   assert bytes(evals[0][0].astype(np.uint8)) == corpus.eval_documents[0][0][:129]
   syncer_view = sources.load_corpus(cfg, seq_len=128, train=False)
   assert syncer_view.train_documents is None and len(syncer_view.eval_documents) == len(corpus.eval_documents)
+
+
+@pytest.mark.slow  # Long: the fast subset leaves it to CI.
+def test_shakespeare_configs_read_through_tfds_the_text_of_the_plain_file(tiny_shakespeare_data_dir):  # noqa: F811
+  """The configs the README names read tiny Shakespeare through TFDS (nothing outside a clone); they train on the
+  bytes the plain file's train part holds (one byte fewer) and evaluate on TFDS's validation split, the 55,770
+  bytes that follow it, where the file's last 10% used to be the eval split."""
+  data = tiny_shakespeare.get_config().data
+  assert hetero_shakespeare.get_config().data == streaming_shakespeare.get_config().data == data
+  assert data.source == "tfds" and data.tfds_name == "tiny_shakespeare" and data.tokenizer == "byte"
+  data.tfds_data_dir = str(tiny_shakespeare_data_dir)
+  corpus = sources.load_corpus(data, seq_len=128)
+  plain = sources.load_corpus(data_config(source="text_file", path=str(SHARED_TEXT)), seq_len=128)
+  train = b"".join(corpus.train_documents[i][0] for i in range(len(corpus.train_documents)))
+  held_out = b"".join(corpus.eval_documents[i][0] for i in range(len(corpus.eval_documents)))
+  assert len(train) == plain.train.size - 1 == 1_003_854 and len(held_out) == 55_770
+  assert (bytes(plain.train) + bytes(plain.eval)).startswith(train + held_out)
+  assert corpus.tokenizer.encode_bytes(train[:4096]).tolist() == plain.train[:4096].tolist()  # Same ids.
 
 
 # ----------------------------------------------------------------------------- batches

@@ -1,6 +1,7 @@
 """Streaming: fragments, staggered schedules, overlap with blending, compressed pushes, WAN links."""
 
 import json
+import logging
 
 import chex
 import jax
@@ -9,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 
+from configs import streaming_shakespeare
 from decoupled_diloco import compression, experiment, fragments, model as model_lib, outer
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.runtime import sim
@@ -211,3 +213,22 @@ def test_push_counts_start_when_the_merged_fragment_is_received(tmp_path, alpha,
     pushes = [p for p in _records(tmp_path, "push") if p["learner"] == m]
     assert [p["local_steps"] for p in pushes] == [5] + [later_steps] * 2
     assert [p["tokens"] for p in pushes] == [p["local_steps"] * tokens_per_step for p in pushes]
+
+
+def test_a_streaming_run_ends_without_an_empty_push(tmp_path, caplog):
+  """configs/streaming_shakespeare.py, shrunk to one v6e and one v5p learner: with α = 0 a fragment that lands
+  after a learner's last step of the budget loses the steps it had (Θ_p replaces them), so the closing period
+  has nothing of it to push. The run used to push it anyway and end with "push rejected: tokens=0,
+  local_steps=0" warnings (issue 27)."""
+  tiny = {
+      "data.source": "synthetic", "data.synthetic.num_tokens": 60_000, "model.seq_len": 16, "model.d_model": 32,
+      "model.d_ff": 64, "model.num_heads": 2, "outer_steps": 3, "inner_steps": 6, "eval_batches": 1,
+      "eval_batch_size": 8}
+  v6e_and_v5p = {
+      "learners.hardware": ("v6e", "v5p"), "learners.chips": (16, 16), "learners.devices": (1, 1),
+      "learners.batch_size": (4, 4), "sim.learner_link_gbps": (5.0, 2.0),
+      "sim.learner_link_latency_seconds": (0.03, 0.05)}
+  config = experiment.with_overrides(streaming_shakespeare.get_config(), {**tiny, **v6e_and_v5p})
+  with caplog.at_level(logging.WARNING):
+    summary = sim.run(experiment.build(config), str(tmp_path))
+  assert summary["rejected_pushes"] == 0 and not [r for r in caplog.records if "rejected" in r.getMessage()]

@@ -133,15 +133,20 @@ def _array_record(data_cfg, tokenizer, train: bool) -> Corpus:
                 eval_documents=eval_)
 
 
-def _open_tfds(data_cfg):
-  """`tfds.data_source` of every split of `data.tfds_name` (ArrayRecord, random access), or a ConfigError."""
+def open_tfds(name: str, data_dir: str = ""):
+  """`tfds.data_source` of every split of TFDS dataset `name` (ArrayRecord, random access), or a ConfigError.
+
+  `data_dir` '' is TFDS's default ($TFDS_DATA_DIR, else ~/tensorflow_datasets); a dataset not there
+  yet is downloaded and prepared into it first.
+  """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (heavy, tfds-only)
 
-  name = data_cfg.tfds_name
-  data_dir = data_cfg.tfds_data_dir or None
-  where = data_dir or "the default TFDS data dir"
+  if not hasattr(tfds, "data_source"):  # Without TensorFlow, importing TFDS logs the failure and gives no API.
+    raise ConfigError(f"TFDS dataset {name!r} needs TensorFlow: pip install 'decoupled_diloco[tfds]' "
+                      "(tensorflow-cpu, array-record)")
+  where = data_dir or "the default TFDS data dir ($TFDS_DATA_DIR, else ~/tensorflow_datasets)"
   try:
-    return tfds.data_source(name, data_dir=data_dir, split=None, builder_kwargs={"file_format": "array_record"})
+    return tfds.data_source(name, data_dir=data_dir or None, split=None, builder_kwargs={"file_format": "array_record"})
   except tfds.core.DatasetNotFoundError as e:
     raise ConfigError(f"TFDS dataset {name!r} is unknown: set data.tfds_name to a name from "
                       "tfds.list_builders(), e.g. 'tiny_shakespeare'") from e
@@ -168,7 +173,7 @@ def _tfds(data_cfg, tokenizer, train: bool) -> Corpus:
   """
   import grain  # pylint: disable=g-import-not-at-top
   name = data_cfg.tfds_name
-  splits = _open_tfds(data_cfg)
+  splits = open_tfds(name, data_cfg.tfds_data_dir)
   if "train" not in splits:
     raise ConfigError(f"TFDS dataset {name!r} has no 'train' split (it has {sorted(splits)}): choose a "
                       "data.tfds_name with a train split")

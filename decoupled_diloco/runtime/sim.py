@@ -198,7 +198,7 @@ class Simulation:
     clock.unsent.discard(p)
     if p in clock.in_flight:
       clock.deferred.add(p)
-    else:
+    elif self.exp.learners[m].steps_since_push[p]:  # (Landed after the last step, α = 0: nothing left to push.)
       self._push(m, p)
 
   def _push(self, m: int, p: int) -> None:
