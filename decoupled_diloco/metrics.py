@@ -150,8 +150,7 @@ class MetricsWriter:
   `observer(record)` sees every record written from now on (run/monitor.py: the console and the divergence watch).
   """
 
-  def __init__(self, workdir, resume_from_step: int | None = None, keep_records: int | None = None,
-               observer=None):
+  def __init__(self, workdir, resume_from_step: int | None = None, keep_records: int | None = None, observer=None):
     self.observer = observer
     directory = storage.makedirs(workdir)
     self.path = os.fspath(directory / METRICS_FILE)

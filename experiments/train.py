@@ -111,10 +111,11 @@ def main(argv: list[str]) -> None:
   try:
     startup.check_devices(tuple(config.learners.devices), "local", None)
     exp = experiment.build(config)
-    logging.info("%s: %d learner group(s) on %s devices, data %s, tokenizer %s; outer %s (buffer %d), quorum %d, "
-                 "policy %s", config.mode, len(exp.learners), tuple(config.learners.devices), exp.corpus.name,
-                 exp.corpus.tokenizer.name, config.outer.optimizer, config.outer.buffer_size, config.syncer.quorum,
-                 config.policy.kind)
+    logging.info(
+        "%s: %d learner group(s) on %s devices, data %s, tokenizer %s; outer %s (buffer %d), quorum %d, "
+        "policy %s", config.mode, len(exp.learners), tuple(config.learners.devices), exp.corpus.name,
+        exp.corpus.tokenizer.name, config.outer.optimizer, config.outer.buffer_size, config.syncer.quorum,
+        config.policy.kind)
     try:
       summary = {"lockstep": lockstep, "sim": sim, "threads": threads}[config.runtime].run(exp, _WORKDIR.value)
     finally:

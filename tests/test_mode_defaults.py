@@ -30,16 +30,16 @@ def test_diloco_and_ddp_keep_diloco_s_outer_nesterov():
 
 def test_the_buffer_follows_the_learners_and_the_quorum():
   assert _resolved(demo.get_config(), mode="decoupled", **{"syncer.quorum": 2}).outer.buffer_size == 2
-  assert _resolved(demo.get_config(), mode="decoupled", **{"learners.devices": (2,) * 3,
-                                                            "learners.batch_size": (16,) * 3}).outer.buffer_size == 3
+  assert _resolved(demo.get_config(), mode="decoupled",
+                   **{"learners.devices": (2,) * 3, "learners.batch_size": (16,) * 3}).outer.buffer_size == 3
   assert _resolved(demo.get_config(), mode="decoupled", **{"syncer.quorum": 0}).outer.buffer_size == 1
 
 
 def test_an_explicit_setting_always_wins():
-  config = _resolved(demo.get_config(), mode="decoupled", **{"outer.optimizer": "adam", "policy.kind": "fixed",
-                                                              "syncer.quorum": 3, "outer.buffer_size": 7})
+  config = _resolved(demo.get_config(), mode="decoupled",
+                     **{"outer.optimizer": "adam", "policy.kind": "fixed", "syncer.quorum": 3, "outer.buffer_size": 7})
   assert (config.outer.optimizer, config.policy.kind, config.syncer.quorum, config.outer.buffer_size) == ("adam",
-                                                                                                         "fixed", 3, 7)
+                                                                                                          "fixed", 3, 7)
   assert _resolved(async_naive.get_config()).outer.optimizer == "sgd"  # Set in the config file: kept.
   hetero = _resolved(hetero_v5p_v6e.get_config())  # Left to the defaults: the recipe it used to spell out.
   assert (hetero.syncer.quorum, hetero.outer.optimizer, hetero.outer.buffer_size,
@@ -58,8 +58,8 @@ def test_nesterov_on_every_arrival_is_warned_about_in_one_line_naming_the_fix(ca
   warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
   assert len(warnings) == 1 and "--config.outer.optimizer=delayed_nesterov" in warnings[0]
   assert mode_defaults.known_bad(_resolved(demo.get_config(), mode="decoupled")) is None
-  assert mode_defaults.known_bad(_resolved(demo.get_config(), mode="decoupled", **{"syncer.quorum": 0,
-                                                                                   "outer.optimizer": "sgd"})) is None
+  assert mode_defaults.known_bad(
+      _resolved(demo.get_config(), mode="decoupled", **{"syncer.quorum": 0, "outer.optimizer": "sgd"})) is None
 
 
 @pytest.mark.parametrize("mode, runtime", [("decoupled", "sim"), ("diloco", "lockstep")])

@@ -13,8 +13,9 @@ def _monitor(patience=3, **kwargs):
 
 
 def _eval(loss, tokens, wall=None, **extra):
-  return {"kind": "eval", "outer_step": tokens // 1000, "inner_step": tokens // 100, "tokens": tokens,
-          "wall_time": wall, "eval_loss": loss, **extra}
+  return {
+      "kind": "eval", "outer_step": tokens // 1000, "inner_step": tokens // 100, "tokens": tokens, "wall_time": wall,
+      "eval_loss": loss, **extra}
 
 
 def test_untrained_loss_is_a_uniform_guess():

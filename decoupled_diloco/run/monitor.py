@@ -47,8 +47,9 @@ class Monitor:
   @classmethod
   def for_config(cls, config, optimal_loss: float | None = None) -> "Monitor":
     """The monitor of a validated config's run (every runtime's, and launch_local's)."""
-    return cls(config.outer_steps, schedule.RunPlan.from_config(config).tokens_per_round, untrained_loss(config.model.vocab_size), config.divergence_evals,
-               optimal_loss, virtual_clock=config.runtime == "sim")
+    return cls(config.outer_steps,
+               schedule.RunPlan.from_config(config).tokens_per_round, untrained_loss(config.model.vocab_size),
+               config.divergence_evals, optimal_loss, virtual_clock=config.runtime == "sim")
 
   def observe(self, record: dict) -> None:
     """Takes one record: train windows update the loss shown, evals print a line and are judged."""
@@ -75,8 +76,8 @@ class Monitor:
     line = metrics_lib.format_progress(outer_step=round(tokens / self.tokens_per_round),
                                        num_outer_steps=self.outer_steps, step=record.get("inner_step") or 0,
                                        loss=sum(losses) / len(losses) if losses else None,
-                                       eval_loss=record["eval_loss"], optimum=self.optimal_loss,
-                                       tokens_per_sec=rate, eta_seconds=eta)
+                                       eval_loss=record["eval_loss"], optimum=self.optimal_loss, tokens_per_sec=rate,
+                                       eta_seconds=eta)
     if self.virtual_clock and record.get("time") is not None:
       line += f" | virtual {metrics_lib.format_duration(record['time'])}"
     return line
@@ -98,4 +99,3 @@ class Monitor:
     self.diverged = (f"DIVERGED at {tokens:,} tokens: {why}; the run stops. Lower "
                      "--config.outer.lr or --config.inner.lr (docs/usage.md, 'A run that diverges')")
     logging.error("%s", self.diverged)
-

@@ -72,8 +72,7 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
       outer_record = _round(exp)
       wall = time.time() - begin
       for record in [
-          r for l in exp.learners for r in records.train_records(l, outer_step, config.log_every, {"wall_time": wall})
-      ]:
+          r for l in exp.learners for r in records.train_records(l, outer_step, config.log_every, {"wall_time": wall})]:
         writer.write(record)
       clock = {
           "outer_step": outer_step, "inner_step": outer_step * config.inner_steps,

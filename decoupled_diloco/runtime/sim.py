@@ -298,8 +298,8 @@ class Simulation:
     if self.failures:
       self.failures.start()
     # Once the budget is spent, pending failure events (and rejoins) no longer matter.
-    while self._events and not self.diverged and not (self.steps_left == 0 and
-                                                      all(e[1] >= failures_lib.FAIL for e in self._events)):
+    while self._events and not self.diverged and not (self.steps_left == 0 and all(e[1] >= failures_lib.FAIL
+                                                                                   for e in self._events)):
       self.now, _, _, handler, payload = heapq.heappop(self._events)
       handler(*payload)
       if between_events is not None:

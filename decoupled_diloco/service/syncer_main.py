@@ -282,8 +282,7 @@ def _finish(core: core_lib.SyncerCore, evaluator: evaluator_lib.Evaluator | None
                             optimal_loss=evaluator.evals.optimal_loss if evaluator else None,
                             outer_updates=core.syncer.version, steps_done=core.steps_done, done=core.done,
                             wall_seconds=now["wall_time"], refused_calls=dict(server.rejections),
-                            diverged=bool(monitor.diverged),
-                            **records.push_counts(counts))
+                            diverged=bool(monitor.diverged), **records.push_counts(counts))
   if write_summary:
     recorder.write(summary)
   return summary

@@ -72,8 +72,8 @@ def main(argv) -> None:
           f"{'met' if ratio[name] <= TARGET else 'MISSED'}")
   common.emit_keys(
       {
-          "loss_ratio": ratio, "eval_loss": {f"{n}/{r}": round(v, 4) for (n, r), v in losses.items()},
-          "wall_seconds": {f"{n}/{r}": s for (n, r), s in seconds.items()}}, ("loss_ratio",))
+          "loss_ratio": ratio, "eval_loss": {f"{n}/{r}": round(v, 4) for (n, r), v in losses.items()}, "wall_seconds": {
+              f"{n}/{r}": s for (n, r), s in seconds.items()}}, ("loss_ratio",))
 
 
 if __name__ == "__main__":

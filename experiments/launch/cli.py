@@ -117,9 +117,9 @@ def options_from_flags(f: dict, argv: list[str], verb: str) -> Options:
       workdir=f["workdir"].value, token_file=token_file, token_secret=f["token_secret"].value,
       tls_cert=f["tls_cert"].value, tls_key=f["tls_key"].value, version=f["version"].value, spot=f["spot"].value,
       archive=os.path.join(tempfile.gettempdir(), f"{run}_src.tar.gz"), insecure=f["insecure"].value,
-      local_dir=os.path.join(os.path.dirname(default_token_file(run)), run), syncer_on_slice=f["syncer_on_slice"].value,
-      queued=f["queued"].value, xpk_cluster=f["xpk_cluster"].value,
-      image=f["image"].value, syncer_shards=config.service.shards,
+      local_dir=os.path.join(os.path.dirname(default_token_file(run)),
+                             run), syncer_on_slice=f["syncer_on_slice"].value, queued=f["queued"].value,
+      xpk_cluster=f["xpk_cluster"].value, image=f["image"].value, syncer_shards=config.service.shards,
       **_data(config.data), evaluator_slice=_evaluator_slice(f["evaluator_slice"].value, config.service,
                                                              parse_slices(f["slices"].value)))
   check(options, tuple(config.learners.devices), tuple(config.learners.hardware or ()))
