@@ -28,6 +28,7 @@ import time
 from absl import logging
 
 from decoupled_diloco.service import admission, durable, membership, pace, pullcache, recovery, wal, wire
+from decoupled_diloco.service import fingerprint as fingerprint_lib
 from decoupled_diloco.service import limits as limits_lib
 from decoupled_diloco.push import Push, PushRejected
 from decoupled_diloco.syncer import MergeReport, Syncer
@@ -50,6 +51,8 @@ class SyncerCore(recovery.Recovery):
     self.syncer, self.num_learners, self.budget_steps = syncer, num_learners, budget_steps
     self.checkpoint_every, self.lease_seconds = checkpoint_every_merges, lease_seconds
     self.metadata = metadata  # Static facts saved with every checkpoint (e.g. the config).
+    # What a joining learner's config must agree on (None: no config to compare with).
+    self.fingerprint = fingerprint_lib.of(metadata["config"]) if "config" in metadata else None
     self.limits = limits  # Bounds on push headers (None: only the syncer's own checks).
     self.pulls = pullcache.PullCache(downlink_format)
     self.emit = emit or (lambda record: None)  # Metric records (push, outer).
@@ -126,13 +129,16 @@ class SyncerCore(recovery.Recovery):
         "max_speed": max(others, default=0.0), "incarnation": self.incarnations[learner],
         "syncer_incarnation": self.syncer_incarnation}
 
-  def join(self, learner: int, now: float) -> tuple[dict, list]:
+  def join(self, learner: int, now: float, fingerprint: dict | None = None) -> tuple[dict, list]:
     """(status, encoded Θ): what a (re)starting learner needs, its last acked seq and new incarnation included.
 
-    Before the run starts a join waits at the start barrier (`membership.StartBarrier`), its
+    A learner whose config `fingerprint` differs from the syncer's is refused first (fingerprint.Mismatch),
+    nothing changed. Before the run starts a join waits at the start barrier (`membership.StartBarrier`), its
     lease kept alive. The incarnation is logged before the reply: from then on, pushes of the
     learner's earlier processes (a frozen predecessor that wakes up) are refused.
     """
+    admission.require_known(learner, self.num_learners)
+    fingerprint_lib.check(self.fingerprint, fingerprint or {}, learner)
     with self.lock:
       self.store.serving()
       self._check_learner(learner, now)
