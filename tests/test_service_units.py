@@ -158,7 +158,8 @@ def test_core_applies_each_push_once_and_replays_exactly_after_a_crash(params, t
 def test_core_reports_the_fastest_other_learners_measured_speed(params, tmp_path):
   core = _core(params, tmp_path)
   assert core.status(0)["max_speed"] == 0.0  # Nobody has pushed: no measurement yet.
-  _push(core, params, 0, 0)  # 4 local steps in 0.1 compute-seconds: 40 steps/s.
+  for seq in range(4):  # 4 local steps in 0.1 compute-seconds: 40 steps/s, the median of the last three (the first
+    _push(core, params, 0, seq)  # compiles: service/pace.py).
   assert core.status(1)["max_speed"] == pytest.approx(40.0)  # DyLU's reference for learner 1...
   assert core.status(0)["max_speed"] == 0.0  # ...but not for learner 0, who knows its own speed.
   core.close()

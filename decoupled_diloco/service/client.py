@@ -179,9 +179,13 @@ class SyncerClient:
       self.data_channel = False  # This syncer has none (service.data_port=-1): stream from now on.
       return streamed()
 
-  def join(self) -> tuple[dict, object]:
-    """(status, Θ): the current global params, version and this learner's last acked seq."""
-    request = wire.pack_header({"learner": self.learner})
+  def join(self, fingerprint: dict | None = None) -> tuple[dict, object]:
+    """(status, Θ): the current global params, version and this learner's last acked seq.
+
+    `fingerprint`: this learner's config as service/fingerprint.py takes it (None: not compared); one the
+    syncer's differs from is refused FAILED_PRECONDITION, not retried.
+    """
+    request = wire.pack_header({"learner": self.learner, "fingerprint": fingerprint or {}})
     status, theta = self._retrying(
         lambda: self._read_stream(self._join(request, timeout=self.timeout, metadata=self._metadata)))
     self.incarnation = status["incarnation"]

@@ -14,8 +14,8 @@ networked syncer needs, behind one lock (gRPC handlers run on a thread pool):
   * membership: start barrier, leases (silent `lease_seconds`: out of the quorum till it calls), grace waits;
   * the run's budget: outer_steps × inner_steps × M inner steps, each counted once (`admission.budget_share`);
   * streaming: pushes and pulls name their fragment (`pullcache`: Θ_p encoded once per version);
-  * measured speeds: an EMA of each learner's steps per compute-second; every reply carries the
-    fastest other learner's (`max_speed`), DyLU's reference (a learner knows its own better);
+  * measured speeds (`pace`): the median of each learner's recent steps per compute-second; every reply carries
+    the fastest other learner's (`max_speed`), DyLU's reference (a learner knows its own better);
   * incarnations: every reply names this start of the syncer (`durable.Store.next_incarnation`).
 
 Replay is exact: merges and lease changes are logged too, and the grace window's estimates checkpointed.
@@ -27,8 +27,8 @@ import time
 
 from absl import logging
 
-from decoupled_diloco import policy as policy_lib
-from decoupled_diloco.service import admission, durable, membership, pullcache, recovery, wal, wire
+from decoupled_diloco.service import admission, durable, membership, pace, pullcache, recovery, wal, wire
+from decoupled_diloco.service import fingerprint as fingerprint_lib
 from decoupled_diloco.service import limits as limits_lib
 from decoupled_diloco.push import Push, PushRejected
 from decoupled_diloco.syncer import MergeReport, Syncer
@@ -51,6 +51,8 @@ class SyncerCore(recovery.Recovery):
     self.syncer, self.num_learners, self.budget_steps = syncer, num_learners, budget_steps
     self.checkpoint_every, self.lease_seconds = checkpoint_every_merges, lease_seconds
     self.metadata = metadata  # Static facts saved with every checkpoint (e.g. the config).
+    # What a joining learner's config must agree on (None: no config to compare with).
+    self.fingerprint = fingerprint_lib.of(metadata["config"]) if "config" in metadata else None
     self.limits = limits  # Bounds on push headers (None: only the syncer's own checks).
     self.pulls = pullcache.PullCache(downlink_format)
     self.emit = emit or (lambda record: None)  # Metric records (push, outer).
@@ -66,7 +68,7 @@ class SyncerCore(recovery.Recovery):
     self.start_time: float | None = None
     self.last_seen: dict[int, float] = {}
     self.told_done: set[int] = set()
-    self.speeds = policy_lib.SpeedTracker([0.0] * num_learners)  # Steps per second (0 = no push yet).
+    self.pace = pace.Pace(limits.declared_speeds if limits and limits.declared_speeds else (1.0,) * num_learners)
     self.counts = {"applied": 0, "dropped": 0, "duplicates": 0, "late": 0, "rejected": 0, "excluded": 0}
     self.refused = collections.Counter()  # Refused calls by reason: the server counts into it.
     # (fragment, log record, where its payload lies in the log) of pushes since their fragment's last merge:
@@ -97,12 +99,19 @@ class SyncerCore(recovery.Recovery):
   def check_bounds(self, header: dict) -> None:
     """Raises UnknownLearner or limits.OutOfBounds for a push header no honest learner sends: the one bounds check
     of a push, run by the server on its header before any payload byte moves (Push and PushTicket alike), so `push`
-    does not repeat it. The bounds only loosen as the run goes on (acked seqs grow), except steps left (budget)."""
+    does not repeat it. A resent push the syncer holds already (a duplicate) changes nothing: its pace is not checked
+    again (the learner's pace moved on since)."""
     with self.lock:
-      admission.require_known(header["learner"], self.num_learners)
-      if self.limits is not None:
-        limits_lib.check_push(self.limits, header, self.acked[header["learner"]],
-                              max(0, self.budget_steps - self.steps_done))
+      learner, now, limits = header["learner"], time.time(), self.limits
+      admission.require_known(learner, self.num_learners)
+      if limits is None:
+        return
+      most = limits.round_steps
+      if limits.time_budget:
+        most = self.pace.most_steps(learner, header["fragment"], now, most, max(most, self.budget_steps))
+      limits_lib.check_push(limits, header, self.acked[learner], most)
+      if header["seq"] > self.acked[learner]:
+        self.pace.check(header, now, self.start_time)
 
   def status(self, learner: int, tells_done: bool = True) -> dict:
     """Reply fields every call returns: where the run is and how much work is left.
@@ -113,20 +122,23 @@ class SyncerCore(recovery.Recovery):
     if self.done and tells_done and learner not in self.told_done:
       self.told_done.add(learner)
       self.store.append({"type": "told", "learner": learner})  # A restarted syncer need not wait for it.
-    others = [speed for m, speed in enumerate(self.speeds.speeds) if m != learner]
+    others = [speed for m, speed in enumerate(self.pace.speeds) if m != learner]
     return {
         "version": self.syncer.version, "versions": list(self.syncer.versions), "acked_seq": self.acked[learner],
         "steps_left": max(0, self.budget_steps - self.steps_done), "done": self.done,
         "max_speed": max(others, default=0.0), "incarnation": self.incarnations[learner],
         "syncer_incarnation": self.syncer_incarnation}
 
-  def join(self, learner: int, now: float) -> tuple[dict, list]:
+  def join(self, learner: int, now: float, fingerprint: dict | None = None) -> tuple[dict, list]:
     """(status, encoded Θ): what a (re)starting learner needs, its last acked seq and new incarnation included.
 
-    Before the run starts a join waits at the start barrier (`membership.StartBarrier`), its
+    A learner whose config `fingerprint` differs from the syncer's is refused first (fingerprint.Mismatch),
+    nothing changed. Before the run starts a join waits at the start barrier (`membership.StartBarrier`), its
     lease kept alive. The incarnation is logged before the reply: from then on, pushes of the
     learner's earlier processes (a frozen predecessor that wakes up) are refused.
     """
+    admission.require_known(learner, self.num_learners)
+    fingerprint_lib.check(self.fingerprint, fingerprint or {}, learner)
     with self.lock:
       self.store.serving()
       self._check_learner(learner, now)
@@ -138,6 +150,7 @@ class SyncerCore(recovery.Recovery):
       incarnation = self.incarnations[learner] + 1
       self.store.append({"type": "join", "learner": learner, "incarnation": incarnation})
       self.incarnations[learner] = incarnation
+      self.pace.joined(learner, time.time())  # After the barrier: the process starts training now.
       return self.status(learner), self.pulls.whole(self.syncer.params)
 
   def pull(self, learner: int, fragment: int, have_version: int, now: float, on_wait=None) -> tuple[dict, list | None]:
@@ -233,8 +246,7 @@ class SyncerCore(recovery.Recovery):
     self.acked[header["learner"]] = max(self.acked[header["learner"]], header["seq"])
     steps, tokens = admission.budget_share(header)
     self.steps_done, self.tokens_done = self.steps_done + steps, self.tokens_done + tokens
-    if header["local_steps"] > 0 and header["compute_seconds"] > 0:
-      self.speeds.observe(header["learner"], header["compute_seconds"] / header["local_steps"])
+    self.pace.observe(header["learner"], header["fragment"], header["local_steps"], header["compute_seconds"], now)
     if count_it:  # A carried push is in the checkpoint's counts already.
       self.counts["applied" if accepted else "dropped"] += 1
     self._unabsorbed.append((header["fragment"], record, payload))  # Dropped ones too: their records.

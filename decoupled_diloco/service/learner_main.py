@@ -24,6 +24,7 @@ from decoupled_diloco import storage, workdir_lock
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.run import records, schedule
 from decoupled_diloco.service import client as client_lib
+from decoupled_diloco.service import fingerprint
 from decoupled_diloco.service import group as group_lib
 from decoupled_diloco.service import learner_build
 from decoupled_diloco.service import link as link_lib
@@ -112,6 +113,25 @@ class LearnerProcess:
     finally:
       self.account.exchange += time.perf_counter() - begin
 
+  def _join(self) -> tuple[dict, object]:
+    """(status, Θ) from the syncer's Join, on every process of the group; ConfigError with the syncer's one line
+    when this config differs from the syncer's in what both must agree on (service/fingerprint.py): the process
+    exits 2 with it, before it trains (experiments.train)."""
+
+    def call():
+      try:
+        return self.client.join(fingerprint.of(self.config))
+      except grpc.RpcError as error:
+        if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+          raise
+        return error.details()  # Shared as it is: the group's other processes stop with the same line.
+
+    joined = self._ask(call)
+    if isinstance(joined, str):
+      self.close()  # Its data pipeline's threads would keep the process alive.
+      raise ConfigError(joined)
+    return joined
+
   def _restore(self) -> None:
     """AdamW state, step and data position from this learner's own checkpoint, if it has one.
 
@@ -127,7 +147,7 @@ class LearnerProcess:
 
   def run(self) -> dict:
     """Trains until the syncer says the budget is spent; returns the learner's summary."""
-    self.status, theta = self._ask(lambda: self.client.join())
+    self.status, theta = self._join()
     self._restore()
     self.start_step = self.learner.steps  # Where this process took over: 0, or its checkpoint's step.
     self.learner.start_from(theta, self.status["versions"])

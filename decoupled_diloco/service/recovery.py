@@ -112,3 +112,4 @@ class Recovery:
         self.told_done.add(record["learner"])
       elif record["type"] == "join":
         self.incarnations[record["learner"]] = record["incarnation"]
+        self.pace.joined(record["learner"])

@@ -18,16 +18,17 @@ from absl import logging
 import grpc
 
 from decoupled_diloco.service import core as core_lib
-from decoupled_diloco.service import datachannel, limits, reader, security, wire
+from decoupled_diloco.service import datachannel, fingerprint, limits, reader, security, wire
 from decoupled_diloco.service import link as link_lib
 from decoupled_diloco.push import PushRejected
 
 SERVICE = "decoupled_diloco.Syncer"
 HEADER_SLACK = wire.MAX_HEADER_BYTES
-JOIN_SCHEMA = {"learner": int}
+JOIN_SCHEMA = {"learner": int, "fingerprint": dict}  # fingerprint: {config field: JSON value} (service/fingerprint.py)
 PULL_SCHEMA = {"learner": int, "fragment": int, "have_version": int}
 HEARTBEAT_SCHEMA = {"learner": int}
-_REFUSABLE = (wire.WireError, PushRejected, core_lib.UnknownLearner, limits.OutOfBounds, core_lib.Stopped)
+_REFUSABLE = (wire.WireError, PushRejected, core_lib.UnknownLearner, limits.OutOfBounds, core_lib.Stopped,
+              fingerprint.Mismatch)
 CONTROL_WORKERS = 4  # gRPC workers that bulk calls can never take: heartbeats and tickets never queue.
 LOG_BURST = 20  # Refusals of one reason logged one by one per minute; the rest are summed up.
 PER_CALLER_BULK = 2  # Bulk calls one learner credential may have open (a push and a pull, or a join).
@@ -51,6 +52,8 @@ def _refusal(error: Exception) -> _Refused:
     return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", str(error))
   if isinstance(error, limits.OutOfBounds):
     return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "out_of_bounds", str(error))
+  if isinstance(error, fingerprint.Mismatch):  # Not retried: the learner stops with this line (learner_main).
+    return _Refused(grpc.StatusCode.FAILED_PRECONDITION, "mismatch", str(error))
   if isinstance(error, core_lib.Stopped):  # Retryable: the learner waits for the restarted syncer.
     return _Refused(grpc.StatusCode.UNAVAILABLE, "stopped", str(error))
   if isinstance(error, PushRejected):
@@ -258,7 +261,7 @@ class SyncerServer:
     del context
     header = wire.parse_header(request, JOIN_SCHEMA)
     self._authorize(caller, header["learner"])
-    return self._sized(deadline, *self.core.join(header["learner"], time.time()))
+    return self._sized(deadline, *self.core.join(header["learner"], time.time(), header["fingerprint"]))
 
   def _pull(self, request: bytes, context, caller: int, deadline: _Deadline):
     del context

@@ -59,11 +59,12 @@ class ShardedClient:
       merged["final"] = len(known) == len(self.clients) and all(s["final"] for s in known)
     return merged
 
-  def join(self) -> tuple[dict, object]:
-    """Joins every shard: (the run's status, Θ assembled from every shard's part)."""
+  def join(self, fingerprint: dict | None = None) -> tuple[dict, object]:
+    """Joins every shard (each compares the config `fingerprint`): (the run's status, Θ assembled from every
+    shard's part)."""
     parts = []
     for shard, client in enumerate(self.clients):
-      status, part = client.join()
+      status, part = client.join(fingerprint)
       status = self._status(shard, status)
       parts.append(part)
     return status, fragments.combine(parts, self.leaf_shards)

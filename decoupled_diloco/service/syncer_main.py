@@ -61,7 +61,7 @@ def build_core(config, params, workdir: str, recorder: records.Recorder, evaluat
                              workdir, checkpoint_every_merges=config.service.checkpoint_every_merges,
                              lease_seconds=config.service.lease_seconds, metadata={"config": config.to_dict()},
                              emit=recorder.write, on_merge=on_merge, limits=limits.PushLimits.from_config(
-                                 config, plan.budget_steps), downlink_format=config.compression.downlink_format,
+                                 config, plan.budget_steps, shard), downlink_format=config.compression.downlink_format,
                              truncate_corrupt_log=config.service.truncate_corrupt_log, local_dir=local_dir,
                              min_learners_to_start=config.syncer.min_learners_to_start or plan.num_learners,
                              start_timeout_seconds=config.syncer.start_timeout_seconds,
