@@ -179,7 +179,7 @@ def test_train_on_a_gs_workdir_writes_every_output_and_resumes(fake_gcs):  # pyl
   assert result.returncode == 0, result.stderr[-3000:]
   assert "outer 2/2 | step 6 | loss" in result.stderr
   records = read_metrics(f"{workdir}/metrics.jsonl")
-  assert {r["kind"] for r in records} == {"train", "outer", "eval"}
+  assert {r["kind"] for r in records} == {"train", "outer", "eval", "summary"}
   assert "train/loss" in {tag for tag, _, _ in _scalars(f"{workdir}/tensorboard/learner_0")}
   assert "eval/eval_loss" in {tag for tag, _, _ in _scalars(f"{workdir}/tensorboard")}
   assert sorted(p.name for p in storage.path(f"{workdir}/checkpoints").iterdir()) == ["1", "2"]
