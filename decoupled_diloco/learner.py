@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from decoupled_diloco import compression, fragments, outer
 from decoupled_diloco.inner import InnerLoop, TrainState
@@ -188,7 +189,8 @@ class Learner:
                                                                            self.residuals[fragment])
       wire_bytes = payload.nbytes
     push = Push(self.index, payload, self.base_versions[fragment], self.tokens_since_push[fragment],
-                self.steps_since_push[fragment], compute_seconds, fragment, wire_bytes)
+                self.steps_since_push[fragment], compute_seconds, fragment, wire_bytes,
+                delta_norm=_global_norm(delta) if self.forms_delta else None)
     self.anchors[fragment] = None
     if self.keep_pushed:
       self.pushed[fragment] = local
