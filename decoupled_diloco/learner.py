@@ -222,6 +222,9 @@ class Learner:
     return evals.mean_loss(lambda p, batch: self.loop.loss(p, self.loop.put_batch(batch)), self.loop.put_params(params))
 
 
+_global_norm = jax.jit(optax.global_norm)  # ‖Δ‖ of a push, dispatched without waiting for it.
+
+
 @jax.jit
 def _blend(alpha, local, merged):
   return alpha * local + (1 - alpha) * merged
