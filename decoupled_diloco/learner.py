@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from decoupled_diloco import compression, fragments, outer
 from decoupled_diloco.inner import InnerLoop, TrainState
@@ -188,7 +189,8 @@ class Learner:
                                                                            self.residuals[fragment])
       wire_bytes = payload.nbytes
     push = Push(self.index, payload, self.base_versions[fragment], self.tokens_since_push[fragment],
-                self.steps_since_push[fragment], compute_seconds, fragment, wire_bytes)
+                self.steps_since_push[fragment], compute_seconds, fragment, wire_bytes,
+                delta_norm=_global_norm(delta) if self.forms_delta else None)
     self.anchors[fragment] = None
     if self.keep_pushed:
       self.pushed[fragment] = local
@@ -218,6 +220,9 @@ class Learner:
   def evaluate(self, params, evals) -> float:
     """Mean held-out loss of `params` (from anywhere) on `evals` (run.evaluator.EvalSet), on this group's mesh."""
     return evals.mean_loss(lambda p, batch: self.loop.loss(p, self.loop.put_batch(batch)), self.loop.put_params(params))
+
+
+_global_norm = jax.jit(optax.global_norm)  # ‖Δ‖ of a push, dispatched without waiting for it.
 
 
 @jax.jit

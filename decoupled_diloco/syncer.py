@@ -268,7 +268,7 @@ class Syncer:
     if fragment.window_start is None:
       fragment.window_start = now
     self._fold(fragment, push)
-    fragment.pending.append(dataclasses.replace(push, delta=None))
+    fragment.pending.append(dataclasses.replace(push, delta=None, delta_norm=None))  # Its header only.
     reporters = len({p.learner for p in fragment.pending})
     if reporters < self.quorum:
       return True, None

@@ -66,6 +66,7 @@ def test_faster_learners_take_more_local_steps_and_nobody_waits(tmp_path):
   slow_steps, fast_steps = ([p["local_steps"] for p in pushes if p["learner"] == m][:-1] for m in (0, 1))
   assert set(slow_steps) == {2} and set(fast_steps) == {4} and len(slow_steps) >= 4
   assert {"learner", "local_steps", "tokens", "staleness", "time"} <= pushes[0].keys()
+  assert all(p["pseudo_gradient_norm"] > 0 for p in pushes)  # ‖Δ‖ per push, per learner in TensorBoard.
   slow, fast = (r for r in _records(tmp_path, "learner_summary"))
   assert fast["steps"] >= 1.8 * slow["steps"]
   assert slow["idle_seconds"] == fast["idle_seconds"] == 0.0  # free links: no waiting at all

@@ -54,7 +54,7 @@ def push(clock: dict, push_, staleness: int, accepted: bool, **extra) -> dict:
   return {
       "kind": "push", **clock, "learner": push_.learner, "fragment": push_.fragment, "local_steps": push_.local_steps,
       "tokens": push_.tokens, "staleness": staleness, "accepted": int(accepted), "wire_bytes": push_.wire_bytes,
-      **extra}
+      **({} if push_.delta_norm is None else {"pseudo_gradient_norm": float(push_.delta_norm)}), **extra}
 
 
 def outer(clock: dict, report, **extra) -> dict:

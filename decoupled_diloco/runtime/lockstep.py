@@ -34,13 +34,10 @@ def _round(exp: Experiment) -> dict:
   norms, reports = [], []
   for learner in exp.learners:  # One push at a time: the syncer buffers it, nothing else holds it.
     push = learner.push()
-    norms.append(_norm(push.delta))
+    norms.append(push.delta_norm)
     reports.append(syncer.receive(push, now=0.0)[1])
   assert reports[-1] is not None and not any(reports[:-1]), "the lockstep syncer merges once per round"
   return {"version": syncer.version, "delta_norms": [float(x) for x in jax.device_get(norms)]}
-
-
-_norm = jax.jit(lambda tree: jax.numpy.sqrt(sum(jax.numpy.vdot(x, x) for x in jax.tree.leaves(tree))))
 
 
 def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:

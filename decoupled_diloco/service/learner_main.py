@@ -304,7 +304,8 @@ class LearnerProcess:
     self.account.statuses[reply["status"]] += 1
     self._write({
         "kind": "ack", "outer_step": reply.get("version", self.learner.base_versions[0]), "learner": self.index,
-        "seq": seq, "status": reply["status"], "wall_time": time.perf_counter() - self.account.begin})
+        "seq": seq, "status": reply["status"], "wall_time": time.perf_counter() - self.account.begin,
+        **({} if push.delta_norm is None else {"pseudo_gradient_norm": float(push.delta_norm)})})
     if not moved:
       self.learner.anchor_on_pushed(fragment)
       return
