@@ -124,10 +124,10 @@ class Learner:
     Why: XLA compiles a program (or loads it from the persistent cache) at its first call, so
     a restarted learner would pay for these after its start-up, in its first round: the layout
     converters of scanned layers (θ read for a push, written back by a landing), a compressed
-    format's encoder and error feedback, and α's blend. A runtime calls this before it counts
-    the learner as started (service/learner_main.py). With fp32 pushes, α = 0 and unscanned
-    layers there are none (a push is a device_get and numpy, a landing a device_put) and this
-    costs nothing. The inputs are copies of θ and zeros of its shapes: state, anchors,
+    format's encoder and error feedback, α's blend and the pushed Δ's norm. A runtime calls this
+    before it counts the learner as started (service/learner_main.py). With fp32 pushes, α = 0
+    and unscanned layers only the norm is compiled (a push is otherwise a device_get and numpy, a
+    landing a device_put). The inputs are copies of θ and zeros of its shapes: state, anchors,
     residuals, counts and the data position stay as they were.
     """
     params = self.params  # As `push` and `land` read θ (a copy where the step holds the layers stacked).
@@ -141,6 +141,9 @@ class Learner:
       if ran[-1] is not None:  # The residual: later pushes fold it in, another program.
         ran += compression.encode_with_feedback(self.codec, zeros, ran[-1])
     jax.block_until_ready(ran)  # XLA on CPU finishes a program loaded from its cache in its first run.
+    for fragment in range(self.num_fragments) if self.forms_delta else ():  # Each fragment's Δ norm: its own tree.
+      _global_norm(
+          jax.tree.map(lambda x: np.zeros(x.shape, np.float32), fragments.select(params, self.assignment, fragment)))
 
   def step(self) -> None:
     """Dispatch one inner step asynchronously; the loss is fetched later in `drain_losses`."""
@@ -222,7 +225,14 @@ class Learner:
     return evals.mean_loss(lambda p, batch: self.loop.loss(p, self.loop.put_batch(batch)), self.loop.put_params(params))
 
 
-_global_norm = jax.jit(optax.global_norm)  # ‖Δ‖ of a push, dispatched without waiting for it.
+_jit_global_norm = jax.jit(optax.global_norm)
+
+
+def _global_norm(tree) -> float:
+  """‖Δ‖ of a push, computed by XLA on the host's CPU device where Δ already is: reproducible to the bit (a
+  resumed run's records equal an uninterrupted run's), and no accelerator gets a copy of Δ."""
+  with jax.default_device(jax.local_devices(backend="cpu")[0]):
+    return float(_jit_global_norm(tree))
 
 
 @jax.jit

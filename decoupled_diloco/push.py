@@ -33,7 +33,7 @@ class Push:
   wire_bytes: int = 0  # Exact bytes of the payload as sent (compressed or not).
   host_views: bool = False  # Set by Syncer.check: its delta is device views of host memory (`release`).
   drop_pages: Any = None  # A payload mapped from disk (service `wal.Spool`): called after each tensor is read.
-  delta_norm: Any = None  # ‖Δ‖ before compression (a device scalar: read when a record is written), or None.
+  delta_norm: float | None = None  # ‖Δ‖ before compression (records and TensorBoard), or None.
 
 
 def delta_leaves(push: Push, codec: compression.Codec) -> Iterator:

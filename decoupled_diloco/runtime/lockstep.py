@@ -9,7 +9,6 @@ round ends. Under ddp there is one group and no syncer: a round is just H steps.
 import time
 
 from absl import logging
-import jax
 
 from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import metrics as metrics_lib
@@ -37,7 +36,7 @@ def _round(exp: Experiment) -> dict:
     norms.append(push.delta_norm)
     reports.append(syncer.receive(push, now=0.0)[1])
   assert reports[-1] is not None and not any(reports[:-1]), "the lockstep syncer merges once per round"
-  return {"version": syncer.version, "delta_norms": [float(x) for x in jax.device_get(norms)]}
+  return {"version": syncer.version, "delta_norms": norms}
 
 
 def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
