@@ -97,5 +97,5 @@ class Monitor:
   def _diverge(self, why: str) -> None:
     tokens = (self.last_eval or {}).get("tokens") or 0
     self.diverged = (f"DIVERGED at {tokens:,} tokens: {why}; the run stops. Lower "
-                     "--config.outer.lr or --config.inner.lr (docs/usage.md, 'A run that diverges')")
+                     "--config.outer.lr or --config.inner.lr (docs/usage.md, 'The console, and a run that diverges')")
     logging.error("%s", self.diverged)

@@ -67,9 +67,9 @@ def run(exp: Experiment, workdir: str, stop_after: int | None = None) -> dict:
     for outer_step in range(start + 1, last + 1):
       outer_record = _round(exp)
       wall = time.time() - begin
-      for record in [
-          r for l in exp.learners for r in records.train_records(l, outer_step, config.log_every, {"wall_time": wall})]:
-        writer.write(record)
+      for learner in exp.learners:
+        for record in records.train_records(learner, outer_step, config.log_every, {"wall_time": wall}):
+          writer.write(record)
       clock = {
           "outer_step": outer_step, "inner_step": outer_step * config.inner_steps,
           "tokens": outer_step * exp.plan.tokens_per_round, "wall_time": wall}
