@@ -87,13 +87,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.outer.lr = 0.7  # Outer learning rate (DiLoCo: 0.7; 1.0 without momentum = parameter averaging).
   config.outer.momentum = 0.9  # Outer momentum, Adam's b1 for optimizer='adam' (0 = none).
   config.outer.nesterov = True  # Nesterov momentum (DiLoCo's choice).
-  config.outer.buffer_size = 0  # Delayed Nesterov: N merges per momentum update; 0 = a round's merges (M / quorum).
+  config.outer.buffer_size = 0  # Delayed Nesterov: N pushes per momentum update; 0 = a round's pushes (M).
   config.outer.activation = 0.0  # Delayed Nesterov: c in [0, 1/buffer_size], momentum share between updates.
 
   config.syncer = ml_collections.ConfigDict()  # Merge policy (docs/syncer.md); mode='diloco': quorum all, staleness 0.
   config.syncer.quorum = -1  # K: distinct learners that must report before a merge (0 = all; -1 = auto: 1 if decoupled).
-  config.syncer.grace_gamma = 0.0  # γ of the adaptive grace window (0 = merge as soon as K reported).
-  config.syncer.grace_overlap_steps = 0.0  # τ: steps of slack before learners need Θ (sizes the window).
+  config.syncer.grace_gamma = -1.0  # γ of the adaptive grace window (0 = merge once K reported; -1 = auto: 0.9 if decoupled).
+  config.syncer.grace_overlap_steps = -1.0  # τ: steps of slack before learners need Θ (sizes the window; -1 = auto: 2).
   config.syncer.staleness = "polynomial"  # 'constant', 'polynomial' (1+s)^-a, 'hinge' or 'exponential' exp(-a s).
   config.syncer.staleness_a = 0.5  # a of the staleness function.
   config.syncer.staleness_b = 0.0  # b of the hinge function (staleness tolerated at full weight).

@@ -52,13 +52,14 @@ def _jit_merged(rda, sums, radii, inverse_total, dtypes):
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _jit_outer_step(optimizer, params, merged, opt_state):
+def _jit_outer_step(optimizer, params, merged, opt_state, arrivals):
   # JAX pairs donated buffers with outputs in argument order: the merge's become the new Θ and the outer
   # state's its own update, so each output is written where its elementwise inputs are (no copy).
-  return outer.outer_step(optimizer, params, opt_state, merged)
+  return outer.outer_step(optimizer, params, opt_state, merged, arrivals)
 
 
-def merge_and_step(optimizer, rda: tuple, params, opt_state, accumulator: merge.Accumulator, inverse_total):
+def merge_and_step(optimizer, rda: tuple, params, opt_state, accumulator: merge.Accumulator, inverse_total,
+                   arrivals: int):
   """(Θ, outer state) after one outer step with the merge of `accumulator`'s pushes.
 
   Two jits, the merge materialised in between, in the sums' buffers (donated): fused into the
@@ -66,9 +67,10 @@ def merge_and_step(optimizer, rda: tuple, params, opt_state, accumulator: merge.
   demo's final loss showed (1.3405 → 1.3407); apart, the mean of equal shares is the batch
   merge bit for bit. Donated too: the outer state (updated in place) and the merge (its
   buffers become the new Θ). Θ itself is not: in-process runtimes hand it to learners as
-  their anchor, and it is freed once nobody holds it.
+  their anchor, and it is freed once nobody holds it. `arrivals`: the pushes merged (a traced
+  value: one compiled step serves every merge size).
   """
   leaves, treedef = jax.tree.flatten(params)
   merged = _jit_merged(rda, accumulator.sums, accumulator.radii, inverse_total,
                        tuple(np.dtype(leaf.dtype) for leaf in leaves))
-  return _jit_outer_step(optimizer, params, jax.tree.unflatten(treedef, merged), opt_state)
+  return _jit_outer_step(optimizer, params, jax.tree.unflatten(treedef, merged), opt_state, np.int32(arrivals))

@@ -312,7 +312,7 @@ class Syncer:
                                       one_at_a_time=self.codec.format != "fp32" or self.codec.error_feedback)
       jax.block_until_ready(
           accumulate.merge_and_step(self.optimizer, state.rda, zeros, zeros_like(state.opt_state),
-                                    merge.Accumulator(sums, radii, 2.0, 1.0), np.float32(0.5)))
+                                    merge.Accumulator(sums, radii, 2.0, 1.0), np.float32(0.5), arrivals=2))
 
   @property
   def estimates(self) -> dict[str, float]:
@@ -365,7 +365,8 @@ class Syncer:
     staleness = tuple(state.version - p.base_version for p in state.pending)
     accumulator, state.accumulator = state.accumulator, None  # Donated to the merge.
     state.params, state.opt_state = accumulate.merge_and_step(self.optimizer, state.rda, state.params, state.opt_state,
-                                                              accumulator, np.float32(1.0 / accumulator.total))
+                                                              accumulator, np.float32(1.0 / accumulator.total),
+                                                              arrivals=len(state.pending))
     state.version += 1
     report = MergeReport(self.version, tuple(p.learner for p in state.pending), staleness,
                          tuple(float(w) for w in weights), now, fragment)

@@ -14,10 +14,11 @@ def _resolved(config, **overrides):
   return config
 
 
-def test_decoupled_defaults_are_delayed_nesterov_over_a_round_dylu_and_quorum_1():
+def test_decoupled_defaults_are_delayed_nesterov_over_a_round_dylu_quorum_1_and_a_grace_window():
   config = _resolved(demo.get_config(), mode="decoupled", runtime="sim")
   assert (config.syncer.quorum, config.outer.optimizer, config.outer.buffer_size,
           config.policy.kind) == (1, "delayed_nesterov", 4, "dylu")
+  assert (config.syncer.grace_gamma, config.syncer.grace_overlap_steps) == mode_defaults.DECOUPLED_GRACE
 
 
 def test_diloco_and_ddp_keep_diloco_s_outer_nesterov():
@@ -25,21 +26,25 @@ def test_diloco_and_ddp_keep_diloco_s_outer_nesterov():
     config = _resolved(default.get_config(), mode=mode)
     assert (config.syncer.quorum, config.outer.optimizer, config.outer.buffer_size,
             config.policy.kind) == (0, "sgd", 1, "fixed"), mode
+    assert (config.syncer.grace_gamma, config.syncer.grace_overlap_steps) == (0.0, 0.0), mode
     assert config.outer.nesterov and config.outer.momentum == 0.9 and config.outer.lr == 0.7
 
 
-def test_the_buffer_follows_the_learners_and_the_quorum():
-  assert _resolved(demo.get_config(), mode="decoupled", **{"syncer.quorum": 2}).outer.buffer_size == 2
+def test_the_buffer_is_a_round_of_pushes_whatever_the_quorum():
+  """DN counts pushes, so a round is M of them however the merges group them (outer.delayed_nesterov)."""
+  assert _resolved(demo.get_config(), mode="decoupled", **{"syncer.quorum": 2}).outer.buffer_size == 4
   assert _resolved(demo.get_config(), mode="decoupled",
                    **{"learners.devices": (2,) * 3, "learners.batch_size": (16,) * 3}).outer.buffer_size == 3
-  assert _resolved(demo.get_config(), mode="decoupled", **{"syncer.quorum": 0}).outer.buffer_size == 1
+  assert _resolved(demo.get_config(), mode="decoupled", **{"syncer.quorum": 0}).outer.buffer_size == 4
 
 
 def test_an_explicit_setting_always_wins():
   config = _resolved(demo.get_config(), mode="decoupled",
-                     **{"outer.optimizer": "adam", "policy.kind": "fixed", "syncer.quorum": 3, "outer.buffer_size": 7})
+                     **{"outer.optimizer": "adam", "policy.kind": "fixed", "syncer.quorum": 3, "outer.buffer_size": 7,
+                        "syncer.grace_gamma": 0.0, "syncer.grace_overlap_steps": 1.0})
   assert (config.outer.optimizer, config.policy.kind, config.syncer.quorum, config.outer.buffer_size) == ("adam",
                                                                                                           "fixed", 3, 7)
+  assert (config.syncer.grace_gamma, config.syncer.grace_overlap_steps) == (0.0, 1.0)
   assert _resolved(async_naive.get_config()).outer.optimizer == "sgd"  # Set in the config file: kept.
   hetero = _resolved(hetero_v5p_v6e.get_config())  # Left to the defaults: the recipe it used to spell out.
   assert (hetero.syncer.quorum, hetero.outer.optimizer, hetero.outer.buffer_size,

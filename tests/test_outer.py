@@ -63,6 +63,28 @@ def test_delayed_nesterov_with_buffer_1_is_nesterov_every_step():
     np.testing.assert_allclose(dn, nesterov, rtol=1e-6)
 
 
+def test_delayed_nesterov_counts_a_merge_of_k_pushes_as_k_arrivals():
+  """A grace window's merge of k pushes (mean g) moves Θ as k single arrivals of g would, in sum; a merge of
+  all N pushes of a round is one Nesterov step, as in synchronous DiLoCo."""
+  lr, beta, n = 0.7, 0.9, 4
+  grads = np.random.default_rng(1).normal(size=(6, 2)).astype(np.float32)
+  dn = outer.delayed_nesterov(lr, beta, n)
+  merged_state, single_state = dn.init({"x": jnp.zeros(2)}), dn.init({"x": jnp.zeros(2)})
+  for g, k in zip(grads, (2, 2, 1, 3, 4, 4)):  # Windows close at t = 4, 8, 12, 16, each on a merge's last push.
+    merged, merged_state = dn.update({"x": jnp.asarray(g)}, merged_state, arrivals=k)
+    total = np.zeros(2, np.float32)
+    for _ in range(k):
+      single, single_state = dn.update({"x": jnp.asarray(g)}, single_state)
+      total += np.asarray(single["x"])
+    np.testing.assert_allclose(merged["x"], total, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(merged_state, single_state, rtol=1e-5, atol=1e-6)
+  sync = _scan_updates(optax.sgd(lr, beta, nesterov=True), grads[4:])
+  state = dn.init({"x": jnp.zeros(2)})
+  for g, expected in zip(grads[4:], sync):
+    update, state = dn.update({"x": jnp.asarray(g)}, state, arrivals=n)
+    np.testing.assert_allclose(update["x"], expected, rtol=1e-6)
+
+
 def test_delayed_nesterov_with_activation_matches_the_hand_computed_steps():
   lr, beta, n, c = 0.5, 0.9, 2, 0.25
   # g = 2, 4 (window 1: m = 3), then 6, 8 (window 2: m = 0.9·3 + 7 = 9.7).
