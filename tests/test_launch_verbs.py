@@ -113,9 +113,11 @@ def test_watch_recreates_the_preempted_slice_and_restarts_its_learner_with_the_s
   learner = _remote(starts[0])
   assert "--learner_id=1 " in learner and f"--syncer={SYNCER_VM_IP}:50051 " in learner
   assert "--workdir=gs://proj-decoupled-diloco/dd-t " in learner and "--role=syncer" not in str(changes)
-  # Its credential (learner 1's, derived from the run secret for real) and the run's CA went to the new slice.
+  # Its credential (learner 1's, derived from the run secret for real), the run's CA and the config went to the new
+  # slice.
   copied = {c[5].split(":", 1)[1]: c[4] for c in changes if c[3] == "scp"}
-  assert set(copied) == {"dd/dd-t/src.tar.gz", "dd/dd-t/token", "dd/dd-t/tls_ca.pem"}
+  assert set(copied) == {"dd/dd-t/src.tar.gz", "dd/dd-t/config.py", "dd/dd-t/token", "dd/dd-t/tls_ca.pem"}
+  assert copied["dd/dd-t/config.py"] == "configs/default.py" and '--config="$D/config.py" ' in learner
   assert pathlib.Path(copied["dd/dd-t/token"]).read_text().strip() == security.learner_credential(SECRET, 1)
   assert copied["dd/dd-t/tls_ca.pem"] == ca
   assert SECRET not in result.stdout + result.stderr + str(calls)

@@ -120,7 +120,8 @@ def options_from_flags(f: dict, argv: list[str], verb: str) -> Options:
       local_dir=os.path.join(os.path.dirname(default_token_file(run)),
                              run), syncer_on_slice=f["syncer_on_slice"].value, queued=f["queued"].value,
       xpk_cluster=f["xpk_cluster"].value, image=f["image"].value, syncer_shards=config.service.shards,
-      **_data(config.data), evaluator_slice=_evaluator_slice(f["evaluator_slice"].value, config.service,
+      tokenizer_path=(os.path.expanduser(config.data.tokenizer_path) if config.data.tokenizer == "sentencepiece"
+                      else ""), **_data(config.data), evaluator_slice=_evaluator_slice(f["evaluator_slice"].value, config.service,
                                                              parse_slices(f["slices"].value)))
   check(options, tuple(config.learners.devices), tuple(config.learners.hardware or ()))
   if options.xpk_cluster:
