@@ -7,6 +7,7 @@ evaluator here, from the shipped checkout, config and credentials.
 """
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -47,6 +48,10 @@ def _records(env: dict, path: str) -> list[dict]:
 
 def _pushes(env: dict, learner: int) -> int:
   return sum(r["kind"] == "push" and r["learner"] == learner and r["accepted"] for r in _records(env, "metrics.jsonl"))
+
+
+def _evals(env: dict) -> list[float]:
+  return [r["eval_loss"] for r in _records(env, "evaluator/metrics.jsonl") if r["kind"] == "eval"]
 
 
 def _running(root: pathlib.Path, host: str = "") -> list[int]:
@@ -95,6 +100,12 @@ def test_up_start_status_preemption_watch_and_down_against_local_stand_ins(fake_
     assert f"slice {RUN}-1 is lost: recreating it and restarting learner 1" in watched.stdout
     assert _running(root, f"{RUN}-1")
     assert wait_for(lambda: _pushes(env, 1) > before + 1, 240, 2), (home / "learner_1.log").read_text()[-3000:]
+    # What the run learned, evaluated on the evaluator's own slice: below the untrained ln(V) and falling.
+    assert wait_for(lambda: len(_evals(env)) >= 2, 60, 2)
+    losses = _evals(env)
+    assert losses[-1] < min(math.log(256), losses[0]), losses
+    logs = _launch(env, "logs", *port, "--lines=2")
+    assert logs.returncode == 0 and logs.stdout.count("# learner ") == 2, logs.stderr
     status = _launch(env, "status", *port)
     rows = [line.split() for line in status.stdout.splitlines()[1:]]
     assert [(row[0], row[2]) for row in rows] == [("0", "READY"), ("1", "READY")] and all(

@@ -293,3 +293,13 @@ def test_every_verb_has_a_dry_run_that_runs_nothing(tmp_path, verb, expected):
     assert any(c[:len(prefix)] == prefix for c in commands), (prefix, result.stdout)
   assert all(c[0] in ("gcloud", "tar", sys.executable) for c in commands)
   assert os.listdir(tmp_path) == []
+
+
+def test_logs_tails_every_syncer_shards_log_under_the_name_start_gave_it():
+  options = launch_tpu.Options("configs/default.py", OVERRIDES, tuple(launch_tpu.parse_slices(SLICES)), "proj",
+                               "dd-t", syncer_shards=2)
+  tails = [_remote(list(s.argv)) for s in watch.logs(options, 7)]
+  assert tails == ["tail -n 7 dd/dd-t/syncer_0.log", "tail -n 7 dd/dd-t/syncer_1.log", "tail -n 7 dd/dd-t/learner_0.log",
+                   "tail -n 7 dd/dd-t/learner_1.log"]
+  started = [_remote(list(s.argv)) for s in launch_tpu.plan(options, "start") if "--role=syncer" in " ".join(s.argv)]
+  assert ['"$D/syncer_0.log"' in started[0], '"$D/syncer_1.log"' in started[1]] == [True, True]

@@ -123,9 +123,11 @@ def status_table(o: Options, values: dict[str, str]) -> str:
 
 
 def logs(o: Options, lines: int) -> list[Step]:
-  """The last `lines` lines of the syncer's log and of each learner's (worker 0 of its slice; an XPK workload's
-  pods log to Cloud Logging instead)."""
-  hosts = [("the syncer", o.syncer(), "syncer")]
+  """The last `lines` lines of the syncer's log (each shard's, named as deploy names them) and of each learner's
+  (worker 0 of its slice; an XPK workload's pods log to Cloud Logging instead)."""
+  shards = [("the syncer", "syncer")] if o.syncer_shards == 1 else [
+      (f"syncer shard {s}", f"syncer_{s}") for s in range(o.syncer_shards)]
+  hosts = [(who, o.syncer(), log) for who, log in shards]
   hosts += [(f"learner {i}", dataclasses.replace(host, worker="0"), f"learner_{i}")
             for i, host in enumerate([] if o.xpk_cluster else o.slice_hosts())]
   hosts += [("the evaluator", o.evaluator_host(), "evaluator")] if o.evaluator_host() is not None else []
