@@ -258,3 +258,23 @@ def test_the_dry_runs_printed_in_docs_launch_md_are_what_the_tool_prints():
   assert text.count("<!-- dry run: ") == 2
   with pytest.raises(ValueError, match="shows `python -m experiments.launch_tpu up --config=configs/tpu_1b.py"):
     docs.regenerate(text.replace("--run_name=dd-1b --spot --dry_run", "--run_name=dd-1b --dry_run", 1))
+
+
+@pytest.mark.slow
+def test_the_cli_ships_the_configs_sentencepiece_model_and_points_every_process_at_the_copy(tmp_path):
+  from decoupled_diloco.data import tokenizer  # pylint: disable=import-outside-toplevel
+  text = tmp_path / "text.txt"
+  text.write_text(" ".join(f"word{i % 97} thing{i % 13}." for i in range(4000)))
+  model = tokenizer.train_sentencepiece(str(text), 300, str(tmp_path / "sp.model"))
+  result = _dry_run(*OVERRIDES, f"--slices={SLICES}", "--project=proj", "--run_name=dd-t", "--reuse",
+                    "--config.data.source=text_file", f"--config.data.path={text}",
+                    "--config.data.tokenizer=sentencepiece", f"--config.data.tokenizer_path={model}")
+  assert result.returncode == 0, result.stderr
+  commands = _commands(result.stdout)
+  copies = [c for c in commands if "scp" in c[2:5] and c[c.index("scp") + 1] == model]
+  assert [c[c.index("scp") + 2] for c in copies] == [f"{host}:dd/dd-t/tokenizer.model"
+                                                     for host in ("dd-t-0", "dd-t-1", "dd-t-syncer")]
+  processes = [_remote(c) for c in commands if "experiments.train" in " ".join(c)]
+  # After the overrides (which name this machine's model), so the shipped copy is what each process loads.
+  assert len(processes) == 3
+  assert all('--config.data.tokenizer_path="$D/tokenizer.model" --workdir=' in p for p in processes)

@@ -120,8 +120,7 @@ def options_from_flags(f: dict, argv: list[str], verb: str) -> Options:
       local_dir=os.path.join(os.path.dirname(default_token_file(run)),
                              run), syncer_on_slice=f["syncer_on_slice"].value, queued=f["queued"].value,
       xpk_cluster=f["xpk_cluster"].value, image=f["image"].value, syncer_shards=config.service.shards,
-      tokenizer_path=(os.path.expanduser(config.data.tokenizer_path) if config.data.tokenizer == "sentencepiece"
-                      else ""), **_data(config.data), evaluator_slice=_evaluator_slice(f["evaluator_slice"].value, config.service,
+      **_data(config.data), evaluator_slice=_evaluator_slice(f["evaluator_slice"].value, config.service,
                                                              parse_slices(f["slices"].value)))
   check(options, tuple(config.learners.devices), tuple(config.learners.hardware or ()))
   if options.xpk_cluster:
@@ -163,11 +162,18 @@ def _data(data_cfg) -> dict:
   """Options of the run's data: a TFDS set is prepared once into the bucket (or data.tfds_data_dir on GCS);
   other sources are read where data.path says, which every host must see (gs://, or a mount on each)."""
   if data_cfg.source != "tfds":
-    return {"extras": "tfds" if data_cfg.source == "array_record" else ""}
+    return {"extras": "tfds" if data_cfg.source == "array_record" else "", **_tokenizer(data_cfg)}
   if data_cfg.tfds_data_dir and not data_cfg.tfds_data_dir.startswith("gs://"):
     raise ConfigError(f"data.tfds_data_dir={data_cfg.tfds_data_dir!r} is not on GCS: the syncer's VM prepares the "
                       "data there once for every host, point it at gs://BUCKET/tfds (or leave it empty)")
-  return {"tfds_name": data_cfg.tfds_name, "data_dir": data_cfg.tfds_data_dir, "extras": "tfds"}
+  return {"tfds_name": data_cfg.tfds_name, "data_dir": data_cfg.tfds_data_dir, "extras": "tfds", **_tokenizer(data_cfg)}
+
+
+def _tokenizer(data_cfg) -> dict:
+  """The SentencePiece model every process reads, a file on this machine (validate loaded it): shipped to each host."""
+  if data_cfg.tokenizer != "sentencepiece":
+    return {}
+  return {"tokenizer_path": os.path.expanduser(data_cfg.tokenizer_path)}
 
 
 def plan(options: Options, verb: str = "launch", lines: int = 50) -> list[Step]:
