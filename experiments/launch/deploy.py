@@ -54,20 +54,21 @@ def start(o: Options) -> list[Step]:
   start_learner = xpk.start_learner if o.xpk_cluster else _learner_step
   steps += [start_learner(o, i, address) for i in range(len(o.slices))]
   if evaluator is not None:
-    steps.append(
-        Step(f"start the evaluator on {evaluator.name}",
-             tuple(evaluator.ssh(o.project, _train(o, "evaluator", "", *evaluator_args(o, address))))))
+    steps.append(_evaluator_step(o, evaluator, address))
   return steps
 
 
-def restart_learner(o: Options, index: int) -> list[Step]:
-  """What a recreated slice needs to run learner `index` again (code, credential, CA, the same learner id);
-  it rejoins from its checkpoint in the workdir. Nothing else of the run is touched."""
-  host = o.slice_hosts()[index]
-  steps, address = _address(o, [_pack(o), *_host_steps(o, host, index)])
+def restart(o: Options, index: int) -> list[Step]:
+  """What recreated slice `index` (Options.tpus: a learner's, or the evaluator's last) needs to run its process
+  again (code, shipped files, credential, CA, the same learner id); a learner rejoins from its checkpoint in the
+  workdir, the evaluator from the syncer's newest Θ. Nothing else of the run is touched."""
+  host = o.tpus()[index][0]
+  learner = index if index < len(o.slices) else None
+  setup = _host_steps(o, host, learner) + ([] if learner is not None else _credential_steps(o, host, None))
+  steps, address = _address(o, [_pack(o), *setup])
   if o.tls == "generated":
     steps.append(_ca_step(o, host))
-  return steps + [_learner_step(o, index, address)]
+  return steps + [_learner_step(o, index, address) if learner is not None else _evaluator_step(o, host, address)]
 
 
 def _pack(o: Options) -> Step:
@@ -181,6 +182,11 @@ def _syncer_command(o: Options, on_tpu: bool, shard: int = 0) -> str:
   return _train(o, f"syncer_{shard}" if sharded else "syncer", "JAX_PLATFORMS=cpu " if on_tpu else "", "--role=syncer",
                 *sharded, "--config.service.host=0.0.0.0", f"--config.service.port={o.port}",
                 f"--config.service.data_port={o.port + o.syncer_shards}", *tls, token="secret")
+
+
+def _evaluator_step(o: Options, host: Host, address: str) -> Step:
+  return Step(f"start the evaluator on {host.name}",
+              tuple(host.ssh(o.project, _train(o, "evaluator", "", *evaluator_args(o, address)))))
 
 
 def _learner_step(o: Options, index: int, address: str) -> Step:
