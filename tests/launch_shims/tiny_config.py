@@ -13,6 +13,7 @@ def get_config():
   config = default.get_config()
   config.mode = "decoupled"
   config.runtime = "service"
+  # tests/helpers.tiny_config's ~30k-parameter model, restated: tests/ is not shipped, so it cannot be imported.
   config.model.seq_len = 16
   config.model.d_model = 32
   config.model.num_layers = 1
@@ -28,7 +29,6 @@ def get_config():
   config.outer.buffer_size = 2
   config.eval_every = 10
   config.eval_batches = 1
-  config.eval_batch_size = 8
   config.service.evaluate_on = "evaluator"
   config.service.evaluator_devices = 1
   config.service.lease_seconds = 3.0
