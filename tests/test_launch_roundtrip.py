@@ -108,8 +108,8 @@ def test_up_start_status_preemption_watch_and_down_against_local_stand_ins(fake_
     assert logs.returncode == 0 and logs.stdout.count("# learner ") == 2, logs.stderr
     status = _launch(env, "status", *port)
     rows = [line.split() for line in status.stdout.splitlines()[1:]]
-    assert [(row[0], row[2]) for row in rows] == [("0", "READY"), ("1", "READY")] and all(
-        int(row[3]) > 0 for row in rows), status.stdout
+    assert [(row[0], row[2]) for row in rows] == [
+        ("0", "READY"), ("1", "READY")] and all(int(row[3]) > 0 for row in rows), status.stdout
     down = _launch(env, "down", *port)
     assert down.returncode == 0, down.stderr
     assert not os.listdir(root / "hosts") and wait_for(lambda: not _running(root), 10, 0.1)

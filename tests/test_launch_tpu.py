@@ -272,8 +272,8 @@ def test_the_cli_ships_the_configs_sentencepiece_model_and_points_every_process_
   assert result.returncode == 0, result.stderr
   commands = _commands(result.stdout)
   copies = [c for c in commands if "scp" in c[2:5] and c[c.index("scp") + 1] == model]
-  assert [c[c.index("scp") + 2] for c in copies] == [f"{host}:dd/dd-t/tokenizer.model"
-                                                     for host in ("dd-t-0", "dd-t-1", "dd-t-syncer")]
+  assert [c[c.index("scp") + 2] for c in copies
+         ] == [f"{host}:dd/dd-t/tokenizer.model" for host in ("dd-t-0", "dd-t-1", "dd-t-syncer")]
   processes = [_remote(c) for c in commands if "experiments.train" in " ".join(c)]
   # After the overrides (which name this machine's model), so the shipped copy is what each process loads.
   assert len(processes) == 3

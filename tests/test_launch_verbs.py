@@ -296,11 +296,12 @@ def test_every_verb_has_a_dry_run_that_runs_nothing(tmp_path, verb, expected):
 
 
 def test_logs_tails_every_syncer_shards_log_under_the_name_start_gave_it():
-  options = launch_tpu.Options("configs/default.py", OVERRIDES, tuple(launch_tpu.parse_slices(SLICES)), "proj",
-                               "dd-t", syncer_shards=2)
+  options = launch_tpu.Options("configs/default.py", OVERRIDES, tuple(launch_tpu.parse_slices(SLICES)), "proj", "dd-t",
+                               syncer_shards=2)
   tails = [_remote(list(s.argv)) for s in watch.logs(options, 7)]
-  assert tails == ["tail -n 7 dd/dd-t/syncer_0.log", "tail -n 7 dd/dd-t/syncer_1.log", "tail -n 7 dd/dd-t/learner_0.log",
-                   "tail -n 7 dd/dd-t/learner_1.log"]
+  assert tails == [
+      "tail -n 7 dd/dd-t/syncer_0.log", "tail -n 7 dd/dd-t/syncer_1.log", "tail -n 7 dd/dd-t/learner_0.log",
+      "tail -n 7 dd/dd-t/learner_1.log"]
   started = [_remote(list(s.argv)) for s in launch_tpu.plan(options, "start") if "--role=syncer" in " ".join(s.argv)]
   assert ['"$D/syncer_0.log"' in started[0], '"$D/syncer_1.log"' in started[1]] == [True, True]
 
@@ -308,7 +309,8 @@ def test_logs_tails_every_syncer_shards_log_under_the_name_start_gave_it():
 def test_watch_recreates_a_lost_evaluator_slice_and_starts_the_evaluator_again():
   options = launch_tpu.Options("configs/default.py", (*OVERRIDES, "--config.service.evaluate_on=evaluator"),
                                tuple(launch_tpu.parse_slices(SLICES)), "proj", "dd-t", syncer_address="10.0.0.7",
-                               token_file="/t/dd-t.token", evaluator_slice=launch_tpu.parse_slices("v5p-8@us-east5-a")[0])
+                               token_file="/t/dd-t.token",
+                               evaluator_slice=launch_tpu.parse_slices("v5p-8@us-east5-a")[0])
   commands = [list(s.argv) for s in watch.recover(options, 2, True)]
   assert [c[4:6] for c in commands[:2]] == [["delete", "dd-t-eval"], ["create", "dd-t-eval"]]
   gcloud = [c for c in commands if c[0] == "gcloud"]

@@ -29,9 +29,8 @@ def dry_run(args: list[str]) -> str:
                           capture_output=True, text=True, check=False, env=env)
   if result.returncode:
     raise RuntimeError(f"launch_tpu {shlex.join(args)} --dry_run failed: {result.stderr.strip()}")
-  home = os.path.expanduser("~")
-  return (result.stdout.replace(sys.executable, "python").replace(options_lib.repo(), "CHECKOUT")
-          .replace(f"{home}/", "~/"))
+  text = result.stdout.replace(sys.executable, "python").replace(options_lib.repo(), "CHECKOUT")
+  return text.replace(f"{os.path.expanduser('~')}/", "~/")
 
 
 def _fence_after(lines: list[str], start: int) -> tuple[int, int]:

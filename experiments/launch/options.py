@@ -161,8 +161,9 @@ def train_args(o: Options, home: str = "$D") -> list[str]:
   overrides, the shipped tokenizer, the GCS workdir and the data."""
   tokenizer = [f"--config.data.tokenizer_path=\"{home}/{TOKENIZER}\""] if o.tokenizer_path else []
   data = [f"--config.data.tfds_data_dir={shlex.quote(o.tfds_dir)}"] if o.tfds_name else []
-  return [f"--config=\"{home}/{CONFIG}\"", *map(shlex.quote, o.overrides), *tokenizer, *data,
-          f"--workdir={shlex.quote(o.run_workdir)}"]
+  return [
+      f"--config=\"{home}/{CONFIG}\"", *map(shlex.quote, o.overrides), *tokenizer, *data,
+      f"--workdir={shlex.quote(o.run_workdir)}"]
 
 
 def learner_args(o: Options, index: int, address: str, home: str = "$D") -> list[str]:

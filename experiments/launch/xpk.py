@@ -86,8 +86,8 @@ def learner_command(o: Options, index: int, address: str) -> str:
   """What every pod of learner `index`'s workload runs."""
   d = CONTAINER_DIR
   args = [*options_lib.train_args(o, d), *options_lib.learner_args(o, index, address, d)]
-  fetch = "".join(f"gcloud storage cp {o.run_workdir}/launch/{name} {d}/{name}; "
-                  for _, _, name in options_lib.shipped(o))
+  fetch = "".join(
+      f"gcloud storage cp {o.run_workdir}/launch/{name} {d}/{name}; " for _, _, name in options_lib.shipped(o))
   return (f"set -e; mkdir -p -m 700 {d}; {options_lib.fetch_secret(o)} | python -m experiments.credentials learner "
           f"--secret_file=- --learner={index} --out={d}/token; {fetch}" +
           (f"gcloud storage cp {o.run_workdir}/tls_ca.pem {d}/tls_ca.pem; " if o.tls == "generated" else "") +
