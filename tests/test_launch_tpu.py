@@ -13,6 +13,7 @@ import pytest
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.service import security
 from experiments import credentials, launch_tpu
+from experiments.launch import docs
 
 REPO = pathlib.Path(__file__).parents[1]
 SLICES = "v5p-32@us-east5-a,v6e-32@us-east1-d"
@@ -212,3 +213,68 @@ def test_a_sharded_syncer_starts_one_process_per_shard_and_learners_and_the_eval
   assert "--syncer=10.0.0.7:8470,10.0.0.7:8471 " in evaluator
   with pytest.raises(ConfigError, match=r"--port=65533 must be in \[1, 65532\]"):
     launch_tpu.check(_options(port=65533, syncer_shards=2), (16, 32))
+
+
+def test_the_config_and_a_sentencepiece_model_are_shipped_to_every_host_and_processes_read_the_copies():
+  overrides = (*OVERRIDES, "--config.service.evaluate_on=evaluator")
+  steps = launch_tpu.plan(
+      _options(tokenizer_path="/models/sp.model", overrides=overrides,
+               evaluator_slice=launch_tpu.parse_slices("v5p-8@us-east5-a")[0]))
+  commands = [list(s.argv) for s in steps]
+  scps = [(i, c[c.index("scp") + 1], c[c.index("scp") + 2]) for i, c in enumerate(commands) if "scp" in c[2:5]]
+  copies = {(local, target) for _, local, target in scps}
+  for host in ("dd-t-0", "dd-t-1", "dd-t-eval", "dd-t-syncer"):
+    assert ("configs/default.py", f"{host}:dd/dd-t/config.py") in copies
+    assert ("/models/sp.model", f"{host}:dd/dd-t/tokenizer.model") in copies
+  processes = [_remote(c) for c in commands if "experiments.train" in " ".join(c)]
+  assert len(processes) == 4  # The syncer, two learners, the evaluator.
+  for command in processes:
+    assert '--config="$D/config.py" ' in command and '--config.data.tokenizer_path="$D/tokenizer.model" ' in command
+    assert "/models/sp.model" not in command and "configs/default.py" not in command
+  # The copies are made before any process starts; without a SentencePiece model none is shipped.
+  first_start = next(i for i, c in enumerate(commands) if "experiments.train" in " ".join(c))
+  assert max(i for i, local, _ in scps if local in ("configs/default.py", "/models/sp.model")) < first_start
+  assert not any("tokenizer" in " ".join(s.argv) for s in launch_tpu.plan(_options()))
+
+
+def test_xpk_pods_fetch_the_shipped_files_from_the_bucket():
+  options = _options(xpk_cluster="dd", token_secret="dd-token", token_file="", tokenizer_path="/models/sp.model",
+                     slices=tuple(launch_tpu.parse_slices("v5p-32@us-east5-a,v6e-32@us-east1-d")))
+  commands = [list(s.argv) for s in launch_tpu.plan(options, "start")]
+  published = [c[3:] for c in commands if c[:3] == ["gcloud", "storage", "cp"] and "launch/" in c[4]]
+  assert published == [["configs/default.py", "gs://proj-decoupled-diloco/dd-t/launch/config.py"],
+                       ["/models/sp.model", "gs://proj-decoupled-diloco/dd-t/launch/tokenizer.model"]]
+  for workload in (c for c in commands if c[:3] == ["xpk", "workload", "create"]):
+    pod = _remote(workload)
+    assert "gcloud storage cp gs://proj-decoupled-diloco/dd-t/launch/config.py /tmp/dd/config.py; " in pod
+    assert '--config="/tmp/dd/config.py" ' in pod and '--config.data.tokenizer_path="/tmp/dd/tokenizer.model" ' in pod
+
+
+@pytest.mark.slow
+def test_the_dry_runs_printed_in_docs_launch_md_are_what_the_tool_prints():
+  text = pathlib.Path(docs.DOC).read_text(encoding="utf-8")
+  regenerated, stale = docs.regenerate(text)
+  assert stale == [] and regenerated == text, "run python -m experiments.launch.docs"
+  assert sum(bool(docs.MARKER.match(line)) for line in text.splitlines()) == 2  # up's and start's.
+  with pytest.raises(ValueError, match="shows `python -m experiments.launch_tpu up --config=configs/tpu_1b.py"):
+    docs.regenerate(text.replace("--run_name=dd-1b --spot --dry_run", "--run_name=dd-1b --dry_run", 1))
+
+
+@pytest.mark.slow
+def test_the_cli_ships_the_configs_sentencepiece_model_and_points_every_process_at_the_copy(tmp_path):
+  from decoupled_diloco.data import tokenizer  # pylint: disable=import-outside-toplevel
+  text = tmp_path / "text.txt"
+  text.write_text(" ".join(f"word{i % 97} thing{i % 13}." for i in range(4000)))
+  model = tokenizer.train_sentencepiece(str(text), 300, str(tmp_path / "sp.model"))
+  result = _dry_run(*OVERRIDES, f"--slices={SLICES}", "--project=proj", "--run_name=dd-t", "--reuse",
+                    "--config.data.source=text_file", f"--config.data.path={text}",
+                    "--config.data.tokenizer=sentencepiece", f"--config.data.tokenizer_path={model}")
+  assert result.returncode == 0, result.stderr
+  commands = _commands(result.stdout)
+  copies = [c for c in commands if "scp" in c[2:5] and c[c.index("scp") + 1] == model]
+  assert [c[c.index("scp") + 2] for c in copies
+         ] == [f"{host}:dd/dd-t/tokenizer.model" for host in ("dd-t-0", "dd-t-1", "dd-t-syncer")]
+  processes = [_remote(c) for c in commands if "experiments.train" in " ".join(c)]
+  # After the overrides (which name this machine's model), so the shipped copy is what each process loads.
+  assert len(processes) == 3
+  assert all('--config.data.tokenizer_path="$D/tokenizer.model" --workdir=' in p for p in processes)

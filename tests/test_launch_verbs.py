@@ -113,9 +113,11 @@ def test_watch_recreates_the_preempted_slice_and_restarts_its_learner_with_the_s
   learner = _remote(starts[0])
   assert "--learner_id=1 " in learner and f"--syncer={SYNCER_VM_IP}:50051 " in learner
   assert "--workdir=gs://proj-decoupled-diloco/dd-t " in learner and "--role=syncer" not in str(changes)
-  # Its credential (learner 1's, derived from the run secret for real) and the run's CA went to the new slice.
+  # Its credential (learner 1's, derived from the run secret for real), the run's CA and the config went to the new
+  # slice.
   copied = {c[5].split(":", 1)[1]: c[4] for c in changes if c[3] == "scp"}
-  assert set(copied) == {"dd/dd-t/src.tar.gz", "dd/dd-t/token", "dd/dd-t/tls_ca.pem"}
+  assert set(copied) == {"dd/dd-t/src.tar.gz", "dd/dd-t/config.py", "dd/dd-t/token", "dd/dd-t/tls_ca.pem"}
+  assert copied["dd/dd-t/config.py"] == "configs/default.py" and '--config="$D/config.py" ' in learner
   assert pathlib.Path(copied["dd/dd-t/token"]).read_text().strip() == security.learner_credential(SECRET, 1)
   assert copied["dd/dd-t/tls_ca.pem"] == ca
   assert SECRET not in result.stdout + result.stderr + str(calls)
@@ -291,3 +293,30 @@ def test_every_verb_has_a_dry_run_that_runs_nothing(tmp_path, verb, expected):
     assert any(c[:len(prefix)] == prefix for c in commands), (prefix, result.stdout)
   assert all(c[0] in ("gcloud", "tar", sys.executable) for c in commands)
   assert os.listdir(tmp_path) == []
+
+
+def test_logs_tails_every_syncer_shards_log_under_the_name_start_gave_it():
+  options = launch_tpu.Options("configs/default.py", OVERRIDES, tuple(launch_tpu.parse_slices(SLICES)), "proj", "dd-t",
+                               syncer_shards=2)
+  tails = [_remote(list(s.argv)) for s in watch.logs(options, 7)]
+  assert tails == [
+      "tail -n 7 dd/dd-t/syncer_0.log", "tail -n 7 dd/dd-t/syncer_1.log", "tail -n 7 dd/dd-t/learner_0.log",
+      "tail -n 7 dd/dd-t/learner_1.log"]
+  started = [_remote(list(s.argv)) for s in launch_tpu.plan(options, "start") if "--role=syncer" in " ".join(s.argv)]
+  assert ['"$D/syncer_0.log"' in started[0], '"$D/syncer_1.log"' in started[1]] == [True, True]
+
+
+def test_watch_recreates_a_lost_evaluator_slice_and_starts_the_evaluator_again():
+  options = launch_tpu.Options("configs/default.py", (*OVERRIDES, "--config.service.evaluate_on=evaluator"),
+                               tuple(launch_tpu.parse_slices(SLICES)), "proj", "dd-t", syncer_address="10.0.0.7",
+                               token_file="/t/dd-t.token",
+                               evaluator_slice=launch_tpu.parse_slices("v5p-8@us-east5-a")[0])
+  commands = [list(s.argv) for s in watch.recover(options, 2, True)]
+  assert [c[4:6] for c in commands[:2]] == [["delete", "dd-t-eval"], ["create", "dd-t-eval"]]
+  gcloud = [c for c in commands if c[0] == "gcloud"]
+  assert all(c[2:4] == ["tpus", "tpu-vm"] and (c[5] == "dd-t-eval" or c[6].startswith("dd-t-eval:")) for c in gcloud)
+  copied = {c[6].split(":", 1)[1] for c in gcloud if c[4] == "scp"}
+  assert copied == {"dd/dd-t/src.tar.gz", "dd/dd-t/config.py", "dd/dd-t/token", "dd/dd-t/tls_ca.pem"}
+  assert [c[3] for c in commands if c[1:3] == ["-m", "experiments.credentials"]] == ["evaluator"]
+  started = _remote(commands[-1])
+  assert "--role=evaluator " in started and "--syncer=10.0.0.7:50051 " in started and "--role=learner" not in started

@@ -162,11 +162,18 @@ def _data(data_cfg) -> dict:
   """Options of the run's data: a TFDS set is prepared once into the bucket (or data.tfds_data_dir on GCS);
   other sources are read where data.path says, which every host must see (gs://, or a mount on each)."""
   if data_cfg.source != "tfds":
-    return {"extras": "tfds" if data_cfg.source == "array_record" else ""}
+    return {"extras": "tfds" if data_cfg.source == "array_record" else "", **_tokenizer(data_cfg)}
   if data_cfg.tfds_data_dir and not data_cfg.tfds_data_dir.startswith("gs://"):
     raise ConfigError(f"data.tfds_data_dir={data_cfg.tfds_data_dir!r} is not on GCS: the syncer's VM prepares the "
                       "data there once for every host, point it at gs://BUCKET/tfds (or leave it empty)")
-  return {"tfds_name": data_cfg.tfds_name, "data_dir": data_cfg.tfds_data_dir, "extras": "tfds"}
+  return {"tfds_name": data_cfg.tfds_name, "data_dir": data_cfg.tfds_data_dir, "extras": "tfds", **_tokenizer(data_cfg)}
+
+
+def _tokenizer(data_cfg) -> dict:
+  """The SentencePiece model every process reads, a file on this machine (validate loaded it): shipped to each host."""
+  if data_cfg.tokenizer != "sentencepiece":
+    return {}
+  return {"tokenizer_path": os.path.expanduser(data_cfg.tokenizer_path)}
 
 
 def plan(options: Options, verb: str = "launch", lines: int = 50) -> list[Step]:

@@ -24,7 +24,7 @@ def start(o: Options) -> list[Step]:
   """Every command of `start`, in order; pure, so a dry run prints exactly what a run runs."""
   syncer = o.syncer()
   slices = [] if o.xpk_cluster else o.slice_hosts()  # XPK pods get their code from the image.
-  steps = [_pack(o)] + (xpk.build(o) if o.xpk_cluster else [])
+  steps = [_pack(o)] + (xpk.build(o) + xpk.publish_files(o) if o.xpk_cluster else [])
   for i, host in enumerate(slices):
     steps.extend(_host_steps(o, host, i))
   evaluator = o.evaluator_host()
@@ -54,20 +54,21 @@ def start(o: Options) -> list[Step]:
   start_learner = xpk.start_learner if o.xpk_cluster else _learner_step
   steps += [start_learner(o, i, address) for i in range(len(o.slices))]
   if evaluator is not None:
-    steps.append(
-        Step(f"start the evaluator on {evaluator.name}",
-             tuple(evaluator.ssh(o.project, _train(o, "evaluator", "", *evaluator_args(o, address))))))
+    steps.append(_evaluator_step(o, evaluator, address))
   return steps
 
 
-def restart_learner(o: Options, index: int) -> list[Step]:
-  """What a recreated slice needs to run learner `index` again (code, credential, CA, the same learner id);
-  it rejoins from its checkpoint in the workdir. Nothing else of the run is touched."""
-  host = o.slice_hosts()[index]
-  steps, address = _address(o, [_pack(o), *_host_steps(o, host, index)])
+def restart(o: Options, index: int) -> list[Step]:
+  """What recreated slice `index` (Options.tpus: a learner's, or the evaluator's last) needs to run its process
+  again (code, shipped files, credential, CA, the same learner id); a learner rejoins from its checkpoint in the
+  workdir, the evaluator from the syncer's newest Θ. Nothing else of the run is touched."""
+  host = o.tpus()[index][0]
+  learner = index if index < len(o.slices) else None
+  setup = _host_steps(o, host, learner) + ([] if learner is not None else _credential_steps(o, host, None))
+  steps, address = _address(o, [_pack(o), *setup])
   if o.tls == "generated":
     steps.append(_ca_step(o, host))
-  return steps + [_learner_step(o, index, address)]
+  return steps + [_learner_step(o, index, address) if learner is not None else _evaluator_step(o, host, address)]
 
 
 def _pack(o: Options) -> Step:
@@ -89,7 +90,8 @@ def _host_steps(o: Options, host: Host, index: int | None) -> list[Step]:
   """The run directory, the code in a venv and (for learner `index`'s slice) its credential on `host`."""
   steps = [
       Step(f"make the run directory on {host.name}", tuple(host.ssh(o.project, f"mkdir -p -m 700 {o.remote}"))),
-      _copy(o, host, "the code", o.archive, "src.tar.gz")]
+      _copy(o, host, "the code", o.archive, "src.tar.gz"),
+      *(_copy(o, host, what, local, name) for what, local, name in options_lib.shipped(o))]
   if o.tls == "given":  # The syncer serves with it, learners trust it.
     steps.append(_copy(o, host, "the TLS certificate", o.tls_cert, "tls.crt"))
   steps.append(Step(f"install into a venv on {host.name}", tuple(host.ssh(o.project, _setup(o, host.tpu)))))
@@ -160,11 +162,14 @@ def _setup(o: Options, tpu: bool) -> str:
 def _train(o: Options, log: str, env: str, *args: str, token: str = "token") -> str:
   """A detached `experiments.train` process on a host: its secret by file path, output in its log, and its
   files that need fsync and flock (the syncer's write-ahead log, every process's lock) on the host's own disk,
-  since the workdir is a gs:// bucket (storage.local_dir refuses a remote one)."""
+  since the workdir is a gs:// bucket (storage.local_dir refuses a remote one). Only the process itself is put in
+  the background: a backgrounded `cd && nohup ...` list would be a subshell holding the ssh session's output open,
+  and `gcloud ssh` would not return until the run ended (tests/test_launch_roundtrip.py caught that)."""
   command = [
-      "\"$D/venv/bin/python\" -m experiments.train", *map(shlex.quote, train_args(o)), *args,
+      "\"$D/venv/bin/python\" -m experiments.train", *train_args(o), *args,
       f"--config.service.token_file=\"$D/{token}\"", "--config.service.local_dir=\"$D/local\""]
-  return f"D={o.remote}; cd \"$D/src\" && {env}nohup {' '.join(command)} > \"$D/{log}.log\" 2>&1 < /dev/null &"
+  return (f"D={o.remote}; cd \"$D/src\" || exit 1; {env}nohup {' '.join(command)} > \"$D/{log}.log\" 2>&1 "
+          "< /dev/null &")
 
 
 def _syncer_command(o: Options, on_tpu: bool, shard: int = 0) -> str:
@@ -177,6 +182,11 @@ def _syncer_command(o: Options, on_tpu: bool, shard: int = 0) -> str:
   return _train(o, f"syncer_{shard}" if sharded else "syncer", "JAX_PLATFORMS=cpu " if on_tpu else "", "--role=syncer",
                 *sharded, "--config.service.host=0.0.0.0", f"--config.service.port={o.port}",
                 f"--config.service.data_port={o.port + o.syncer_shards}", *tls, token="secret")
+
+
+def _evaluator_step(o: Options, host: Host, address: str) -> Step:
+  return Step(f"start the evaluator on {host.name}",
+              tuple(host.ssh(o.project, _train(o, "evaluator", "", *evaluator_args(o, address)))))
 
 
 def _learner_step(o: Options, index: int, address: str) -> Step:

@@ -9,6 +9,8 @@ import shlex
 from decoupled_diloco.errors import ConfigError
 from experiments.launch.hosts import NAME, ZONE, Host, Slice
 
+CONFIG, TOKENIZER = "config.py", "tokenizer.model"  # The shipped copies' names in a host's run directory.
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:
@@ -42,6 +44,7 @@ class Options:
   image: str = ""  # Container image of an XPK launch ('' = gcr.io/<project>/decoupled-diloco:<run_name>).
   evaluator_slice: Slice | None = None  # The evaluator's slice (service.evaluate_on='evaluator'), <run_name>-eval.
   syncer_shards: int = 1  # config.service.shards: syncer processes on the syncer's host, gRPC on port + s.
+  tokenizer_path: str = ""  # data.tokenizer_path when it is a file on this machine: shipped to every host.
 
   @property
   def tls(self) -> str:
@@ -145,10 +148,22 @@ def fetch_secret(o: Options) -> str:
           f"--project={shlex.quote(o.project)}")
 
 
-def train_args(o: Options) -> list[str]:
-  """What every process of the run gets after the config: the overrides, the GCS workdir and the data."""
-  data = [f"--config.data.tfds_data_dir={o.tfds_dir}"] if o.tfds_name else []
-  return [f"--config={o.config_path}", *o.overrides, *data, f"--workdir={o.run_workdir}"]
+def shipped(o: Options) -> list[tuple[str, str, str]]:
+  """(what, this machine's path, name in a host's run directory) of every file each process reads besides the code:
+  the config file (it may live outside the packed checkout) and a SentencePiece model. Hosts get them by scp (XPK
+  pods from the bucket) and processes are pointed at those copies, never at a path of this machine."""
+  files = [("the config", o.config_path, CONFIG)]
+  return files + ([("the tokenizer", o.tokenizer_path, TOKENIZER)] if o.tokenizer_path else [])
+
+
+def train_args(o: Options, home: str = "$D") -> list[str]:
+  """What every process of the run gets (shell words; `home` holds the shipped files): the shipped config, the
+  overrides, the shipped tokenizer, the GCS workdir and the data."""
+  tokenizer = [f"--config.data.tokenizer_path=\"{home}/{TOKENIZER}\""] if o.tokenizer_path else []
+  data = [f"--config.data.tfds_data_dir={shlex.quote(o.tfds_dir)}"] if o.tfds_name else []
+  return [
+      f"--config=\"{home}/{CONFIG}\"", *map(shlex.quote, o.overrides), *tokenizer, *data,
+      f"--workdir={shlex.quote(o.run_workdir)}"]
 
 
 def learner_args(o: Options, index: int, address: str, home: str = "$D") -> list[str]:

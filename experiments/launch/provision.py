@@ -82,8 +82,8 @@ def state_step(o: Options, index: int) -> Step:
 
 
 def list_step(o: Options, index: int) -> Step:
-  """The command listing the slices (queued resources) in slice `index`'s zone, one name per line."""
-  host = o.slice_hosts()[index]
+  """The command listing the slices (queued resources) in slice `index`'s zone (Options.tpus), one name per line."""
+  host = o.tpus()[index][0]
   noun = "queued-resources" if o.queued else "tpu-vm"
   return Step(f"slices in {host.zone}", ("gcloud", "compute", "tpus", noun, "list", f"--zone={host.zone}",
                                          f"--project={o.project}", "--format=value(name.basename())"))

@@ -6,12 +6,13 @@ started). `status` reads that file from the bucket and the state of every slice,
 one line per learner: inner steps merged, last version, staleness of its last push and how
 long before the newest record that push came. It is as fresh as the syncer's last flush.
 
-`watch`: every --watch_seconds it asks gcloud for each slice's state. A slice that is PREEMPTED,
-TERMINATED, FAILED or SUSPENDED (a queued Spot slice), or gone, is deleted (if it is still
-listed), created again like `up` did, and gets learner i's code, credential and CA and the
-same learner command with the same --learner_id: the learner restores its checkpoint from
-the workdir and rejoins; the syncer never stopped. Healthy slices, their learners and the
-syncer are left alone.
+`watch`: every --watch_seconds it asks gcloud for each slice's state (the learners' and the
+evaluator's). A slice that is PREEMPTED, TERMINATED, FAILED or SUSPENDED (a queued Spot slice),
+or gone, is deleted (if it is still listed), created again like `up` did, and gets learner i's
+code, credential and CA and the same learner command with the same --learner_id: the learner
+restores its checkpoint from the workdir and rejoins (the evaluator's slice gets the evaluator
+again, which evaluates the syncer's newest Θ); the syncer never stopped. Healthy slices, their
+processes and the syncer are left alone.
 """
 
 import dataclasses
@@ -27,10 +28,15 @@ LOST = frozenset({"PREEMPTED", "TERMINATED", "FAILED", "SUSPENDED"})
 
 
 def recover(o: Options, index: int, listed: bool) -> list[Step]:
-  """Slice `index` deleted (if still `listed`), created again, and learner `index` restarted on it."""
+  """Slice `index` (Options.tpus) deleted (if still `listed`), created again, and its process restarted on it."""
   delete = [provision.delete_slice(o, index)] if listed else []
   create = [dataclasses.replace(step, unless=()) for step in provision.create_slice(o, index)]  # Known gone now.
-  return delete + create + deploy.restart_learner(o, index)
+  return delete + create + deploy.restart(o, index)
+
+
+def _process(o: Options, index: int) -> str:
+  """What runs on slice `index` (Options.tpus), as `watch` names it."""
+  return f"learner {index}" if index < len(o.slices) else "the evaluator"
 
 
 def lost(o: Options) -> list[tuple[int, bool]]:
@@ -38,13 +44,13 @@ def lost(o: Options) -> list[tuple[int, bool]]:
   counts as gone only when the zone's list of slices, read successfully, lacks it: a transient gcloud failure
   must not start a recreation."""
   found = []
-  for index in range(len(o.slices)):
+  for index in range(len(o.tpus())):
     status, state = runner.probe(provision.state_step(o, index).argv)
     if status == 0 and state in LOST:
       found.append((index, True))
     elif status != 0 or not state:
       listed, names = runner.probe(provision.list_step(o, index).argv)
-      if listed == 0 and o.slice_hosts()[index].name not in names.split():
+      if listed == 0 and o.tpus()[index][0].name not in names.split():
         found.append((index, False))
   return found
 
@@ -55,8 +61,8 @@ def watch(o: Options, rounds: int, seconds: float) -> None:
   while True:
     for index, listed in lost(o):
       print(
-          f"# slice {o.slice_hosts()[index].name} is {'lost' if listed else 'gone'}: recreating it and "
-          f"restarting learner {index}", flush=True)
+          f"# slice {o.tpus()[index][0].name} is {'lost' if listed else 'gone'}: recreating it and "
+          f"restarting {_process(o, index)}", flush=True)
       runner.execute(recover(o, index, listed))
     done += 1
     if rounds and done >= rounds:
@@ -67,9 +73,9 @@ def watch(o: Options, rounds: int, seconds: float) -> None:
 def dry_run(o: Options, seconds: float) -> None:
   """What `watch` checks every round, and what it would run for a lost slice."""
   print(f"# every {seconds:g} s, for each slice:")
-  runner.dry_run([provision.state_step(o, index) for index in range(len(o.slices))])
-  for index in range(len(o.slices)):
-    print(f"# when slice {o.slice_hosts()[index].name} is {'/'.join(sorted(LOST))} (or gone):")
+  runner.dry_run([provision.state_step(o, index) for index in range(len(o.tpus()))])
+  for index in range(len(o.tpus())):
+    print(f"# when slice {o.tpus()[index][0].name} is {'/'.join(sorted(LOST))} (or gone):")
     runner.dry_run(recover(o, index, True))
 
 
@@ -123,9 +129,11 @@ def status_table(o: Options, values: dict[str, str]) -> str:
 
 
 def logs(o: Options, lines: int) -> list[Step]:
-  """The last `lines` lines of the syncer's log and of each learner's (worker 0 of its slice; an XPK workload's
-  pods log to Cloud Logging instead)."""
-  hosts = [("the syncer", o.syncer(), "syncer")]
+  """The last `lines` lines of the syncer's log (each shard's, named as deploy names them) and of each learner's
+  (worker 0 of its slice; an XPK workload's pods log to Cloud Logging instead)."""
+  shards = [("the syncer", "syncer")] if o.syncer_shards == 1 else [
+      (f"syncer shard {s}", f"syncer_{s}") for s in range(o.syncer_shards)]
+  hosts = [(who, o.syncer(), log) for who, log in shards]
   hosts += [(f"learner {i}", dataclasses.replace(host, worker="0"), f"learner_{i}")
             for i, host in enumerate([] if o.xpk_cluster else o.slice_hosts())]
   hosts += [("the evaluator", o.evaluator_host(), "evaluator")] if o.evaluator_host() is not None else []

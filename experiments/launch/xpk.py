@@ -13,8 +13,6 @@ through the GKE TPU environment. XPK restarts a failed or preempted workload its
 (--max-restarts), with the same learner id, so `watch` is for TPU VMs only.
 """
 
-import shlex
-
 from decoupled_diloco.errors import ConfigError
 from experiments.launch import options as options_lib
 from experiments.launch.hosts import Step
@@ -76,12 +74,22 @@ def publish_ca(o: Options) -> Step:
               ("gcloud", "storage", "cp", options_lib.ca_file(o), f"{o.run_workdir}/tls_ca.pem"))
 
 
+def publish_files(o: Options) -> list[Step]:
+  """The files every process reads besides the code (options.shipped: the config, a tokenizer) into the bucket,
+  where pods fetch them: the image holds only the checkout."""
+  return [
+      Step(f"copy {what} to the bucket", ("gcloud", "storage", "cp", local, f"{o.run_workdir}/launch/{name}"))
+      for what, local, name in options_lib.shipped(o)]
+
+
 def learner_command(o: Options, index: int, address: str) -> str:
   """What every pod of learner `index`'s workload runs."""
   d = CONTAINER_DIR
-  args = [*map(shlex.quote, options_lib.train_args(o)), *options_lib.learner_args(o, index, address, d)]
+  args = [*options_lib.train_args(o, d), *options_lib.learner_args(o, index, address, d)]
+  fetch = "".join(
+      f"gcloud storage cp {o.run_workdir}/launch/{name} {d}/{name}; " for _, _, name in options_lib.shipped(o))
   return (f"set -e; mkdir -p -m 700 {d}; {options_lib.fetch_secret(o)} | python -m experiments.credentials learner "
-          f"--secret_file=- --learner={index} --out={d}/token; " +
+          f"--secret_file=- --learner={index} --out={d}/token; {fetch}" +
           (f"gcloud storage cp {o.run_workdir}/tls_ca.pem {d}/tls_ca.pem; " if o.tls == "generated" else "") +
           f"python -m experiments.train {' '.join(args)} --config.service.token_file={d}/token "
           f"--config.service.local_dir={d}/local")  # Its lock needs a local disk: the workdir is gs://.
