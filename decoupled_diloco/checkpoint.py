@@ -11,8 +11,11 @@ directory and rename). The conventions in full: docs/storage.md.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
+import sys
 from typing import Any
 
 import jax
@@ -27,6 +30,61 @@ PyTree = Any
 METADATA_ITEM = "metadata"
 # The metadata key that holds the arrays' digests (callers never see it).
 CHECKSUMS_KEY = "_checksums"
+
+
+_ORBAX_DIR = os.path.dirname(ocp.__file__)
+
+
+class _OrbaxErrors(logging.Filter):
+  """Drops orbax's own error records (each with a traceback) while a save fails: the caller reports it once."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno < logging.ERROR or not os.path.dirname(record.pathname).startswith(_ORBAX_DIR)
+
+
+class _LateSaveErrors(logging.Filter):
+  """Drops asyncio's 'Future exception was never retrieved' for a write into a failed save's tmp directory: the
+  save raised that error already (orbax awaited only the first of its writes)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exception = record.exc_info[1] if record.exc_info else None
+    return not (exception is not None and "never retrieved" in str(record.msg) and
+                "orbax-checkpoint-tmp" in str(exception))
+
+
+def _ignore_closed_loop_callbacks(previous):
+  """An unraisable-error hook that drops tensorstore's late callbacks onto the event loop of a save that failed
+  (RuntimeError 'Event loop is closed', one traceback per array written) and passes anything else on."""
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+      previous(unraisable)
+
+  hook.quiets_closed_loops = True
+  return hook
+
+
+@contextlib.contextmanager
+def _one_error_per_failed_save():
+  """Why: a full disk fails a save in each of orbax's writer threads, and each logs its traceback (30 lines a
+  save, every retry), then tensorstore's writes still in flight print theirs as they finish, after the save
+  returned; the save's raised error is the one line worth reading, so the caller logs that."""
+  if not getattr(sys.unraisablehook, "quiets_closed_loops", False):  # Installed once, for the late ones.
+    sys.unraisablehook = _ignore_closed_loop_callbacks(sys.unraisablehook)
+    logging.getLogger("asyncio").addFilter(_LateSaveErrors())
+  quiet, logger = _OrbaxErrors(), logging.getLogger("absl")
+  logger.addFilter(quiet)
+  try:
+    yield
+  finally:
+    logger.removeFilter(quiet)
+
+
+def first_line(error: BaseException) -> str:
+  """An error's first line (its type's name if it has no text): what a one-line log of a failed save or restore
+  quotes, as orbax's and tensorstore's errors run over many lines."""
+  text = str(error).strip()
+  return text.splitlines()[0] if text else type(error).__name__
 
 
 class CorruptCheckpoint(ValueError):
@@ -140,8 +198,9 @@ class Checkpointer:
     items = {name: ocp.args.PyTreeSave(tree) for name, tree in state.items()}
     items[METADATA_ITEM] = ocp.args.JsonSave({**metadata, CHECKSUMS_KEY: digests(state)})
     try:
-      self._manager.save(step, args=ocp.args.Composite(**items))
-      self._manager.wait_until_finished()
+      with _one_error_per_failed_save():
+        self._manager.save(step, args=ocp.args.Composite(**items))
+        self._manager.wait_until_finished()
     except Exception:
       # A failed save (e.g. a full disk) leaves its tmp dir behind: free that space now, not at the next start.
       tmp = self._manager.directory / f"{step}.orbax-checkpoint-tmp"

@@ -125,7 +125,7 @@ class Store:
     except (OSError, ValueError) as error:
       self.retry_at = now + CHECKPOINT_RETRY_SECONDS
       logging.error("syncer checkpoint at version %d failed (%s): serving on from the log, retrying in %.0fs", version,
-                    error, CHECKPOINT_RETRY_SECONDS)
+                    checkpoint_lib.first_line(error), CHECKPOINT_RETRY_SECONDS)
       return False
     self.log.drop_before(min(self.checkpointer.all_steps()))  # Each kept checkpoint can be replayed from.
     return True
@@ -144,7 +144,7 @@ class Store:
         if meta["segment"] not in wal.segments(self.wal_dir):
           raise checkpoint_lib.CorruptCheckpoint(f"its log segment {meta['segment']} is missing from {self.wal_dir}")
       except Exception as error:  # pylint: disable=broad-except  # Damaged files fail orbax in many ways.
-        problems[step] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        problems[step] = checkpoint_lib.first_line(error)
         logging.error("syncer checkpoint %d is not usable (%s); trying the one before it plus the log", step,
                       problems[step])
         continue

@@ -284,9 +284,21 @@ class LearnerProcess:
     self.inflight[fragment] = (future, push, self.learner.steps + self.overlap, budget)
     self.seq, self.pushes = self.seq + 1, self.pushes + 1
     if self.service.learner_checkpoint_every and self.pushes % self.service.learner_checkpoint_every == 0:
+      self._checkpoint()
+
+  def _checkpoint(self) -> None:
+    """Saves the inner state; a failed save (a full disk) costs one line and is retried at the next checkpoint.
+
+    Why not stop: the learner's state is also the syncer's Θ plus its own recent steps, so training on loses at
+    most what a restart from the previous checkpoint would; a crash here would crash-loop under a supervisor.
+    """
+    try:
       self.checkpointer.save(
           self.learner.steps, {"state": self.learner.loop.from_step(self.learner.state)},
           {"steps": self.learner.steps, "data": {str(jax.process_index()): self.learner.batches.state()}})
+    except (OSError, ValueError) as error:  # orbax reports tensorstore's I/O errors as ValueError.
+      logging.error("learner %d checkpoint at step %d failed (%s): training on, retrying at the next checkpoint",
+                    self.index, self.learner.steps, checkpoint_lib.first_line(error))
 
   def _land(self, fragment: int, final: bool = False) -> None:
     """Waits for `fragment`'s exchange (counted as blocked; `final`: no step can hide it), then its new
