@@ -65,7 +65,8 @@ def build_core(config, params, workdir: str, recorder: records.Recorder, evaluat
                              truncate_corrupt_log=config.service.truncate_corrupt_log, local_dir=local_dir,
                              min_learners_to_start=config.syncer.min_learners_to_start or plan.num_learners,
                              start_timeout_seconds=config.syncer.start_timeout_seconds,
-                             merge_wait_seconds=merge_wait_seconds(config))
+                             merge_wait_seconds=merge_wait_seconds(config),
+                             barrier_call_seconds=config.service.rpc_timeout_seconds / 2)
   return core
 
 
