@@ -11,7 +11,6 @@ directory and rename). The conventions in full: docs/storage.md.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -31,25 +30,27 @@ METADATA_ITEM = "metadata"
 # The metadata key that holds the arrays' digests (callers never see it).
 CHECKSUMS_KEY = "_checksums"
 
-
 _ORBAX_DIR = os.path.dirname(ocp.__file__)
 
 
-class _OrbaxErrors(logging.Filter):
-  """Drops orbax's own error records (each with a traceback) while a save fails: the caller reports it once."""
+def _from_orbax(traceback) -> bool:
+  """Whether a traceback passes through orbax's code."""
+  while traceback is not None:
+    if traceback.tb_frame.f_code.co_filename.startswith(_ORBAX_DIR):
+      return True
+    traceback = traceback.tb_next
+  return False
+
+
+class _SaveFailureTracebacks(logging.Filter):
+  """Drops the tracebacks orbax's writer threads log when a save fails (one each, some after the save raised), and
+  asyncio's 'Future exception was never retrieved' of that save's other writes: the save raises the error, and its
+  caller reports it in one line."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return record.levelno < logging.ERROR or not os.path.dirname(record.pathname).startswith(_ORBAX_DIR)
-
-
-class _LateSaveErrors(logging.Filter):
-  """Drops asyncio's 'Future exception was never retrieved' for a write into a failed save's tmp directory: the
-  save raised that error already (orbax awaited only the first of its writes)."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    exception = record.exc_info[1] if record.exc_info else None
-    return not (exception is not None and "never retrieved" in str(record.msg) and
-                "orbax-checkpoint-tmp" in str(exception))
+    if record.levelno < logging.ERROR or not record.exc_info:
+      return True
+    return not (os.path.dirname(record.pathname).startswith(_ORBAX_DIR) or _from_orbax(record.exc_info[2]))
 
 
 def _ignore_closed_loop_callbacks(previous):
@@ -64,20 +65,15 @@ def _ignore_closed_loop_callbacks(previous):
   return hook
 
 
-@contextlib.contextmanager
-def _one_error_per_failed_save():
-  """Why: a full disk fails a save in each of orbax's writer threads, and each logs its traceback (30 lines a
-  save, every retry), then tensorstore's writes still in flight print theirs as they finish, after the save
-  returned; the save's raised error is the one line worth reading, so the caller logs that."""
-  if not getattr(sys.unraisablehook, "quiets_closed_loops", False):  # Installed once, for the late ones.
-    sys.unraisablehook = _ignore_closed_loop_callbacks(sys.unraisablehook)
-    logging.getLogger("asyncio").addFilter(_LateSaveErrors())
-  quiet, logger = _OrbaxErrors(), logging.getLogger("absl")
-  logger.addFilter(quiet)
-  try:
-    yield
-  finally:
-    logger.removeFilter(quiet)
+def _one_line_per_failed_save() -> None:
+  """Installs (once) what keeps a failed save (a full disk) to its caller's one line. Why: each of orbax's writer
+  threads logged its traceback, then TensorStore's writes still in flight printed theirs as they finished, after
+  the save had raised: 30 tracebacks per failed save, and a save is retried."""
+  if getattr(sys.unraisablehook, "quiets_closed_loops", False):
+    return
+  sys.unraisablehook = _ignore_closed_loop_callbacks(sys.unraisablehook)
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).addFilter(_SaveFailureTracebacks())
 
 
 def first_line(error: BaseException) -> str:
@@ -197,10 +193,10 @@ class Checkpointer:
     _check_names(state)
     items = {name: ocp.args.PyTreeSave(tree) for name, tree in state.items()}
     items[METADATA_ITEM] = ocp.args.JsonSave({**metadata, CHECKSUMS_KEY: digests(state)})
+    _one_line_per_failed_save()
     try:
-      with _one_error_per_failed_save():
-        self._manager.save(step, args=ocp.args.Composite(**items))
-        self._manager.wait_until_finished()
+      self._manager.save(step, args=ocp.args.Composite(**items))
+      self._manager.wait_until_finished()
     except Exception:
       # A failed save (e.g. a full disk) leaves its tmp dir behind: free that space now, not at the next start.
       tmp = self._manager.directory / f"{step}.orbax-checkpoint-tmp"

@@ -23,8 +23,9 @@ from tests.test_durability import _snapshot
 
 def _config(shards=1, **overrides):
   config = service_config.get_config()
-  sharded = {"service.shards": 2, "streaming.num_fragments": 2, "streaming.strategy": "balanced",
-             "service.evaluate_on": "none"} if shards == 2 else {}
+  sharded = {
+      "service.shards": 2, "streaming.num_fragments": 2, "streaming.strategy": "balanced", "service.evaluate_on": "none"
+  } if shards == 2 else {}
   return experiment.with_overrides(config, {**sharded, **overrides})
 
 
@@ -71,8 +72,7 @@ def test_a_fresh_sharded_run_starts_beside_its_sibling_shards_and_a_resume_needs
   assert "no syncer checkpoint of this shard" in _refused(_config(2, resume=True), tmp_path, shard=1)
 
 
-def test_resume_with_nothing_to_resume_is_refused_in_a_used_workdir_and_starts_fresh_in_an_empty_one(
-    tmp_path, caplog):
+def test_resume_with_nothing_to_resume_is_refused_in_a_used_workdir_and_starts_fresh_in_an_empty_one(tmp_path, caplog):
   """Before: both started a fresh run without a word."""
   (tmp_path / "logs").mkdir()  # A launcher's logs are no run.
   with caplog.at_level(logging.WARNING):

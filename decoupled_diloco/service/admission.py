@@ -39,7 +39,7 @@ def check_incarnation(header: dict, current: int) -> None:
   learner = header["learner"]
   if header["incarnation"] != current:
     raise Fenced(f"push from learner {learner} rejected: it comes from incarnation {header['incarnation']}, "
-                       f"but incarnation {current} of learner {learner} has joined since (a replaced process: stop it)")
+                 f"but incarnation {current} of learner {learner} has joined since (a replaced process: stop it)")
 
 
 def check_float32(delta, learner: int) -> None:

@@ -15,7 +15,6 @@ from absl import logging
 
 from decoupled_diloco.syncer import MergeReport, Syncer
 
-
 AT_BARRIER = "waiting at the start barrier"  # How an AtBarrier refusal's details begin (the client looks for it).
 
 

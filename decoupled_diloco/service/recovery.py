@@ -41,8 +41,8 @@ class Recovery:
         self.resync = set(range(self.num_learners))
         logging.warning(
             "the syncer's local dir %s holds no log: resuming from checkpoint %d on the workdir with a new log; "
-            "pushes acknowledged after that checkpoint (and those it had not merged yet) are lost", self.store.local_dir,
-            step)
+            "pushes acknowledged after that checkpoint (and those it had not merged yet) are lost",
+            self.store.local_dir, step)
       self.syncer.restore(SyncerState(state["params"], state["opt_state"], tuple(meta["versions"])))
       self.acked = {m: meta["acked"].get(str(m), -1) for m in range(self.num_learners)}
       self.refused_seq.update({int(m): s for m, s in meta.get("refused_seq", {}).items()})
@@ -76,11 +76,11 @@ class Recovery:
     pending_tokens = sum(admission.budget_share(r["header"])[1] for r, _ in carried)
     meta = {
         **self.metadata, "versions": list(self.syncer.versions), "segment": version, "done": self.done,
-        "acked": {str(m): s for m, s in self.acked.items()}, "start_time": self.start_time,
-        "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens,
-        "counts": self.counts, "refused": dict(self.refused), "estimates": self.syncer.estimates,
-        "incarnations": {str(m): n for m, n in self.incarnations.items()},
-        "refused_seq": {str(m): s for m, s in self.refused_seq.items()}, "syncer_incarnation": self.syncer_incarnation}
+        "start_time": self.start_time, "steps_done": self.steps_done - pending_steps,
+        "tokens_done": self.tokens_done - pending_tokens, "counts": self.counts, "refused": dict(self.refused),
+        "estimates": self.syncer.estimates, "syncer_incarnation": self.syncer_incarnation}
+    per_learner = {"acked": self.acked, "incarnations": self.incarnations, "refused_seq": self.refused_seq}
+    meta.update({name: {str(m): value for m, value in values.items()} for name, values in per_learner.items()})
     locations = self.store.rotate(version, carried)
     self._unabsorbed = [(f, record, location) for (f, record, _), location in zip(self._unabsorbed, locations)]
     if not self.store.save(version, self._state_trees(), meta, now):
