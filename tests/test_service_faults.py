@@ -266,7 +266,7 @@ def test_a_replaced_learner_process_exits_at_once_in_one_line(tmp_path):
   (216 refused pushes in 30 s); now its next push stops it with one line, exit 1, and the run ends with the
   replacement (its own local disk: another workdir, as on another machine). Learner 0 never starts (its lease
   runs out), so nothing spends the budget while learner 1's first process is frozen."""
-  cluster = _cluster(tmp_path / "run")
+  cluster = _cluster(tmp_path / "run", "--config.service.linger_seconds=10")  # Learner 0 never hears the end.
   elsewhere = tmp_path / "elsewhere"
   replacement = None
   try:
@@ -276,7 +276,8 @@ def test_a_replaced_learner_process_exits_at_once_in_one_line(tmp_path):
     assert wait_for(lambda: acks.exists() and '"kind": "ack"' in acks.read_text(), 300, interval=0.5)
     zombie = cluster.processes["learner_1"]
     zombie.send_signal(signal.SIGSTOP)
-    command = cluster._command("--role=learner", "--learner_id=1", f"--syncer={cluster.address}")  # pylint: disable=protected-access
+    args = ("--role=learner", "--learner_id=1", f"--syncer={cluster.address}")
+    command = cluster._command(*args)  # pylint: disable=protected-access
     replacement = subprocess.Popen(  # pylint: disable=consider-using-with
         [f"--workdir={elsewhere}" if arg.startswith("--workdir=") else arg for arg in command],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,

@@ -181,8 +181,9 @@ class SyncerCore(recovery.Recovery):
 
     A learner whose config `fingerprint` differs from the syncer's is refused first (fingerprint.Mismatch),
     nothing changed. Before the run starts a join waits at the start barrier (`membership.StartBarrier`), its
-    lease kept alive, up to `barrier_call_seconds` a call (then membership.AtBarrier: the learner asks again). The incarnation is logged before the reply: from then on, pushes of the
-    learner's earlier processes (a frozen predecessor that wakes up) are refused.
+    lease kept alive, up to `barrier_call_seconds` a call (then membership.AtBarrier: the learner asks again).
+    The incarnation is logged before the reply: from then on, pushes of the learner's earlier processes (a
+    frozen predecessor that wakes up) are refused.
     """
     admission.require_known(learner, self.num_learners)
     fingerprint_lib.check(self.fingerprint, fingerprint or {}, learner)
