@@ -66,7 +66,7 @@ def test_a_refused_learner_leaves_the_quorum_until_a_push_of_it_is_applied(param
   core.close()
 
 
-def test_a_replaced_process_is_fenced_in_a_status_of_its_own_before_its_payload_moves(params, tmp_path):
+def test_a_replaced_process_is_fenced_in_a_status_of_its_own(params, tmp_path):
   """Its learner stops at once on PERMISSION_DENIED (learner_main); a refusal of the learner's own is
   INVALID_ARGUMENT, which it survives max_refusals_in_a_row - 1 times."""
   core = _bounded_core(params, tmp_path, quorum=1)

@@ -116,7 +116,6 @@ class SyncerCore(recovery.Recovery):
     with self.lock:
       learner, now, limits = header["learner"], time.time(), self.limits
       admission.require_known(learner, self.num_learners)
-      self._fence(header)
       if limits is None:
         return
       most = limits.round_steps
@@ -142,13 +141,16 @@ class SyncerCore(recovery.Recovery):
     admission.check_incarnation(header, self.incarnations[learner])
 
   def _refused(self, header: dict, now: float) -> None:
-    """Bookkeeping of a refused push of the learner's current process: its seq moves the learner's seq window on
-    (a seq beyond the window does not), and the learner leaves the quorum until a push of it is applied.
+    """Bookkeeping of a refused push of the learner's current process (another incarnation's changes nothing): its
+    seq moves the learner's seq window on (a seq beyond the window does not), and the learner leaves the quorum
+    until a push of it is applied.
 
     Why: the learner spent that seq, so without the first, 64 refusals in a row refused every later push; and in
     synchronous DiLoCo a learner whose pushes are refused held every round up while its heartbeats kept it in.
     """
     learner = header["learner"]
+    if header["incarnation"] != self.incarnations[learner]:
+      return
     base = max(self.acked[learner], self.refused_seq[learner])
     if header["seq"] <= base + (self.limits.seq_window if self.limits else limits_lib.SEQ_WINDOW):
       self.refused_seq[learner] = max(self.refused_seq[learner], header["seq"])
@@ -231,26 +233,20 @@ class SyncerCore(recovery.Recovery):
     """
     try:
       admission.require_known(header["learner"], self.num_learners)
-      with self.lock:
-        self._fence(header)  # A replaced process's push is not its learner's: no refusal of the learner's own.
-    except (UnknownLearner, PushRejected):
-      with self.lock:
-        self.counts["rejected"] += 1
-      raise
-    try:
       data = payload.map if isinstance(payload, wal.Spool) else payload
       delta = wire.decode(data)
       admission.check_float32(delta, header["learner"])
-    except (wire.WireError, PushRejected):
+    except (UnknownLearner, wire.WireError, PushRejected) as error:
       with self.lock:
         self.counts["rejected"] += 1
-        self._refused(header, now)
+        if not isinstance(error, UnknownLearner):
+          self._refused(header, now)
       raise
     with self.lock:
       self.store.serving()
       try:
         learner, seq = header["learner"], header["seq"]
-        self._fence(header)  # Again: a Join may have come in while the payload was decoded.
+        self._fence(header)
         if seq <= self.acked[learner] or (self.done and header["budget_steps"] > 0):
           self._check_learner(learner, now)
           if seq <= self.acked[learner]:
@@ -272,10 +268,9 @@ class SyncerCore(recovery.Recovery):
         if self.done:  # After the end: the progress on its fragment of steps the budget counted already.
           self._after_merges(self.syncer.flush(now), now, replay=False, log=True)
           self._checkpoint_due = True
-      except (wire.WireError, PushRejected) as error:
+      except (wire.WireError, PushRejected):
         self.counts["rejected"] += 1
-        if not isinstance(error, admission.Fenced):
-          self._refused(header, now)
+        self._refused(header, now)  # (Nothing for a fenced push: it is not the learner's current process's.)
         raise
       return {"status": "applied" if accepted else "dropped", **self.status(learner, tells_done=False)}
 
