@@ -166,15 +166,18 @@ class Checkpointer:
   always kept); other steps are skipped silently. `max_to_keep` newest steps are kept.
   """
 
-  def __init__(self, directory, max_to_keep: int = 3, save_interval_steps: int = 1):
+  def __init__(self, directory, max_to_keep: int = 3, save_interval_steps: int = 1, reader: bool = False):
+    """`reader`: only to read a directory another process may be saving into (a syncer checking what run a workdir
+    holds before it takes the workdir's lock): it neither creates the directory nor removes the tmp directory of a
+    save in progress, as a Checkpointer that will save does at start."""
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=save_interval_steps,
         preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
-        cleanup_tmp_directories=True,
+        cleanup_tmp_directories=not reader,
         # Synchronous: the host numpy leaves may be updated in place by the syncer
         # right after `save` returns, and the caller can trust a returned save.
         enable_async_checkpointing=False,
-        create=True,
+        create=not reader,
     )
     # storage.path: an absolute local path or gs://...; any other scheme is refused, never made local.
     self._manager = ocp.CheckpointManager(storage.path(directory), options=options, handler_registry=_registry())

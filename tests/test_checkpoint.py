@@ -227,3 +227,19 @@ def test_a_save_on_a_full_disk_raises_its_error_and_logs_no_traceback(tiny_disk,
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert "Traceback" not in capfd.readouterr().err and ckpt.all_steps() == [0]
     os.remove(filler)
+
+
+def test_a_reader_leaves_a_save_in_progress_and_a_missing_directory_alone(tmp_path):
+  """A syncer reads what run a workdir (or a sibling shard's folder) holds before it takes any lock: it must not
+  remove the tmp directory another process is saving into, as a Checkpointer that will save does at start."""
+  with Checkpointer(tmp_path / "run") as ckpt:
+    ckpt.save(0, {"syncer": {"x": np.zeros((8,), np.float32)}}, {"outer_step": 0})
+  in_progress = tmp_path / "run" / "1.orbax-checkpoint-tmp"
+  in_progress.mkdir()
+  with Checkpointer(tmp_path / "run", reader=True) as reader:
+    assert reader.all_steps() == [0] and reader.restore_metadata(0) == {"outer_step": 0}
+  with Checkpointer(tmp_path / "absent", reader=True) as reader:
+    assert reader.latest_step() is None
+  assert in_progress.is_dir() and not (tmp_path / "absent").exists()
+  Checkpointer(tmp_path / "run").close()  # One that saves cleans up after crashed saves.
+  assert not in_progress.exists()

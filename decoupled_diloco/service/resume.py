@@ -58,7 +58,7 @@ def saved_config(checkpoints: str) -> dict | None:
   """The config the newest readable checkpoint in `checkpoints` was saved with; None when there is none."""
   if not _has_checkpoints(checkpoints):
     return None
-  with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
+  with checkpoint_lib.Checkpointer(checkpoints, reader=True) as checkpointer:  # Another shard may be saving.
     for step in reversed(checkpointer.all_steps()):
       try:
         saved = checkpointer.restore_metadata(step).get("config")

@@ -131,7 +131,7 @@ def latest_checkpoint(checkpoints: str) -> int | None:
   """The newest checkpoint's step in `checkpoints`, None if there is none (the core starts the run afresh)."""
   if not storage.path(checkpoints).is_dir():
     return None
-  with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
+  with checkpoint_lib.Checkpointer(checkpoints, reader=True) as checkpointer:  # Before the workdir's lock.
     return checkpointer.latest_step()
 
 
