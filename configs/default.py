@@ -167,6 +167,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.service.link_mbps = ()  # Per-learner Mbps pacing its data-channel traffic both ways in real time (() = none).
   config.service.link_latency_ms = ()  # Per-learner one-way latency added to each data-channel transfer (() = none).
   config.service.learner_checkpoint_every = 5  # Rounds between a learner's checkpoints of its inner state (0 = never).
+  config.service.max_refusals_in_a_row = 8  # Refused pushes in a row after which a learner process stops (exit 1).
   # "syncer": its host CPU runs model.loss on the eval batches (small models only: refused above 100M params);
   # "evaluator": a --role=evaluator process reads Θ like a learner and evaluates it on its own devices
   # (<workdir>/evaluator/metrics.jsonl; docs/evaluation.md); "none": no eval records. Only "syncer" runs the

@@ -12,7 +12,9 @@ directory and rename). The conventions in full: docs/storage.md.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import sys
 from typing import Any
 
 import jax
@@ -27,6 +29,58 @@ PyTree = Any
 METADATA_ITEM = "metadata"
 # The metadata key that holds the arrays' digests (callers never see it).
 CHECKSUMS_KEY = "_checksums"
+
+_ORBAX_DIR = os.path.dirname(ocp.__file__)
+
+
+def _from_orbax(traceback) -> bool:
+  """Whether a traceback passes through orbax's code."""
+  while traceback is not None:
+    if traceback.tb_frame.f_code.co_filename.startswith(_ORBAX_DIR):
+      return True
+    traceback = traceback.tb_next
+  return False
+
+
+class _SaveFailureTracebacks(logging.Filter):
+  """Drops the tracebacks orbax's writer threads log when a save fails (one each, some after the save raised), and
+  asyncio's 'Future exception was never retrieved' of that save's other writes: the save raises the error, and its
+  caller reports it in one line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno < logging.ERROR or not record.exc_info:
+      return True
+    return not (os.path.dirname(record.pathname).startswith(_ORBAX_DIR) or _from_orbax(record.exc_info[2]))
+
+
+def _ignore_closed_loop_callbacks(previous):
+  """An unraisable-error hook that drops tensorstore's late callbacks onto the event loop of a save that failed
+  (RuntimeError 'Event loop is closed', one traceback per array written) and passes anything else on."""
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+      previous(unraisable)
+
+  hook.quiets_closed_loops = True
+  return hook
+
+
+def _one_line_per_failed_save() -> None:
+  """Installs (once) what keeps a failed save (a full disk) to its caller's one line. Why: each of orbax's writer
+  threads logged its traceback, then TensorStore's writes still in flight printed theirs as they finished, after
+  the save had raised: 30 tracebacks per failed save, and a save is retried."""
+  if getattr(sys.unraisablehook, "quiets_closed_loops", False):
+    return
+  sys.unraisablehook = _ignore_closed_loop_callbacks(sys.unraisablehook)
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).addFilter(_SaveFailureTracebacks())
+
+
+def first_line(error: BaseException) -> str:
+  """An error's first line (its type's name if it has no text): what a one-line log of a failed save or restore
+  quotes, as orbax's and tensorstore's errors run over many lines."""
+  text = str(error).strip()
+  return text.splitlines()[0] if text else type(error).__name__
 
 
 class CorruptCheckpoint(ValueError):
@@ -112,15 +166,18 @@ class Checkpointer:
   always kept); other steps are skipped silently. `max_to_keep` newest steps are kept.
   """
 
-  def __init__(self, directory, max_to_keep: int = 3, save_interval_steps: int = 1):
+  def __init__(self, directory, max_to_keep: int = 3, save_interval_steps: int = 1, reader: bool = False):
+    """`reader`: only to read a directory another process may be saving into (a syncer checking what run a workdir
+    holds before it takes the workdir's lock): it neither creates the directory nor removes the tmp directory of a
+    save in progress, as a Checkpointer that will save does at start."""
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=save_interval_steps,
         preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
-        cleanup_tmp_directories=True,
+        cleanup_tmp_directories=not reader,
         # Synchronous: the host numpy leaves may be updated in place by the syncer
         # right after `save` returns, and the caller can trust a returned save.
         enable_async_checkpointing=False,
-        create=True,
+        create=not reader,
     )
     # storage.path: an absolute local path or gs://...; any other scheme is refused, never made local.
     self._manager = ocp.CheckpointManager(storage.path(directory), options=options, handler_registry=_registry())
@@ -139,6 +196,7 @@ class Checkpointer:
     _check_names(state)
     items = {name: ocp.args.PyTreeSave(tree) for name, tree in state.items()}
     items[METADATA_ITEM] = ocp.args.JsonSave({**metadata, CHECKSUMS_KEY: digests(state)})
+    _one_line_per_failed_save()
     try:
       self._manager.save(step, args=ocp.args.Composite(**items))
       self._manager.wait_until_finished()

@@ -1,9 +1,12 @@
 """Checkpoint round trips of mixed host/device run state, pruning and crash safety."""
 
+import gc
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from decoupled_diloco.checkpoint import Checkpointer, abstract_like
+from tests.test_durability import _fill, tiny_disk  # pylint: disable=unused-import
 
 
 def _learner_state(seed: float):
@@ -206,3 +210,36 @@ def test_saves_hold_no_copy_of_the_state(tmp_path):
   state_kb = 2 * 8 * 4 << 10  # 16 tensors of 4 MiB.
   assert peak - before < state_kb / 4, (before, peak, after)
   assert after - before < state_kb / 8, (before, peak, after)
+
+
+def test_a_save_on_a_full_disk_raises_its_error_and_logs_no_traceback(tiny_disk, caplog, capfd):
+  """Before: each of orbax's writer threads logged the failure with its traceback, then TensorStore's writes still
+  in flight printed theirs and asyncio its unretrieved futures', some after the save had raised (30 tracebacks a
+  failed save, where the syncer and the learners promise one line: their own, from the raised error)."""
+  with Checkpointer(tiny_disk / "checkpoints") as ckpt:
+    ckpt.save(0, {"syncer": {"x": np.zeros((8,), np.float32)}}, {"outer_step": 0})
+    filler = _fill(str(tiny_disk), 64 << 10)
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO), pytest.raises((OSError, ValueError), match="No space left|RESOURCE_EXHAUSTED"):
+      ckpt.save(1, {"syncer": {"x": np.full((1 << 18,), 2.0, np.float32)}}, {"outer_step": 1})  # 1 MiB.
+    gc.collect()  # Writes still in flight finish (their callbacks run) before the checks.
+    time.sleep(1.0)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "Traceback" not in capfd.readouterr().err and ckpt.all_steps() == [0]
+    os.remove(filler)
+
+
+def test_a_reader_leaves_a_save_in_progress_and_a_missing_directory_alone(tmp_path):
+  """A syncer reads what run a workdir (or a sibling shard's folder) holds before it takes any lock: it must not
+  remove the tmp directory another process is saving into, as a Checkpointer that will save does at start."""
+  with Checkpointer(tmp_path / "run") as ckpt:
+    ckpt.save(0, {"syncer": {"x": np.zeros((8,), np.float32)}}, {"outer_step": 0})
+  in_progress = tmp_path / "run" / "1.orbax-checkpoint-tmp"
+  in_progress.mkdir()
+  with Checkpointer(tmp_path / "run", reader=True) as reader:
+    assert reader.all_steps() == [0] and reader.restore_metadata(0) == {"outer_step": 0}
+  with Checkpointer(tmp_path / "absent", reader=True) as reader:
+    assert reader.latest_step() is None
+  assert in_progress.is_dir() and not (tmp_path / "absent").exists()
+  Checkpointer(tmp_path / "run").close()  # One that saves cleans up after crashed saves.
+  assert not in_progress.exists()

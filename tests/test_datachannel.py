@@ -17,7 +17,7 @@ import pytest
 
 from decoupled_diloco import model as model_lib
 from decoupled_diloco.service import client as client_lib
-from decoupled_diloco.service import datachannel, security, wire
+from decoupled_diloco.service import datachannel, security, wal, wire
 from decoupled_diloco.service import server as server_lib
 from experiments.benchmarks import attacks
 from tests import service_config
@@ -104,9 +104,14 @@ def test_data_channel_refuses_forged_reused_short_and_bad_pushes_untouched(param
     nan = jax.tree.unflatten(treedef, leaves[:-1] + [np.full(leaves[-1].shape, np.nan, np.float32)])
     nan_parts = wire.encode(nan)
     nan_ticket = _ticket(address, _header(seq=1, payload_bytes=wire.encoded_size(nan_parts)))["ticket"]
+    assert _log_bytes(core) == log
     with pytest.raises(datachannel.DataRefused, match="NaN|Inf|finite") as bad:
       datachannel.send_push(data_address, nan_ticket, nan_parts, timeout=5)
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and server.rejections["rejected"] == 1
+    # The refused push is not logged; learner 0 leaving the quorum for it is (a replay must merge as the syncer did).
+    logged = [record for record, _, _ in wal.records(wal.segment_path(core.store.wal_dir, 0), 0)]
+    assert logged[-1] == {"type": "live", "learners": [1]} and not [r for r in logged if r["type"] == "push"]
+    log = _log_bytes(core)
 
     for fields, token, code in [({"payload_bytes": MAX_PAYLOAD + 1}, TOKEN, grpc.StatusCode.RESOURCE_EXHAUSTED),
                                 ({"learner": 7}, TOKEN, grpc.StatusCode.NOT_FOUND),

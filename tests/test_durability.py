@@ -209,6 +209,10 @@ def test_a_held_workdir_and_a_changed_model_are_refused_in_one_line(tmp_path):
     cluster.kill("syncer")  # SIGKILL: the kernel releases its lock.
     error = _refused(cluster, "--config.model.d_model=64")
     assert "model.d_model is 64" in error and "checkpointed with 32" in error
+    before = _snapshot(cluster.workdir)  # Before: another shard count started version 0 beside the run.
+    error = _refused(cluster, "--config.service.shards=2", "--shard=0", "--config.streaming.num_fragments=2",
+                     "--config.streaming.strategy=balanced", "--config.service.evaluate_on=none")
+    assert "service.shards is 2" in error and "checkpointed with 1" in error and _snapshot(cluster.workdir) == before
   finally:
     cluster.stop()
 

@@ -25,6 +25,7 @@ from tests.test_service_units import _delta, params  # pylint: disable=unused-im
 
 CONFIG = "tests/service_config.py"
 SECRET = "f" * 32
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Real processes (each syncer start imports JAX and builds the model): not in the fast subset.
 pytestmark = pytest.mark.slow
 
@@ -205,3 +206,91 @@ def test_a_full_log_disk_stops_the_syncer_process_and_its_restart_loses_nothing(
   finally:
     cluster.stop()
     subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _errors(log_path) -> tuple[list[str], str]:
+  """The `error:` lines of a process's log, and the whole log."""
+  with open(log_path, encoding="utf-8", errors="replace") as f:
+    text = f.read()
+  return [line for line in text.splitlines() if line.startswith("error:")], text
+
+
+def test_a_learner_refused_for_good_leaves_a_diloco_run_that_merges_on_and_a_full_checkpoint_disk_costs_one_line(
+    tmp_path):
+  """Synchronous DiLoCo, 2 learners. Learner 1 (inner lr 1e30: every Δ overflows, every push refused) leaves the
+  quorum at its first refusal and its process stops after service.max_refusals_in_a_row = 3 with one line, exit 1;
+  learner 0 merges alone: the run's outer updates are the run's without learner 1 (its budget in H-step rounds).
+  Before: learner 1 stayed in the quorum while it heartbeated, 1 outer update instead of 10, every exit 0.
+  Learner 0's checkpoint disk is full (a tmpfs): each failed save costs it one line and it trains to the end;
+  before, its first save crashed it in 46 lines of tracebacks."""
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+    pytest.skip("mounting a tmpfs needs root")
+  workdir = tmp_path / "run"
+  (workdir / "learner_0").mkdir(parents=True)
+  os.symlink(disk, workdir / "learner_0" / "checkpoints")
+  filler = _fill(str(disk), leave_bytes=8 << 10)
+  cluster = _cluster(workdir, "--config.mode=diloco", "--config.outer.optimizer=sgd", "--config.outer.buffer_size=1",
+                     "--config.syncer.quorum=0", "--config.syncer.min_learners_to_start=2", "--config.outer_steps=5",
+                     "--config.service.max_refusals_in_a_row=3", "--config.service.linger_seconds=10")
+  try:
+    cluster.start_syncer(wait=False)
+    cluster.start_learner(0)
+    args = ("--role=learner", "--learner_id=1", f"--syncer={cluster.address}", "--config.inner.lr=1e30")
+    cluster._spawn(  # pylint: disable=protected-access
+        "learner_1",
+        cluster._command(*args),  # pylint: disable=protected-access
+        {**cluster.env, "DD_SYNCER_TOKEN": security.learner_credential(SECRET, 1)})
+    assert cluster.processes["learner_1"].wait(timeout=600) == 1
+    assert cluster.processes["syncer"].wait(timeout=600) == 0 and cluster.processes["learner_0"].wait(timeout=60) == 0
+  finally:
+    cluster.stop()
+    os.remove(filler)
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+  errors, log = _errors(workdir / "logs" / "learner_1.log")
+  assert len(errors) == 1 and "refused its last 3 pushes in a row" in errors[0] and "Traceback" not in log, log[-3000:]
+  with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+    records = [json.loads(line) for line in f]
+  merges = [r for r in records if r["kind"] == "outer"]
+  summary = [r for r in records if r["kind"] == "summary"][0]
+  budget = 5 * 4 * 2  # outer_steps × H × M (tests/service_config.py: H = 4).
+  assert summary["outer_updates"] == len(merges) == budget // 4 and all(r["learners"] == [0] for r in merges)
+  _, log = _errors(workdir / "logs" / "learner_0.log")
+  failed = [line for line in log.splitlines() if "checkpoint at step" in line and "failed" in line]
+  assert len(failed) == budget // 4 // 3 and "Traceback" not in log, log[-3000:]  # learner_checkpoint_every = 3.
+
+
+def test_a_replaced_learner_process_exits_at_once_in_one_line(tmp_path):
+  """A learner process frozen (SIGSTOP) while its replacement joins wakes up fenced: before, it pushed on for good
+  (216 refused pushes in 30 s); now its next push stops it with one line, exit 1, and the run ends with the
+  replacement (its own local disk: another workdir, as on another machine). Learner 0 never starts (its lease
+  runs out), so nothing spends the budget while learner 1's first process is frozen."""
+  cluster = _cluster(tmp_path / "run", "--config.service.linger_seconds=10")  # Learner 0 never hears the end.
+  elsewhere = tmp_path / "elsewhere"
+  replacement = None
+  try:
+    cluster.start_syncer()
+    cluster.start_learner(1)
+    acks = tmp_path / "run" / "learner_1" / "metrics.jsonl"
+    assert wait_for(lambda: acks.exists() and '"kind": "ack"' in acks.read_text(), 300, interval=0.5)
+    zombie = cluster.processes["learner_1"]
+    zombie.send_signal(signal.SIGSTOP)
+    args = ("--role=learner", "--learner_id=1", f"--syncer={cluster.address}")
+    command = cluster._command(*args)  # pylint: disable=protected-access
+    replacement = subprocess.Popen(  # pylint: disable=consider-using-with
+        [f"--workdir={elsewhere}" if arg.startswith("--workdir=") else arg for arg in command],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+        env={**cluster.env, "DD_SYNCER_TOKEN": security.learner_credential(SECRET, 1)})
+    joined = elsewhere / "learner_1" / "metrics.jsonl"
+    assert wait_for(lambda: joined.exists() and '"kind": "ack"' in joined.read_text(), 300, interval=0.5)
+    zombie.send_signal(signal.SIGCONT)
+    assert zombie.wait(timeout=120) == 1
+    assert replacement.wait(timeout=600) == 0 and cluster.processes["syncer"].wait(timeout=120) == 0
+  finally:
+    cluster.stop()
+    if replacement is not None and replacement.poll() is None:
+      replacement.kill()
+  errors, log = _errors(tmp_path / "run" / "logs" / "learner_1.log")
+  assert len(errors) == 1 and "learner 1 stops" in errors[0] and "has joined since" in errors[0], log[-3000:]
+  assert "Traceback" not in log

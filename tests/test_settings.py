@@ -85,6 +85,7 @@ def test_validate_returns_the_typed_groups_of_the_run():
 @pytest.mark.parametrize("overrides, message", [
     ({"syncer.qourum": 1}, r"syncer\.qourum is not a config field: did you mean syncer\.quorum\?"),
     ({"service.port": 70000}, r"service\.port=70000 must be in \[0, 65535\]"),
+    ({"service.max_refusals_in_a_row": 0}, r"service\.max_refusals_in_a_row=0 must be an int >= 1: set --config"),
     ({"mode": "ddp", "learners.devices": (2,), "learners.batch_size": (4,)}, "mode='ddp' has no syncer to serve"),
     ({"compression.downlink_format": "int8"}, r"compression\.downlink_format='int8' is unknown"),
     ({"data.split": "random"}, r"data\.split='random' is unknown: use 'iid' or 'noniid'"),

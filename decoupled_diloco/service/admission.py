@@ -16,6 +16,10 @@ PUSH_SCHEMA = {
     "compute_seconds": float, "payload_bytes": int, "budget_steps": int, "budget_tokens": int, "incarnation": int}
 
 
+class Fenced(PushRejected):
+  """A push of a replaced learner process: a newer incarnation of its learner has joined since."""
+
+
 class UnknownLearner(LookupError):
   """A call names a learner id outside the run's range."""
 
@@ -34,8 +38,8 @@ def check_incarnation(header: dict, current: int) -> None:
   """
   learner = header["learner"]
   if header["incarnation"] != current:
-    raise PushRejected(f"push from learner {learner} rejected: it comes from incarnation {header['incarnation']}, "
-                       f"but incarnation {current} of learner {learner} has joined since (a replaced process: stop it)")
+    raise Fenced(f"push from learner {learner} rejected: it comes from incarnation {header['incarnation']}, "
+                 f"but incarnation {current} of learner {learner} has joined since (a replaced process: stop it)")
 
 
 def check_float32(delta, learner: int) -> None:

@@ -19,7 +19,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from decoupled_diloco.service import datachannel, reader, security, server, wire
+from decoupled_diloco.service import datachannel, membership, reader, security, server, wire
 from decoupled_diloco.service import link as link_lib
 
 # CANCELLED: what calls in flight get from a syncer that is shutting down (it restarts).
@@ -43,6 +43,10 @@ DATA_CHANNEL_PAUSE_SECONDS = 30.0
 
 class SyncerUnreachable(ConnectionError):
   """The syncer did not answer for longer than the retry budget."""
+
+
+class LearnerStopped(ConnectionError):
+  """The syncer will not take this learner process's pushes: it was replaced, or refused too often in a row."""
 
 
 class StaleSyncer(ConnectionError):
@@ -108,8 +112,14 @@ class SyncerClient:
     self.pulled_bytes = 0  # Θ bytes received by pulls (as encoded on the wire, in the downlink format).
 
   def _retrying(self, call):
-    """`call()` until it succeeds, is refused, or the syncer stays unreachable too long."""
+    """`call()` until it succeeds, is refused, or the syncer stays unreachable too long.
+
+    A join the syncer holds at its start barrier (membership.AtBarrier) asks again as long as the barrier
+    waits: each such answer restarts the retry budget (the barrier's own timeout bounds the wait), and the first
+    is logged, so that a learner started long before its peers says why it waits and never gives up first.
+    """
     give_up = time.monotonic() + self.retry_seconds
+    told = False
     for delay in backoff_delays():
       try:
         return call()
@@ -117,6 +127,10 @@ class SyncerClient:
         details = str(error) if isinstance(error, StaleSyncer) else error.details()
         if isinstance(error, grpc.RpcError) and not _retryable(error):
           raise
+        if (details or "").startswith(membership.AT_BARRIER):
+          if not told:
+            logging.warning("learner %d is %s", self.learner, details)
+          told, give_up = True, time.monotonic() + self.retry_seconds
         if time.monotonic() + delay > give_up:
           raise SyncerUnreachable(f"syncer unreachable for {self.retry_seconds:.0f}s: {details}") from error
         self.retries += 1

@@ -10,8 +10,11 @@ networked syncer needs, behind one lock (gRPC handlers run on a thread pool):
     starts a new log segment; a restart restores it and replays the log, so nothing acked is
     lost and versions never go back. A failed log append stops the service (`Stopped`);
   * admission (`admission`, `limits`): known learners, bounded headers, and fencing: each Join
-    starts a new incarnation of its learner, and pushes of older ones are refused;
+    starts a new incarnation of its learner, and pushes of older ones are refused (`admission.Fenced`);
   * membership: start barrier, leases (silent `lease_seconds`: out of the quorum till it calls), grace waits;
+    a learner whose push is refused leaves the quorum until a push of it is applied (or it joins again), so
+    a learner refused for good never holds a synchronous round up; a refused push's seq moves the learner's
+    seq window on (`_refused`), so refusals never lock out its later valid pushes;
   * the run's budget: outer_steps × inner_steps × M inner steps, each counted once (`admission.budget_share`);
   * streaming: pushes and pulls name their fragment (`pullcache`: Θ_p encoded once per version);
   * measured speeds (`pace`): the median of each learner's recent steps per compute-second; every reply carries
@@ -22,6 +25,7 @@ Replay is exact: merges and lease changes are logged too, and the grace window's
 """
 
 import collections
+import math
 import threading
 import time
 
@@ -34,7 +38,8 @@ from decoupled_diloco.push import Push, PushRejected
 from decoupled_diloco.syncer import MergeReport, Syncer
 
 # Re-exported: the server, syncer_main and tests name them as the core's.
-PUSH_SCHEMA, Stopped, UnknownLearner = admission.PUSH_SCHEMA, durable.Stopped, admission.UnknownLearner
+PUSH_SCHEMA, Stopped, UnknownLearner, Fenced = (admission.PUSH_SCHEMA, durable.Stopped, admission.UnknownLearner,
+                                                admission.Fenced)
 
 
 class SyncerCore(recovery.Recovery):
@@ -47,7 +52,7 @@ class SyncerCore(recovery.Recovery):
                checkpoint_every_merges: int, lease_seconds: float, metadata: dict, emit=None, on_merge=None,
                limits: limits_lib.PushLimits | None = None, downlink_format: str = "fp32",
                truncate_corrupt_log: bool = False, min_learners_to_start: int = 1, start_timeout_seconds: float = 600.0,
-               local_dir: str | None = None, merge_wait_seconds: float = 0.0):
+               local_dir: str | None = None, merge_wait_seconds: float = 0.0, barrier_call_seconds: float = math.inf):
     self.syncer, self.num_learners, self.budget_steps = syncer, num_learners, budget_steps
     self.checkpoint_every, self.lease_seconds = checkpoint_every_merges, lease_seconds
     self.metadata = metadata  # Static facts saved with every checkpoint (e.g. the config).
@@ -59,9 +64,15 @@ class SyncerCore(recovery.Recovery):
     self.on_merge = on_merge or (lambda version, params, now: None)
     self.lock = threading.RLock()
     self.grace = membership.GraceWaits(self.lock, merge_wait_seconds=merge_wait_seconds)  # > 0: synchronous.
-    self.barrier = membership.StartBarrier(self.lock, min_learners_to_start, start_timeout_seconds)
+    self.barrier = membership.StartBarrier(self.lock, min_learners_to_start, start_timeout_seconds,
+                                           barrier_call_seconds)
     self.quorum_setting = syncer.settings.quorum
     self.acked = {m: -1 for m in range(num_learners)}
+    # Per learner, the highest seq of a refused push within its window: the window starts at max(acked, this).
+    self.refused_seq = {m: -1 for m in range(num_learners)}
+    self.benched: set[int] = set()  # Out of the quorum since a refused push: calls alone do not bring them back.
+    # Learners whose seqs and incarnation the syncer lost with its log (`recovery`): their next push resets both.
+    self.resync: set[int] = set()
     self.incarnations = {m: 0 for m in range(num_learners)}  # Each Join starts a new one (admission).
     self.steps_done = self.tokens_done = 0
     self.done = False
@@ -82,10 +93,11 @@ class SyncerCore(recovery.Recovery):
 
   # Calls.
   def _check_learner(self, learner: int, now: float) -> None:
-    """Unknown ids are refused; a known one renews its lease (and rejoins if it was excluded)."""
+    """Unknown ids are refused; a known one renews its lease (and rejoins if its lease had excluded it)."""
     admission.require_known(learner, self.num_learners)
     self.last_seen[learner] = now
-    self._readmit(learner)
+    if learner not in self.benched:
+      self._readmit(learner)
 
   def _readmit(self, learner: int) -> list[int] | None:
     """A lease-excluded learner back in the quorum (logged); returns the live set before, None if it was in."""
@@ -109,9 +121,46 @@ class SyncerCore(recovery.Recovery):
       most = limits.round_steps
       if limits.time_budget:
         most = self.pace.most_steps(learner, header["fragment"], now, most, max(most, self.budget_steps))
-      limits_lib.check_push(limits, header, self.acked[learner], most)
-      if header["seq"] > self.acked[learner]:
-        self.pace.check(header, now, self.start_time)
+      # After a lost log the learner's seqs ran on past what the syncer restored: its next push re-bases them.
+      base = header["seq"] if learner in self.resync else max(self.acked[learner], self.refused_seq[learner])
+      try:
+        limits_lib.check_push(limits, header, base, most)
+        if header["seq"] > self.acked[learner]:
+          self.pace.check(header, now, self.start_time)
+      except limits_lib.OutOfBounds:
+        self._refused(header, now)
+        raise
+
+  def _fence(self, header: dict) -> None:
+    """Raises admission.Fenced for a push of a replaced process of its learner. After a lost log (`resync`) a
+    newer incarnation than the restored one joined after that checkpoint: it is taken (logged as its join)."""
+    learner, incarnation = header["learner"], header["incarnation"]
+    if learner in self.resync and incarnation > self.incarnations[learner]:
+      self.store.append({"type": "join", "learner": learner, "incarnation": incarnation})
+      self.incarnations[learner] = incarnation
+    admission.check_incarnation(header, self.incarnations[learner])
+
+  def _refused(self, header: dict, now: float) -> None:
+    """Bookkeeping of a refused push of the learner's current process (another incarnation's changes nothing): its
+    seq moves the learner's seq window on (a seq beyond the window does not), and the learner leaves the quorum
+    until a push of it is applied.
+
+    Why: the learner spent that seq, so without the first, 64 refusals in a row refused every later push; and in
+    synchronous DiLoCo a learner whose pushes are refused held every round up while its heartbeats kept it in.
+    """
+    learner = header["learner"]
+    if header["incarnation"] != self.incarnations[learner]:
+      return
+    base = max(self.acked[learner], self.refused_seq[learner])
+    if header["seq"] <= base + (self.limits.seq_window if self.limits else limits_lib.SEQ_WINDOW):
+      self.refused_seq[learner] = max(self.refused_seq[learner], header["seq"])
+    if learner in self.benched:
+      return
+    self.benched.add(learner)
+    if learner in self.syncer.learners and len(self.syncer.learners) > 1:
+      logging.warning("learner %d's push was refused: out of the quorum until a push of it is applied", learner)
+      self._log_live(sorted(self.syncer.learners - {learner}))
+      self._after_merges(membership.quorum_merges(self.syncer, now), now, replay=False, log=True)
 
   def status(self, learner: int, tells_done: bool = True) -> dict:
     """Reply fields every call returns: where the run is and how much work is left.
@@ -134,13 +183,15 @@ class SyncerCore(recovery.Recovery):
 
     A learner whose config `fingerprint` differs from the syncer's is refused first (fingerprint.Mismatch),
     nothing changed. Before the run starts a join waits at the start barrier (`membership.StartBarrier`), its
-    lease kept alive. The incarnation is logged before the reply: from then on, pushes of the
-    learner's earlier processes (a frozen predecessor that wakes up) are refused.
+    lease kept alive, up to `barrier_call_seconds` a call (then membership.AtBarrier: the learner asks again).
+    The incarnation is logged before the reply: from then on, pushes of the learner's earlier processes (a
+    frozen predecessor that wakes up) are refused.
     """
     admission.require_known(learner, self.num_learners)
     fingerprint_lib.check(self.fingerprint, fingerprint or {}, learner)
     with self.lock:
       self.store.serving()
+      self.benched.discard(learner)  # A new process: it may well push what the last one could not.
       self._check_learner(learner, now)
       opened = self.barrier.join(learner, self.start_time, self.syncer.version,
                                  keep_alive=lambda: self.last_seen.__setitem__(learner, time.time()))
@@ -185,15 +236,17 @@ class SyncerCore(recovery.Recovery):
       data = payload.map if isinstance(payload, wal.Spool) else payload
       delta = wire.decode(data)
       admission.check_float32(delta, header["learner"])
-    except (UnknownLearner, wire.WireError, PushRejected):
+    except (UnknownLearner, wire.WireError, PushRejected) as error:
       with self.lock:
         self.counts["rejected"] += 1
+        if not isinstance(error, UnknownLearner):
+          self._refused(header, now)
       raise
     with self.lock:
       self.store.serving()
       try:
         learner, seq = header["learner"], header["seq"]
-        admission.check_incarnation(header, self.incarnations[learner])
+        self._fence(header)
         if seq <= self.acked[learner] or (self.done and header["budget_steps"] > 0):
           self._check_learner(learner, now)
           if seq <= self.acked[learner]:
@@ -210,11 +263,14 @@ class SyncerCore(recovery.Recovery):
             self._log_live(excluded_live)
           raise
         self.last_seen[learner] = now
+        self.benched.discard(learner)
+        self.resync.discard(learner)
         if self.done:  # After the end: the progress on its fragment of steps the budget counted already.
           self._after_merges(self.syncer.flush(now), now, replay=False, log=True)
           self._checkpoint_due = True
       except (wire.WireError, PushRejected):
         self.counts["rejected"] += 1
+        self._refused(header, now)  # (Nothing for a fenced push: it is not the learner's current process's.)
         raise
       return {"status": "applied" if accepted else "dropped", **self.status(learner, tells_done=False)}
 

@@ -36,28 +36,20 @@ class Store:
     self.truncate_corrupt_log = truncate_corrupt_log  # The operator gives up records after a corrupt one.
     self.failed: Stopped | None = None  # Set once the log failed: fail-stop, the process must exit.
     self.retry_at = 0.0  # After a failed checkpoint save, the next one not before this time.
+    self.log_lost = False  # Restored without any log: the local dir was lost (restore_usable).
 
-  def next_incarnation(self) -> int:
+  def next_incarnation(self, checkpointed: int) -> int:
     """The workdir's syncer incarnation, one more than the last start's (1 for the first), durable before use.
 
-    Why a file of its own, not a log record: it must never repeat, even after the operator
-    truncated a corrupt log or restored an older checkpoint.
+    Why files of their own, not a log record: it must never repeat, even after the operator truncated a corrupt
+    log or restored an older checkpoint. One is in the local dir (fsync), one on the workdir, which outlives a lost
+    local dir (a new VM); `checkpointed`: the incarnation the restored checkpoint was saved by (0: none).
     """
-    path = os.path.join(self.local_dir, INCARNATION_FILE)
-    last = 0
-    if os.path.exists(path):
-      with open(path, encoding="utf-8") as f:
-        text = f.read().strip()
-      if not text.isdigit():
-        raise checkpoint_lib.CorruptCheckpoint(f"{path} holds {text[:40]!r}, not a number: write the highest "
-                                               "syncer_incarnation learners have seen (or a larger one) into it")
-      last = int(text)
+    places = dict.fromkeys(os.path.join(where, INCARNATION_FILE) for where in (self.local_dir, self.directory))
+    last = max([checkpointed, *map(_read_incarnation, places)])
     os.makedirs(self.local_dir, exist_ok=True)
-    with open(f"{path}.tmp", "w", encoding="utf-8") as f:
-      f.write(f"{last + 1}\n")
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(f"{path}.tmp", path)
+    for place in places:
+      storage.replace_text(place, f"{last + 1}\n")
     wal.fsync_directory(self.local_dir)
     return last + 1
 
@@ -125,7 +117,7 @@ class Store:
     except (OSError, ValueError) as error:
       self.retry_at = now + CHECKPOINT_RETRY_SECONDS
       logging.error("syncer checkpoint at version %d failed (%s): serving on from the log, retrying in %.0fs", version,
-                    error, CHECKPOINT_RETRY_SECONDS)
+                    checkpoint_lib.first_line(error), CHECKPOINT_RETRY_SECONDS)
       return False
     self.log.drop_before(min(self.checkpointer.all_steps()))  # Each kept checkpoint can be replayed from.
     return True
@@ -138,13 +130,15 @@ class Store:
     `abstract`: the state's structure, shapes, dtypes and placement (`checkpoint.abstract_like`).
     """
     problems = {}
+    # No segment at all: the local dir was lost (a new VM), not a segment; the newest checkpoint is resumed from.
+    self.log_lost = not wal.segments(self.wal_dir)
     for step in reversed(self.checkpointer.all_steps()):
       try:
         state, meta = self.checkpointer.restore(step, abstract)
-        if meta["segment"] not in wal.segments(self.wal_dir):
+        if not self.log_lost and meta["segment"] not in wal.segments(self.wal_dir):
           raise checkpoint_lib.CorruptCheckpoint(f"its log segment {meta['segment']} is missing from {self.wal_dir}")
       except Exception as error:  # pylint: disable=broad-except  # Damaged files fail orbax in many ways.
-        problems[step] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        problems[step] = checkpoint_lib.first_line(error)
         logging.error("syncer checkpoint %d is not usable (%s); trying the one before it plus the log", step,
                       problems[step])
         continue
@@ -172,3 +166,15 @@ class Store:
     if self.log is not None:
       self.log.close()
     self.checkpointer.close()
+
+
+def _read_incarnation(place: str) -> int:
+  """The incarnation an INCARNATION_FILE holds (0 if there is none)."""
+  path = storage.path(place)
+  if not path.exists():
+    return 0
+  text = path.read_text().strip()
+  if not text.isdigit():
+    raise checkpoint_lib.CorruptCheckpoint(f"{place} holds {text[:40]!r}, not a number: write the highest "
+                                           "syncer_incarnation learners have seen (or a larger one) into it")
+  return int(text)

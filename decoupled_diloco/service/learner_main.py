@@ -58,6 +58,7 @@ class LearnerProcess:
     self.inflight = {}  # fragment -> (exchange future, push, step by which it lands, its budget share)
     self.budget = [0, 0]  # Steps and tokens since this learner's last push: what the budget has yet to count.
     self.seq = self.pushes = 0
+    self.refused_in_a_row = 0  # The syncer's refusals of this process's last pushes (service.max_refusals_in_a_row).
     self.status: dict = {}
     self.mark = time.perf_counter()  # Start of the wall-clock not yet accounted (_tick).
     self.compute_since_push = [0.0] * self.learner.num_fragments  # A push's compute_seconds, per fragment.
@@ -99,9 +100,10 @@ class LearnerProcess:
         reply = self.client.push(seq, push.delta, base_version=push.base_version, tokens=push.tokens,
                                  local_steps=push.local_steps, compute_seconds=push.compute_seconds,
                                  fragment=push.fragment, budget_steps=budget[0], budget_tokens=budget[1])
-      except grpc.RpcError as error:  # Refused (malformed, NaN, ...): counted, the learner carries on.
+      except grpc.RpcError as error:  # Refused (malformed, NaN, ...): counted, the learner carries on (_land).
         logging.warning("push %d refused: %s %s", seq, error.code(), error.details())
-        reply = {"status": "refused", "done": False}
+        fenced = error.code() == grpc.StatusCode.PERMISSION_DENIED  # A replaced process, or another's credential.
+        reply = {"status": "fenced" if fenced else "refused", "done": False, "details": error.details()}
       if reply["done"]:  # The syncer is winding down: no Θ to fetch, nothing more to push.
         return seq, reply, {**reply, "payload_bytes": 0}, None
       status, theta = self.client.pull(push.base_version, push.fragment)
@@ -284,9 +286,21 @@ class LearnerProcess:
     self.inflight[fragment] = (future, push, self.learner.steps + self.overlap, budget)
     self.seq, self.pushes = self.seq + 1, self.pushes + 1
     if self.service.learner_checkpoint_every and self.pushes % self.service.learner_checkpoint_every == 0:
+      self._checkpoint()
+
+  def _checkpoint(self) -> None:
+    """Saves the inner state; a failed save (a full disk) costs one line and is retried at the next checkpoint.
+
+    Why not stop: the learner's state is also the syncer's Θ plus its own recent steps, so training on loses at
+    most what a restart from the previous checkpoint would; a crash here would crash-loop under a supervisor.
+    """
+    try:
       self.checkpointer.save(
           self.learner.steps, {"state": self.learner.loop.from_step(self.learner.state)},
           {"steps": self.learner.steps, "data": {str(jax.process_index()): self.learner.batches.state()}})
+    except (OSError, ValueError) as error:  # orbax reports tensorstore's I/O errors as ValueError.
+      logging.error("learner %d checkpoint at step %d failed (%s): training on, retrying at the next checkpoint",
+                    self.index, self.learner.steps, checkpoint_lib.first_line(error))
 
   def _land(self, fragment: int, final: bool = False) -> None:
     """Waits for `fragment`'s exchange (counted as blocked; `final`: no step can hide it), then its new
@@ -306,6 +320,8 @@ class LearnerProcess:
         "kind": "ack", "outer_step": reply.get("version", self.learner.base_versions[0]), "learner": self.index,
         "seq": seq, "status": reply["status"], "wall_time": time.perf_counter() - self.account.begin,
         **({} if push.delta_norm is None else {"pseudo_gradient_norm": float(push.delta_norm)})})
+    self.refused_in_a_row = refusals_in_a_row(self.index, reply, self.refused_in_a_row,
+                                              self.service.max_refusals_in_a_row)
     if not moved:
       self.learner.anchor_on_pushed(fragment)
       return
@@ -354,9 +370,31 @@ class LearnerProcess:
     self.lock.release()
 
 
+def refusals_in_a_row(learner: int, reply: dict, before: int, most: int) -> int:
+  """The syncer's refusals of this process's pushes in a row after `reply` (`before`: up to the last one).
+
+  Raises client.LearnerStopped (the process exits 1 with its line) once the syncer will not take this process's
+  pushes: at once when it was replaced (fenced), else at `most` (service.max_refusals_in_a_row). Why: a learner
+  whose every push is refused only burns its hardware (the syncer counts it out of the quorum meanwhile), and a
+  replaced one pushed on for good before (216 refused pushes in 30 s).
+  """
+  if reply["status"] == "fenced":
+    raise client_lib.LearnerStopped(f"learner {learner} stops: {reply['details']}")
+  count = before + 1 if reply["status"] == "refused" else 0
+  if count >= most:
+    raise client_lib.LearnerStopped(f"learner {learner} stops: the syncer refused its last {count} pushes in a row "
+                                    f"(service.max_refusals_in_a_row); the last: {reply['details']}")
+  return count
+
+
 def run(config, workdir: str, index: int, target: str) -> dict:
   """Runs learner `index` against the syncer at `target` until the run is done.
 
   `config` is one experiment.validate accepted with runtime='service' (experiments.train checks it once).
   """
-  return LearnerProcess(config, workdir, index, target).run()
+  process = LearnerProcess(config, workdir, index, target)
+  try:
+    return process.run()
+  except client_lib.LearnerStopped:
+    process.close()  # Its data pipeline's threads would keep the process alive.
+    raise

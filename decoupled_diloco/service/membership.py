@@ -7,6 +7,7 @@ the learners still calling; a call brings an excluded one back).
 """
 
 import dataclasses
+import math
 import threading
 import time
 
@@ -14,16 +15,25 @@ from absl import logging
 
 from decoupled_diloco.syncer import MergeReport, Syncer
 
+AT_BARRIER = "waiting at the start barrier"  # How an AtBarrier refusal's details begin (the client looks for it).
+
+
+class AtBarrier(RuntimeError):
+  """A join that waited its `call_seconds` at the start barrier, which is still closed: the learner asks again."""
+
 
 class StartBarrier:
   """Joins wait until `required` learners joined, or `timeout_seconds` after the syncer started.
 
   `required` = 1 means no wait. The barrier also counts as passed once a push arrives (the
-  learners of a restarted syncer have started long ago). Callers hold `lock`.
+  learners of a restarted syncer have started long ago). One join call waits `call_seconds` at most,
+  then is answered AtBarrier, saying how long the barrier may still take: why, a call that waited longer
+  than its deadline was cancelled and the learner's retries ran out (300 s) while the barrier waited 600 s.
+  Callers hold `lock`.
   """
 
-  def __init__(self, lock: threading.RLock, required: int, timeout_seconds: float):
-    self.required, self.timeout_seconds = required, timeout_seconds
+  def __init__(self, lock: threading.RLock, required: int, timeout_seconds: float, call_seconds: float = math.inf):
+    self.required, self.timeout_seconds, self.call_seconds = required, timeout_seconds, call_seconds
     self.joined: set[int] = set()
     self.started = False  # Barrier passed (or timed out), or a push arrived (a restarted syncer's learners).
     self._condition = threading.Condition(lock)
@@ -32,16 +42,21 @@ class StartBarrier:
     """Waits (the lock released meanwhile) until the barrier is open; `keep_alive()` after each wait.
 
     Returns the 'start' metric record if this join opened the barrier (naming who had joined,
-    with a warning if it timed out), else None: the start is reported once.
+    with a warning if it timed out), else None: the start is reported once. Raises AtBarrier after
+    `call_seconds` of waiting.
     """
     self.joined.add(learner)
+    give_up = time.time() + self.call_seconds
     while not self.started:
       left = start_time + self.timeout_seconds - time.time()
       if len(self.joined) >= self.required or left <= 0:
         self.started = True
         self._condition.notify_all()
         return self._opened(timed_out=len(self.joined) < self.required, version=version, start_time=start_time)
-      self._condition.wait(min(left, 1.0))
+      if time.time() >= give_up:
+        raise AtBarrier(f"{AT_BARRIER}: {len(self.joined)} of the {self.required} learners it waits for have joined; "
+                        f"it opens when all have, or in {left:.0f}s at the latest")
+      self._condition.wait(min(left, 1.0, max(give_up - time.time(), 0.0)))
       keep_alive()
     return None
 

@@ -25,9 +25,9 @@ class Recovery:
     Returns the restored checkpoint step, None for a fresh run.
     """
     with self.lock:
-      self.syncer_incarnation = self.store.next_incarnation()
       self.last_seen = {m: now for m in range(self.num_learners)}
       if self.store.latest_step() is None:
+        self.syncer_incarnation = self.store.next_incarnation(0)
         self.start_time = now
         self.store.open_fresh()
         self._checkpoint(now)
@@ -35,8 +35,17 @@ class Recovery:
       abstract = checkpoint_lib.abstract_like(self._state_trees())
       self.syncer.drop_state()  # The restore's copies replace Θ and the outer state; never both at once.
       step, state, meta = self.store.restore_usable(abstract)
+      # Past the checkpoint's too: a lost local dir (and its incarnation file) never makes it go back.
+      self.syncer_incarnation = self.store.next_incarnation(meta.get("syncer_incarnation", 0))
+      if self.store.log_lost:
+        self.resync = set(range(self.num_learners))
+        logging.warning(
+            "the syncer's local dir %s holds no log: resuming from checkpoint %d on the workdir with a new log; "
+            "pushes acknowledged after that checkpoint (and those it had not merged yet) are lost",
+            self.store.local_dir, step)
       self.syncer.restore(SyncerState(state["params"], state["opt_state"], tuple(meta["versions"])))
       self.acked = {m: meta["acked"].get(str(m), -1) for m in range(self.num_learners)}
+      self.refused_seq.update({int(m): s for m, s in meta.get("refused_seq", {}).items()})
       self.incarnations.update({int(m): n for m, n in meta.get("incarnations", {}).items()})
       self.steps_done, self.tokens_done, self.done = meta["steps_done"], meta["tokens_done"], meta["done"]
       self.start_time = meta["start_time"]
@@ -67,10 +76,11 @@ class Recovery:
     pending_tokens = sum(admission.budget_share(r["header"])[1] for r, _ in carried)
     meta = {
         **self.metadata, "versions": list(self.syncer.versions), "segment": version, "done": self.done,
-        "acked": {str(m): s for m, s in self.acked.items()}, "start_time": self.start_time,
-        "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens,
-        "counts": self.counts, "refused": dict(self.refused), "estimates": self.syncer.estimates,
-        "incarnations": {str(m): n for m, n in self.incarnations.items()}}
+        "start_time": self.start_time, "steps_done": self.steps_done - pending_steps,
+        "tokens_done": self.tokens_done - pending_tokens, "counts": self.counts, "refused": dict(self.refused),
+        "estimates": self.syncer.estimates, "syncer_incarnation": self.syncer_incarnation}
+    per_learner = {"acked": self.acked, "incarnations": self.incarnations, "refused_seq": self.refused_seq}
+    meta.update({name: {str(m): value for m, value in values.items()} for name, values in per_learner.items()})
     locations = self.store.rotate(version, carried)
     self._unabsorbed = [(f, record, location) for (f, record, _), location in zip(self._unabsorbed, locations)]
     if not self.store.save(version, self._state_trees(), meta, now):

@@ -18,7 +18,7 @@ from absl import logging
 import grpc
 
 from decoupled_diloco.service import core as core_lib
-from decoupled_diloco.service import datachannel, fingerprint, limits, reader, security, wire
+from decoupled_diloco.service import datachannel, fingerprint, limits, membership, reader, security, wire
 from decoupled_diloco.service import link as link_lib
 from decoupled_diloco.push import PushRejected
 
@@ -28,7 +28,7 @@ JOIN_SCHEMA = {"learner": int, "fingerprint": dict}  # fingerprint: {config fiel
 PULL_SCHEMA = {"learner": int, "fragment": int, "have_version": int}
 HEARTBEAT_SCHEMA = {"learner": int}
 _REFUSABLE = (wire.WireError, PushRejected, core_lib.UnknownLearner, limits.OutOfBounds, core_lib.Stopped,
-              fingerprint.Mismatch)
+              fingerprint.Mismatch, membership.AtBarrier)
 CONTROL_WORKERS = 4  # gRPC workers that bulk calls can never take: heartbeats and tickets never queue.
 LOG_BURST = 20  # Refusals of one reason logged one by one per minute; the rest are summed up.
 PER_CALLER_BULK = 2  # Bulk calls one learner credential may have open (a push and a pull, or a join).
@@ -54,8 +54,12 @@ def _refusal(error: Exception) -> _Refused:
     return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "out_of_bounds", str(error))
   if isinstance(error, fingerprint.Mismatch):  # Not retried: the learner stops with this line (learner_main).
     return _Refused(grpc.StatusCode.FAILED_PRECONDITION, "mismatch", str(error))
+  if isinstance(error, membership.AtBarrier):  # Retryable: the learner asks again while the barrier waits.
+    return _Refused(grpc.StatusCode.UNAVAILABLE, "at_barrier", str(error))
   if isinstance(error, core_lib.Stopped):  # Retryable: the learner waits for the restarted syncer.
     return _Refused(grpc.StatusCode.UNAVAILABLE, "stopped", str(error))
+  if isinstance(error, core_lib.Fenced):  # Not retried: the replaced process stops with this line (learner_main).
+    return _Refused(grpc.StatusCode.PERMISSION_DENIED, "fenced", str(error))
   if isinstance(error, PushRejected):
     return _Refused(grpc.StatusCode.INVALID_ARGUMENT, "rejected", str(error))
   return _Refused(grpc.StatusCode.NOT_FOUND, "unknown_learner", str(error))
@@ -214,7 +218,8 @@ class SyncerServer:
           raise
         else:
           refusal = _refusal(error)
-      self._count(refusal.reason, f"{method.__name__.strip('_')} call: {refusal}")
+      if refusal.reason != "at_barrier":  # A join told to ask again is no refusal.
+        self._count(refusal.reason, f"{method.__name__.strip('_')} call: {refusal}")
       context.abort(refusal.code, str(refusal))
 
     return handler

@@ -39,6 +39,7 @@ class Settings:
   local_dir: str  # The log and locks when the workdir is gs:// (checked by storage.local_dir).
   evaluate_on: str  # 'syncer' (its host runs the loss), 'evaluator' (--role=evaluator), 'none'.
   learner_checkpoint_every: int  # 0 = never.
+  max_refusals_in_a_row: int  # A learner process stops after this many refused pushes in a row.
   evaluator_devices: int  # 0 = learner group 0's devices and layout; N = N devices, fsdp over all of them.
   shards: int  # Syncer shards (docs/syncer-shards.md); <= fragments, checked by experiment.validate.
 
@@ -58,6 +59,9 @@ class Settings:
          >= 0, f"service.evaluator_devices={self.evaluator_devices} must be >= 0 (0 = learner group 0's devices)"),
         (self.learner_checkpoint_every
          >= 0, f"service.learner_checkpoint_every={self.learner_checkpoint_every} must be >= 0 (0 = never)"),
+        (settings_lib.is_int(self.max_refusals_in_a_row) and self.max_refusals_in_a_row >= 1,
+         f"service.max_refusals_in_a_row={self.max_refusals_in_a_row!r} must be an int >= 1: set "
+         "--config.service.max_refusals_in_a_row"),
         (settings_lib.is_int(self.shards) and
          self.shards >= 1, f"service.shards={self.shards!r} must be an int >= 1: set --config.service.shards"),
         (self.shards == 1 or self.evaluate_on != "syncer",

@@ -30,7 +30,7 @@ from decoupled_diloco.run import evaluator as evaluator_lib
 from decoupled_diloco.run import monitor as monitor_lib
 from decoupled_diloco.run import records, schedule
 from decoupled_diloco.service import core as core_lib
-from decoupled_diloco.service import limits, runconfig, security, shardrun, wal
+from decoupled_diloco.service import limits, resume, runconfig, security, shardrun, wal
 from decoupled_diloco.service import link as link_lib
 from decoupled_diloco.service import server as server_lib
 
@@ -65,7 +65,8 @@ def build_core(config, params, workdir: str, recorder: records.Recorder, evaluat
                              truncate_corrupt_log=config.service.truncate_corrupt_log, local_dir=local_dir,
                              min_learners_to_start=config.syncer.min_learners_to_start or plan.num_learners,
                              start_timeout_seconds=config.syncer.start_timeout_seconds,
-                             merge_wait_seconds=merge_wait_seconds(config))
+                             merge_wait_seconds=merge_wait_seconds(config),
+                             barrier_call_seconds=config.service.rpc_timeout_seconds / 2)
   return core
 
 
@@ -89,6 +90,7 @@ def run(config, workdir: str, shard: int | None = None) -> dict:
   `config` is one experiment.validate accepted with runtime='service' (experiments.train checks it once).
   `shard`: which syncer shard this process is, with service.shards > 1 (service/shardrun.py).
   """
+  run_workdir = workdir  # The run's; `workdir` becomes this shard's (the same with one syncer).
   config, workdir = shardrun.for_shard(config, workdir, shard)
   local = storage.local_dir(workdir, config.service.local_dir, "the syncer's write-ahead log and lock")
   token = security.load_token(config.service.token_file)
@@ -98,18 +100,14 @@ def run(config, workdir: str, shard: int | None = None) -> dict:
   # Everything that can refuse the run comes before the first write: a refused start leaves no
   # half-made workdir behind that a retry would take for a run to resume.
   runconfig.check_ports_free(config.service.host, config.service.port, config.service.data_port)
+  resume.check(config, run_workdir, workdir)  # A fresh run, or a resume of this one: nothing else.
   tokenizer_lib.resolve_model_vocab(config)
   model, params = initial_params(config, os.path.join(workdir, "checkpoints"))
   corpus = (
       sources.load_corpus(config.data, config.model.seq_len, train=False)  # Eval text only.
       if config.service.evaluate_on == "syncer" else None)
-  check_same_layout(config, os.path.join(workdir, "checkpoints"))
   lock = workdir_lock.DirectoryLock(local, "syncer.lock", "syncer")  # One syncer per workdir, before any write.
   try:
-    checkpoints = storage.path(workdir) / "checkpoints"
-    if checkpoints.is_dir() and any(checkpoints.iterdir()) and not config.resume:
-      raise ConfigError(f"workdir {workdir} already holds a syncer run: pass --config.resume=True to continue it "
-                        "(launch_local does on restarts), or pick a new --workdir")
     return _serve(config, workdir, local, token, credentials, model, params, corpus, shard, entered)
   finally:
     lock.release()
@@ -133,7 +131,7 @@ def latest_checkpoint(checkpoints: str) -> int | None:
   """The newest checkpoint's step in `checkpoints`, None if there is none (the core starts the run afresh)."""
   if not storage.path(checkpoints).is_dir():
     return None
-  with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
+  with checkpoint_lib.Checkpointer(checkpoints, reader=True) as checkpointer:  # Before the workdir's lock.
     return checkpointer.latest_step()
 
 
@@ -220,48 +218,6 @@ def start_record(core: core_lib.SyncerCore, step: int | None, entered: float, re
       "kind": "syncer_start", "outer_step": step or 0,
       "start": {"incarnation": core.syncer_incarnation, "restored_step": step, "version": core.syncer.version},
       "unix_times": {"entered": entered, "restored": core.restored_at, "replayed": replayed_at, "serving": time.time()}}
-
-
-# Config sections that fix the layout of the syncer's checkpointed state.
-_LAYOUT = ("model", "streaming.num_fragments", "streaming.strategy", "outer.optimizer", "learners.devices",
-           "service.shards")
-
-
-def check_same_layout(config, checkpoints: str) -> None:
-  """Refuses (ConfigError naming the field) to resume a run whose state layout the config changed.
-
-  Why before restoring: orbax would fail deep inside with advice (partial restore) that is
-  wrong here; the field that changed is what the operator needs to know.
-  """
-  if not storage.path(checkpoints).is_dir():
-    return
-  with checkpoint_lib.Checkpointer(checkpoints) as checkpointer:
-    for step in reversed(checkpointer.all_steps()):
-      try:
-        saved = checkpointer.restore_metadata(step).get("config")
-      except Exception:  # pylint: disable=broad-except  # A damaged one: the core's fallback reports it.
-        continue
-      if saved is not None:
-        break
-    else:
-      return
-  now = config.to_dict()
-  for field in _LAYOUT:
-    old, new = saved, now
-    for key in field.split("."):
-      old, new = old.get(key), new.get(key)
-    for name, old_value, new_value in _differences(field, old, new):
-      raise ConfigError(f"{name} is {new_value!r} but the run in {os.path.dirname(checkpoints)} was checkpointed "
-                        f"with {old_value!r}: resume with the same {name}, or start a new --workdir")
-
-
-def _differences(name: str, old, new):
-  """(dotted name, old, new) of every leaf that differs between two config values (JSON round trip aside)."""
-  if isinstance(old, dict) and isinstance(new, dict):
-    for key in sorted(set(old) | set(new)):
-      yield from _differences(f"{name}.{key}", old.get(key), new.get(key))
-  elif (list(old) if isinstance(old, (list, tuple)) else old) != (list(new) if isinstance(new, (list, tuple)) else new):
-    yield name, old, new
 
 
 def _has_summary(path: str) -> bool:
