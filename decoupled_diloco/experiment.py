@@ -13,6 +13,7 @@ import jax
 
 from decoupled_diloco import compression, fragments, hardware, inner, mesh, mode_defaults, model as model_lib, outer
 from decoupled_diloco import policy
+from decoupled_diloco.model import attention
 from decoupled_diloco import shards
 from decoupled_diloco import sharded_init
 from decoupled_diloco import settings as settings_lib
@@ -222,6 +223,8 @@ def build_learner(config, plan: schedule.RunPlan, index: int, devices, corpus, m
   sharded_init): what every runtime and a learner process train. `params_shape`: the params' shapes
   (model.abstract_params). `rows`: this process's rows of the group's batch (a multi-process group)."""
   layout = mesh.layouts_from_config(config.learners)[index]
+  # What the group's backend cannot run is refused here, before a runtime starts (splash off a TPU, cuDNN off a GPU).
+  attention.select(config.model.attention, devices[0].platform, config.model.dtype, config.model.document_eod_id >= 0)
   loop = inner.build_inner_loop(model, inner.inner_optimizer(config.inner, plan.expected_steps[index]),
                                 mesh.group_mesh(devices, layout), params_shape, param_axes, config.inner.microbatches)
   shard = batches_lib.learner_batches(corpus, config.model.seq_len, batch_size=config.learners.batch_size[index],

@@ -181,15 +181,18 @@ def activation_bytes(model_cfg, local_batch: int, layout: mesh.Layout) -> int:
   return saved + _saved_per_chip(plain, local_batch, layout) - one
 
 
+def chip_attention(model_cfg, chip: str) -> attention.Choice:
+  """The attention kernel the chip will run for this model (attention.select at the model's compute dtype)."""
+  return attention.select(model_cfg.attention, hardware.ACCELERATORS[chip].backend, model_cfg.dtype,
+                          model_cfg.document_eod_id >= 0)
+
+
 def target_model_config(model_cfg, chip: str):
-  """The model config as the chip would trace it: attention='auto' and 'dot_product' resolved for
-  its backend, flash kernels traced as splash (which traces abstractly on any backend)."""
-  backend = hardware.ACCELERATORS[chip].backend
-  kernel = attention.resolve_implementation(model_cfg.attention, backend)
-  if kernel == "dot_product" and backend == "gpu":
-    kernel = "splash"  # cuDNN flash attention: the same residuals as splash.
+  """The model config as the chip would trace it: its attention as `chip_attention` picks it, flash kernels
+  (splash, cuDNN's, whose saved tensors are splash's) traced as splash in interpret mode (any backend)."""
+  kernel = chip_attention(model_cfg, chip).kernel
   target = copy.deepcopy(model_cfg)
-  target.attention = kernel
+  target.attention = "splash_interpret" if kernel in ("splash", "cudnn") else kernel
   return target
 
 
@@ -287,9 +290,9 @@ def compile_group(config, group: int) -> dict:
   """XLA's figures for `group`'s inner step, compiled abstractly on this process's virtual devices."""
   layout = mesh.layouts_from_config(config.learners)[group]
   model_cfg = copy.deepcopy(config.model)
-  model_cfg.attention = attention.resolve_implementation(model_cfg.attention, "cpu")
-  if model_cfg.attention == "splash":
-    model_cfg.attention = "xla"  # Pallas TPU kernels do not compile for CPU; XLA's figure then holds [T, T] scores.
+  model_cfg.attention = chip_attention(config.model, chip_of(config, group)).kernel
+  if model_cfg.attention in ("splash", "cudnn", "splash_interpret"):
+    model_cfg.attention = "xla"  # Pallas and cuDNN kernels do not compile for CPU; XLA's figure holds [T, T] scores.
   model, params_shape, param_axes = model_lib.abstract_params(model_cfg)
   optimizer = inner.inner_optimizer(config.inner, config.outer_steps * config.inner_steps)
   loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:layout.devices], layout), params_shape,

@@ -74,10 +74,11 @@ def print_group(config, group: int, xla: dict | None):
   layout = mesh.layouts_from_config(config.learners)[group]
   chip, memory = plan.chip_of(config, group), plan.memory_plan(config, group)
   batch, seq = config.learners.batch_size[group], config.model.seq_len
-  remat, traced = config.model.remat, plan.target_model_config(config.model, chip).attention
+  remat, runs = config.model.remat, plan.chip_attention(config.model, chip)
+  traced = runs.kernel
   print(f"group {group}: {chip} x {layout.devices} chips, layout {layout}, batch {batch} x {seq} tokens "
         f"({batch // layout.batch_shards} sequences per batch shard, {config.inner.microbatches} microbatch(es)), "
-        f"remat {remat}, attention traced as {traced}")
+        f"remat {remat}, attention {traced}{f' ({runs.fallback})' if runs.fallback else ''}")
   print("  memory per chip           analytic       XLA (CPU compile)")
   for name in ("params", "optimizer", "gradients", "activations"):
     print(f"    {name:<20} {_gb(getattr(memory, name))}")

@@ -191,7 +191,7 @@ def measure(sizes, variants, rounds: int, steps: int) -> tuple[dict, dict]:
     for variant in variants:
       cfg = model_config(size, variant, on_cpu)
       kind, remat = variant.split("/")
-      name = f"{size}{'-cpu' if on_cpu else ''}/{attention.resolve_implementation(kind, backend)}/{remat}"
+      name = f"{size}{'-cpu' if on_cpu else ''}/{attention.select(kind, backend, cfg.dtype).kernel}/{remat}"
       if name in timed:
         continue  # `auto` resolved to a kernel already timed with the same remat.
       runs, costs[name] = runners(cfg, devices, batch_size, steps)
