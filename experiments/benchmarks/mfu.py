@@ -41,8 +41,9 @@ from decoupled_diloco import hardware, inner, learner as learner_lib, mesh, mode
 from decoupled_diloco.model import attention  # noqa: E402
 
 SIZES = {
-    "125m": dict(d_model=768, num_layers=12, num_heads=12, d_ff=2048), "350m": dict(d_model=1024, num_layers=24,
-                                                                                    num_heads=16, d_ff=2816)}
+    "125m": dict(d_model=768, num_layers=12, num_heads=12, d_ff=2048),
+    "350m": dict(d_model=1024, num_layers=24, num_heads=16, d_ff=2816),
+    "1b": dict(d_model=2048, num_layers=18, num_heads=16, d_ff=5632),}  # 1b: the device check's (device_check.py).
 # attention/remat: the plain model, the fused kernel per backend, and the remat policies that trade FLOPs for memory.
 VARIANTS = ("xla/none", "dot_product/none", "auto/minimal", "auto/full")
 SIDES = ("framework", "bare", "bare_again")
@@ -215,7 +216,7 @@ def measure(sizes, variants, rounds: int, steps: int) -> tuple[dict, dict]:
 def main(argv=None) -> None:
   """Parses which configs to time, measures them, prints the context line and then the one JSON line."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--sizes", default=",".join(SIZES), help=f"some of {', '.join(SIZES)}")
+  parser.add_argument("--sizes", default="125m,350m", help=f"some of {', '.join(SIZES)}")
   parser.add_argument("--variants", default=",".join(VARIANTS), help="attention/remat pairs")
   parser.add_argument("--rounds", type=int, default=15, help="palindrome rounds per config (medians taken)")
   parser.add_argument("--steps", type=int, default=1, help="steps per timed block")
