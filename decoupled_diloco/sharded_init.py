@@ -9,9 +9,10 @@ partitioner has each device draw only its own shard (threefry is partitionable:
 Learner groups build their TrainState this way (`inner.InnerLoop.fresh`), the syncer its Θ on the
 host's CPU device (`host_params`), in every runtime and in learner and syncer processes alike.
 
-Values: a seed gives the params it always gave. XLA's algebraic simplifier would fold the
+Values: on CPU a seed gives the params it always gave. XLA's algebraic simplifier would fold the
 initialiser's scale (normal draw × stddev) into erf_inv's constants, which rounds differently
 from the op-by-op init; it is switched off for these programs only (they run once per process).
+An accelerator compiles them with all its passes: its op-by-op values were never the CPU's either.
 """
 
 from collections.abc import Callable
@@ -21,7 +22,7 @@ import jax
 
 from decoupled_diloco import model as model_lib
 
-# Compiler options of every init program: the same float rounding as the op-by-op initialiser.
+# Compiler options of an init program for CPU devices: the same float rounding as the op-by-op initialiser.
 SAME_AS_EAGER = {"xla_disable_hlo_passes": "algsimp"}
 
 
@@ -40,7 +41,9 @@ def compile_init(fn: Callable[[], Any], out_shardings) -> jax.stages.Compiled:
   Why compiled rather than jitted: a caller (the plan, the tests) can read the program's
   per-device memory before running it, and the options that keep the seed's values apply.
   """
-  return jax.jit(fn, out_shardings=out_shardings).lower().compile(compiler_options=SAME_AS_EAGER)
+  platform = next(iter(jax.tree.leaves(out_shardings)[0].device_set)).platform
+  options = SAME_AS_EAGER if platform == "cpu" else None
+  return jax.jit(fn, out_shardings=out_shardings).lower().compile(compiler_options=options)
 
 
 def host_params(model_cfg, seed: int, device: jax.Device | None = None) -> dict:
