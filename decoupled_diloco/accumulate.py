@@ -67,8 +67,9 @@ def outer_step_scratch_bytes(optimizer, params_shape) -> int:
   asks XLA instead of keeping a table per optimizer.
   """
   state = jax.eval_shape(optimizer.init, params_shape)
-  return int(_jit_outer_step.lower(optimizer, params_shape, params_shape, state).compile().memory_analysis()
-             .temp_size_in_bytes)
+  return int(
+      _jit_outer_step.lower(optimizer, params_shape, params_shape,
+                            state).compile().memory_analysis().temp_size_in_bytes)
 
 
 def merge_and_step(optimizer, rda: tuple, params, opt_state, accumulator: merge.Accumulator, inverse_total):

@@ -231,8 +231,8 @@ def build_learner(config, plan: schedule.RunPlan, index: int, devices, corpus, m
                                       learner_index=index, num_learners=plan.num_learners, split=config.data.split,
                                       seed=config.seed, rows=rows, prefetch=config.data.prefetch)
   return Learner(index, loop, shard, loop.init_fresh(sharded_init.params_fn(config.model, config.seed)),
-                 fragment_assignment(config, params_shape),
-                 compression.Codec.from_config(config.compression), config.streaming.alpha,
+                 fragment_assignment(config, params_shape), compression.Codec.from_config(config.compression),
+                 config.streaming.alpha,
                  keep_pushed=config.mode == "decoupled")  # A quorum K > 1 may answer a push with the same Θ.
 
 

@@ -307,5 +307,5 @@ def compile_group(config, group: int) -> dict:
   init = loop.fresh(sharded_init.params_fn(model_cfg, config.seed))  # Compiled only: the start-up's figure.
   return {
       "peak_bytes": sharded_init.peak_bytes(compiled), "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-      "flops": float(cost.get("flops", 0)), "compile_seconds": seconds, "init_peak_bytes": sharded_init.peak_bytes(init),
-      "attention": model_cfg.attention}
+      "flops": float(cost.get("flops", 0)), "compile_seconds": seconds,
+      "init_peak_bytes": sharded_init.peak_bytes(init), "attention": model_cfg.attention}

@@ -9,8 +9,9 @@ from decoupled_diloco import hardware, plan
 from experiments.benchmarks import mfu
 from tests.helpers import tiny_config
 
-GPUS = {"a100": (312e12, 80e9), "h100": (989e12, 80e9), "h100_pcie": (756e12, 80e9), "h200": (989e12, 141e9),
-        "b200": (2250e12, 180e9), "l40s": (362e12, 48e9)}
+GPUS = {
+    "a100": (312e12, 80e9), "h100": (989e12, 80e9), "h100_pcie": (756e12, 80e9), "h200": (989e12, 141e9),
+    "b200": (2250e12, 180e9), "l40s": (362e12, 48e9)}
 
 
 @pytest.mark.parametrize("chip", sorted(GPUS))
@@ -28,11 +29,12 @@ def test_every_gpu_is_a_learner_chip_with_its_dense_bf16_peak_and_memory(chip):
   assert plan.memory_plan(config, 0).hbm == memory and plan.chip_of(config, 0) == chip
 
 
-@pytest.mark.parametrize("kind, chip", [
-    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100_pcie"), ("NVIDIA H200", "h200"),
-    ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA B200", "b200"), ("NVIDIA L40S", "l40s"), ("TPU v5 lite", "v5e"),
-    ("TPU v5", "v5p"), ("TPU v6 lite", "v6e"), ("NVIDIA H100", None), ("NVIDIA H200 NVL", None),
-    ("NVIDIA A100-SXM4-40GB", None), ("TPU v5 lite pod", None), ("cpu", None)])
+@pytest.mark.parametrize("kind, chip", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100_pcie"),
+                                        ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"),
+                                        ("NVIDIA B200", "b200"), ("NVIDIA L40S", "l40s"), ("TPU v5 lite", "v5e"),
+                                        ("TPU v5", "v5p"), ("TPU v6 lite", "v6e"), ("NVIDIA H100", None),
+                                        ("NVIDIA H200 NVL", None), ("NVIDIA A100-SXM4-40GB", None),
+                                        ("TPU v5 lite pod", None), ("cpu", None)])
 def test_device_kinds_match_exactly_never_by_prefix(kind, chip):
   assert hardware.chip_of_device(kind) == chip
   peak = mfu.device_peak_flops(types.SimpleNamespace(device_kind=kind))

@@ -63,28 +63,32 @@ def test_splash_kernel_in_interpret_mode_matches_xla_attention():
   _, params, _ = model_lib.build_model(config, seed=0)
   batch = jax.random.randint(jax.random.key(1), (1, 129), 0, 256, dtype=jnp.int32)
   loss, grads = loss_and_grads(config, params, batch)
-  splash_loss, splash_grads = loss_and_grads(cfg(seq_len=128, num_layers=1, attention='splash_interpret'), params, batch)
+  splash_loss, splash_grads = loss_and_grads(cfg(seq_len=128, num_layers=1, attention='splash_interpret'), params,
+                                             batch)
   np.testing.assert_allclose(splash_loss, loss, atol=1e-4, rtol=0)
   assert max(jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), splash_grads, grads))) <= 1e-4
 
 
-@pytest.mark.parametrize('backend, dtype, segments, kernel, fallback', [
-    ('tpu', 'bfloat16', False, 'splash', ''), ('tpu', 'float32', True, 'splash', ''),
-    ('gpu', 'bfloat16', False, 'cudnn', ''), ('gpu', 'float16', False, 'cudnn', ''),
-    ('gpu', 'float32', False, 'xla', 'bf16/fp16, not float32'), ('gpu', 'bfloat16', True, 'xla', 'segment ids'),
-    ('cpu', 'bfloat16', False, 'xla', ''), ('cpu', 'float32', True, 'xla', '')])
+@pytest.mark.parametrize('backend, dtype, segments, kernel, fallback',
+                         [('tpu', 'bfloat16', False, 'splash', ''), ('tpu', 'float32', True, 'splash', ''),
+                          ('gpu', 'bfloat16', False, 'cudnn', ''), ('gpu', 'float16', False, 'cudnn', ''),
+                          ('gpu', 'float32', False, 'xla', 'bf16/fp16, not float32'),
+                          ('gpu', 'bfloat16', True, 'xla', 'segment ids'), ('cpu', 'bfloat16', False, 'xla', ''),
+                          ('cpu', 'float32', True, 'xla', '')])
 def test_auto_picks_the_fastest_kernel_that_applies_and_says_why_it_fell_back(backend, dtype, segments, kernel,
                                                                               fallback):
   choice = attention.select('auto', backend, dtype, segments)
   assert choice.kernel == kernel and (fallback in choice.fallback if fallback else not choice.fallback)
 
 
-@pytest.mark.parametrize('setting, backend, dtype, segments, refused', [
-    ('splash', 'cpu', 'bfloat16', False, "'splash_interpret'"), ('splash', 'gpu', 'bfloat16', False, 'TPU kernel'),
-    ('cudnn', 'cpu', 'bfloat16', False, 'needs a GPU'), ('cudnn', 'gpu', 'float32', False, 'float32'),
-    ('cudnn', 'gpu', 'bfloat16', True, 'segment ids'), ('splash', 'tpu', 'float32', False, None),
-    ('splash_interpret', 'cpu', 'float32', True, None), ('cudnn', 'gpu', 'bfloat16', False, None),
-    ('dot_product', 'gpu', 'float32', False, None), ('xla', 'tpu', 'bfloat16', False, None)])
+@pytest.mark.parametrize('setting, backend, dtype, segments, refused',
+                         [('splash', 'cpu', 'bfloat16', False, "'splash_interpret'"),
+                          ('splash', 'gpu', 'bfloat16', False, 'TPU kernel'),
+                          ('cudnn', 'cpu', 'bfloat16', False, 'needs a GPU'),
+                          ('cudnn', 'gpu', 'float32', False, 'float32'),
+                          ('cudnn', 'gpu', 'bfloat16', True, 'segment ids'), ('splash', 'tpu', 'float32', False, None),
+                          ('splash_interpret', 'cpu', 'float32', True, None), ('cudnn', 'gpu', 'bfloat16', False, None),
+                          ('dot_product', 'gpu', 'float32', False, None), ('xla', 'tpu', 'bfloat16', False, None)])
 def test_an_explicit_kernel_runs_as_asked_or_is_refused_in_one_line(setting, backend, dtype, segments, refused):
   if refused is None:
     assert attention.select(setting, backend, dtype, segments) == (setting, '')

@@ -52,11 +52,13 @@ def select(setting: str, backend: str, dtype, segments: bool = False) -> Choice:
     if backend != 'gpu':
       return Choice('xla')
     if dtype not in _CUDNN_DTYPES:
-      return Choice('xla', f"cuDNN's flash attention takes bf16/fp16, not {dtype}: XLA's attention runs "
-                    '(T x T scores; --config.model.dtype=bfloat16 runs the flash kernel)')
+      return Choice(
+          'xla', f"cuDNN's flash attention takes bf16/fp16, not {dtype}: XLA's attention runs "
+          '(T x T scores; --config.model.dtype=bfloat16 runs the flash kernel)')
     if segments:
-      return Choice('xla', "cuDNN's flash attention here takes no segment ids (packed documents): XLA's "
-                    'attention runs (T x T scores)')
+      return Choice(
+          'xla', "cuDNN's flash attention here takes no segment ids (packed documents): XLA's "
+          'attention runs (T x T scores)')
     return Choice('cudnn')
   if setting == 'splash' and backend != 'tpu':
     raise ConfigError(f"model.attention=splash is a TPU kernel and this backend is {backend}: use 'auto', or "

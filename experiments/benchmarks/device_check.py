@@ -47,8 +47,8 @@ from experiments.benchmarks import common  # noqa: E402
 SIZES = ("350m", "1b")
 KEYS = ("device", "mfu", "ratio", "peak_bytes", "decoupled")
 DECOUPLED = ("--config.mode=decoupled", "--config.learners.devices=(1,1)", "--config.learners.batch_size=(16,16)",
-             "--config.learners.slowdown=(0.0,1.0)", "--config.policy.speed_source=measured",
-             "--config.eval_every=2", "--config.service.learner_checkpoint_every=0")
+             "--config.learners.slowdown=(0.0,1.0)", "--config.policy.speed_source=measured", "--config.eval_every=2",
+             "--config.service.learner_checkpoint_every=0")
 
 
 def kernels(backend: str, dtype: str = "bfloat16") -> list[str]:
@@ -89,8 +89,9 @@ def measure_peak(size: str, kernel: str, steps: int) -> dict:
   learner.drain_losses()
   stats = devices[0].memory_stats()
   chip = hardware.chip_of_device(devices[0].device_kind) or "h200"  # A CPU has no HBM: the plan's figure only.
-  return {"measured": stats.get("peak_bytes_in_use") if stats else None,
-          "planned": planned_peak(cfg, len(devices), batch, chip)}
+  return {
+      "measured": stats.get("peak_bytes_in_use") if stats else None,
+      "planned": planned_peak(cfg, len(devices), batch, chip)}
 
 
 def peak_in_subprocess(size: str, kernel: str) -> dict:
@@ -123,9 +124,10 @@ def throughput(rounds: int, steps: int) -> tuple[dict, dict, float, dict]:
       step_seconds = timed["framework_s"] / steps
       flops = model_lib.flops_per_token(cfg) * batch * cfg.seq_len
       figures[name] = None if peak_flops is None else round(flops / step_seconds / (peak_flops * len(devices)), 4)
-      context[name] = {"ms_per_step": round(step_seconds * 1e3, 2), "ratio": round(timed["ratio"], 4),
-                       "aa": round(timed["aa"], 4), "tokens_per_s": round(batch * cfg.seq_len / step_seconds),
-                       "build_and_compile_seconds": round(built, 1), "compiled_framework_vs_bare": costs}
+      context[name] = {
+          "ms_per_step": round(step_seconds * 1e3, 2), "ratio": round(timed["ratio"], 4), "aa": round(timed["aa"], 4),
+          "tokens_per_s": round(batch * cfg.seq_len / step_seconds), "build_and_compile_seconds": round(built, 1),
+          "compiled_framework_vs_bare": costs}
       if index == 0:  # The kernel 'auto' runs: the peak a run of this model would reach.
         peaks[name] = peak_in_subprocess(size, kernel)
       print(f"{name}: {context[name]}, mfu {figures[name]}, peak {peaks.get(name)}", flush=True)
@@ -135,8 +137,9 @@ def throughput(rounds: int, steps: int) -> tuple[dict, dict, float, dict]:
 def decoupled_run(outer_steps: int, inner_steps: int, timeout: float) -> dict:
   """Two learner processes (on the accelerator when there is one) and a CPU syncer: steps, blocked, eval loss."""
   from experiments.launch_local import LocalCluster  # pylint: disable=g-import-not-at-top  (defines flags)
-  overrides = [*DECOUPLED, f"--config.outer_steps={outer_steps}", f"--config.inner_steps={inner_steps}",
-               f"--config.streaming.overlap_steps={inner_steps - 1}"]
+  overrides = [
+      *DECOUPLED, f"--config.outer_steps={outer_steps}", f"--config.inner_steps={inner_steps}",
+      f"--config.streaming.overlap_steps={inner_steps - 1}"]
   with tempfile.TemporaryDirectory() as workdir:
     cluster = LocalCluster("configs/demo.py", workdir, overrides, 2, group_devices=(1, 1),
                            gpu_ids=gpu_placement.visible_gpus())
@@ -144,8 +147,9 @@ def decoupled_run(outer_steps: int, inner_steps: int, timeout: float) -> dict:
     summaries = common.learner_summaries(cluster)
     records = metrics_lib.read_metrics(os.path.join(cluster.workdir, "metrics.jsonl"))
     evals = [r["eval_loss"] for r in records if r["kind"] == "eval"]
-  return {"steps": [s["steps"] for s in summaries], "blocked": [round(s["blocked_fraction"], 4) for s in summaries],
-          "eval_loss": round(evals[-1], 4) if evals else None, "eval_losses": [round(x, 4) for x in evals]}
+  return {
+      "steps": [s["steps"] for s in summaries], "blocked": [round(s["blocked_fraction"], 4) for s in summaries],
+      "eval_loss": round(evals[-1], 4) if evals else None, "eval_losses": [round(x, 4) for x in evals]}
 
 
 def main(argv=None) -> None:
@@ -163,9 +167,10 @@ def main(argv=None) -> None:
   decoupled = decoupled_run(outer_steps=4 if args.quick else 8, inner_steps=10, timeout=900)
   eval_losses = decoupled.pop("eval_losses")
   common.emit_keys(
-      {"device": device, "mfu": mfus, "ratio": ratio, "peak_bytes": peaks, "decoupled": decoupled,
-       "configs": context, "eval_losses": eval_losses, "seconds": round(time.perf_counter() - begin),
-       "load_average": os.getloadavg()}, KEYS)
+      {
+          "device": device, "mfu": mfus, "ratio": ratio, "peak_bytes": peaks, "decoupled": decoupled,
+          "configs": context, "eval_losses": eval_losses, "seconds": round(time.perf_counter() - begin),
+          "load_average": os.getloadavg()}, KEYS)
 
 
 if __name__ == "__main__":
