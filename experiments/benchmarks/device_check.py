@@ -14,8 +14,9 @@ Three parts, each the framework's own code path:
   model, batch and chip (target: within 15%).
 - A decoupled run: the syncer service on CPU and two learner processes (experiments.launch_local's
   LocalCluster; on a GPU machine both learners share the GPU, each preallocating its share, gpu_placement),
-  the second slowed to half speed so DyLU gives the first more local steps: each learner's steps and blocked
-  fraction (target <= 0.05) and Θ's final eval loss.
+  the second slowed to half speed so that DyLU (measured speeds) can give the first more local steps (the
+  toy's four rounds are too short to show it: 50 and 49 steps here): each learner's steps and blocked fraction
+  (target <= 0.05) and Θ's final eval loss.
 On a machine without an accelerator the same code runs on CPU-sized variants of the models (`<size>-cpu`,
 XLA attention only): `device` is null, and so are the MFUs and measured peaks (a CPU reports no peak bytes).
 The last line holds the issue's keys only: device, mfu, ratio, peak_bytes, decoupled; the line before it the
