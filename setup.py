@@ -38,6 +38,9 @@ setuptools.setup(
         # Report plots (experiments.report, notebooks); 3.10 and 3.11 tested.
         "matplotlib>=3.10,<3.12",],
     extras_require={
+        # NVIDIA GPUs: the CUDA 12 jaxlib plugin and its pip-installed CUDA, cuDNN and NCCL libraries (a driver >= 525
+        # is all the machine needs; docs/scale.md). Same jax range as above.
+        "cuda": ["jax[cuda12]>=0.7.0,<0.13"],
         # TFDS needs TensorFlow to *prepare* a dataset (not to read one).
         # importlib_resources: imported by TFDS's dataset builders but not declared by it.
         "tfds": ["tensorflow-cpu>=2.18; platform_machine=='x86_64'", "array-record>=0.7", "importlib_resources"],

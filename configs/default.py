@@ -62,7 +62,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.learners.batch_size = (16, 16, 16, 16)  # Sequences per inner step per group (divisible by its devices).
   config.learners.fsdp = False  # Also shard params and AdamW moments over each group's devices (when layouts is ()).
   config.learners.layouts = ()  # Per-group mesh, e.g. ('fsdp=8,tensor=2', 'data=4,fsdp=4') (docs/plan.md); () = fsdp.
-  config.learners.hardware = ()  # Per-group chip (v4, v5e, v5p, v6e, h100, h200) or 'relative'; () = all relative.
+  config.learners.hardware = ()  # Per-group chip (hardware.ACCELERATORS: v4, v5e, v5p, v6e, a100, h100, h100_pcie,
+  # h200, b200, l40s) or 'relative'; () = all relative.
   config.learners.chips = ()  # Per-group chips of the simulated slice; () = the group's device count.
   config.learners.speed = ()  # Per-group relative speed for 'relative' hardware; () = all 1.0.
   config.learners.mfu = 0.4  # Model FLOPs utilisation of every simulated TPU slice.

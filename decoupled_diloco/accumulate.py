@@ -58,6 +58,20 @@ def _jit_outer_step(optimizer, params, merged, opt_state, arrivals):
   return outer.outer_step(optimizer, params, opt_state, merged, arrivals)
 
 
+def outer_step_scratch_bytes(optimizer, params_shape) -> int:
+  """XLA's scratch bytes for the outer step over `params_shape` (abstract: compiled, never run), beyond Θ, the outer
+  state and the merge's buffers (all donated but Θ): what the syncer's host needs on top of them at a merge.
+
+  Why compiled rather than counted: each optimizer's update keeps its own temporaries (Delayed
+  Nesterov: its window sum's new value, read twice, 4 B/param; SGD and Adam: none), so the plan
+  asks XLA instead of keeping a table per optimizer.
+  """
+  state = jax.eval_shape(optimizer.init, params_shape)
+  return int(
+      _jit_outer_step.lower(optimizer, params_shape, params_shape, state,
+                            np.int32(1)).compile().memory_analysis().temp_size_in_bytes)
+
+
 def merge_and_step(optimizer, rda: tuple, params, opt_state, accumulator: merge.Accumulator, inverse_total,
                    arrivals: int):
   """(Θ, outer state) after one outer step with the merge of `accumulator`'s pushes.

@@ -13,7 +13,9 @@ import jax
 
 from decoupled_diloco import compression, fragments, hardware, inner, mesh, mode_defaults, model as model_lib, outer
 from decoupled_diloco import policy
+from decoupled_diloco.model import attention
 from decoupled_diloco import shards
+from decoupled_diloco import sharded_init
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.data import batches as batches_lib
 from decoupled_diloco.data import settings as data_settings
@@ -215,19 +217,22 @@ def fragment_assignment(config, params) -> tuple[int, ...]:
   return fragments.partition(params, config.streaming.num_fragments, config.streaming.strategy)
 
 
-def build_learner(config, plan: schedule.RunPlan, index: int, devices, corpus, model, params, param_axes,
+def build_learner(config, plan: schedule.RunPlan, index: int, devices, corpus, model, params_shape, param_axes,
                   rows: range | None = None) -> Learner:
-  """Learner group `index` on `devices`, starting from `params`: what every runtime and a learner
-  process train. `rows`: this process's rows of the group's batch (a multi-process group)."""
+  """Learner group `index` on `devices`, starting from the seed's params (created sharded on its mesh,
+  sharded_init): what every runtime and a learner process train. `params_shape`: the params' shapes
+  (model.abstract_params). `rows`: this process's rows of the group's batch (a multi-process group)."""
   layout = mesh.layouts_from_config(config.learners)[index]
+  # What the group's backend cannot run is refused here, before a runtime starts (splash off a TPU, cuDNN off a GPU).
+  attention.select(config.model.attention, devices[0].platform, config.model.dtype, config.model.document_eod_id >= 0)
   loop = inner.build_inner_loop(model, inner.inner_optimizer(config.inner, plan.expected_steps[index]),
-                                mesh.group_mesh(devices, layout), jax.eval_shape(lambda p: p, params), param_axes,
-                                config.inner.microbatches)
+                                mesh.group_mesh(devices, layout), params_shape, param_axes, config.inner.microbatches)
   shard = batches_lib.learner_batches(corpus, config.model.seq_len, batch_size=config.learners.batch_size[index],
                                       learner_index=index, num_learners=plan.num_learners, split=config.data.split,
                                       seed=config.seed, rows=rows, prefetch=config.data.prefetch)
-  return Learner(index, loop, shard, loop.init(params), fragment_assignment(config, params),
-                 compression.Codec.from_config(config.compression), config.streaming.alpha,
+  return Learner(index, loop, shard, loop.init_fresh(sharded_init.params_fn(config.model, config.seed)),
+                 fragment_assignment(config, params_shape), compression.Codec.from_config(config.compression),
+                 config.streaming.alpha,
                  keep_pushed=config.mode == "decoupled")  # A quorum K > 1 may answer a push with the same Θ.
 
 
@@ -253,11 +258,11 @@ def build(config, devices=None) -> Experiment:
   devices = jax.devices() if devices is None else devices
   groups = mesh.partition_devices(devices, config.learners.devices)
   corpus = sources.load_corpus(config.data, config.model.seq_len)
-  model, params, param_axes = model_lib.build_model(config.model, config.seed)
-  num_params = config.sim.simulated_params or model_lib.count_params(params)
+  model, shapes, param_axes = model_lib.abstract_params(config.model)
+  num_params = config.sim.simulated_params or model_lib.count_params(shapes)
   learners = [
-      build_learner(config, plan, index, group, corpus, model, params, param_axes) for index, group in enumerate(groups)
+      build_learner(config, plan, index, group, corpus, model, shapes, param_axes) for index, group in enumerate(groups)
   ]
-  syncer = build_syncer(config, params)
+  syncer = None if config.mode == "ddp" else build_syncer(config, sharded_init.host_params(config.model, config.seed))
   return Experiment(config, plan, model, corpus, learners, syncer, evaluator.EvalSet.from_corpus(config, corpus),
-                    num_params / model_lib.count_params(params), learners[0].assignment if syncer else ())
+                    num_params / model_lib.count_params(shapes), learners[0].assignment if syncer else ())

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from decoupled_diloco import mesh as mesh_lib
 from decoupled_diloco import settings as settings_lib
+from decoupled_diloco import sharded_init
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco import model as model_lib
 from decoupled_diloco.model import LanguageModel
@@ -136,6 +137,15 @@ class InnerLoop:
   step: Any  # (TrainState, batch) -> (TrainState, metrics); donates the state
   loss: Any  # (params tree, batch) -> scalar, for evaluation
   converters: dict = dataclasses.field(default_factory=dict)  # (direction, "state"|"params") -> jitted conversion
+  fresh: Any = None  # make_params (pure, no arguments) -> compiled () -> TrainState born in state_shardings
+
+  def init_fresh(self, make_params) -> TrainState:
+    """The TrainState of `make_params()`'s params (sharded_init.params_fn), created on the mesh shard by shard.
+
+    Why: `init` takes params that already exist somewhere whole; a learner starting from its seed
+    never has them, so no device (nor the host) ever holds a whole parameter.
+    """
+    return self.fresh(make_params)()
 
   def to_step(self, tree):
     """A TrainState or params tree of block_i's in the step's layout (a new copy when stacked)."""
@@ -223,7 +233,8 @@ def build_inner_loop(model: LanguageModel, optimizer: optax.GradientTransformati
         "state": (TrainState(scalar, param_shardings,
                              _opt_state_shardings(optimizer, params_shape, param_shardings, scalar)), state_shardings)}
     converters = _converters(layers, params_shape, step_params_shape, tree_shardings)
-  loop = InnerLoop(mesh, param_shardings, state_shardings, batch, None, jit_step, jit_loss, converters)
+  fresh = lambda make_params: sharded_init.compile_init(lambda: init(make_params()), state_shardings)  # noqa: E731
+  loop = InnerLoop(mesh, param_shardings, state_shardings, batch, None, jit_step, jit_loss, converters, fresh)
   return dataclasses.replace(loop, init=lambda params: jit_init(loop.put_params(params)))
 
 

@@ -7,9 +7,13 @@ Pure arithmetic over abstract shapes (nothing large is allocated), used by `expe
   what grows with the batch (taken at one chip's share of it) and weight copies (sharded like
   the params), plus, under remat, one layer's recomputed activations.
   Tensor parallelism divides the residual dimensions it shards (heads, MLP width, vocabulary).
-  Attention is traced as the target chip runs it: a flash kernel (splash on TPU; cuDNN's on GPU,
-  whose saved tensors are splash's: q, k, v, output, log-sum-exp) keeps no [T, T] scores.
-  XLA's CPU memory analysis, shown beside it, ignores remat's savings.
+  Attention is traced as the target chip runs it (`attention.select`): a flash kernel (splash on
+  TPU; cuDNN's on GPU for bf16/fp16, whose saved tensors are splash's: q, k, v, output,
+  log-sum-exp) keeps no [T, T] scores; plain XLA attention (GPU at float32) keeps them.
+  XLA's CPU memory analysis, shown beside it, counts remat as the chip would, but compiles
+  attention as XLA's (Pallas and cuDNN kernels do not compile for a CPU).
+- Start-up: the params and AdamW state, created sharded (sharded_init), plus the random draws'
+  scratch; it must fit as the step must.
 - Time: a step's training FLOPs at the chip's bf16 peak and the profile's MFU.
 - Communication: a fragment's push (compressed pseudo-gradient) and pull (Θ_p) over the
   group's link, against the compute that can hide it: τ steps, and H/P steps per fragment.
@@ -17,13 +21,17 @@ Pure arithmetic over abstract shapes (nothing large is allocated), used by `expe
 
 import copy
 import dataclasses
+import functools
+import json
 import math
 import time
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
-from decoupled_diloco import compression, fragments, hardware, inner, mesh, model as model_lib, outer
+from decoupled_diloco import accumulate, compression, fragments, hardware, inner, mesh, model as model_lib, outer
+from decoupled_diloco import sharded_init
 from decoupled_diloco.model import attention
 from decoupled_diloco.run import schedule
 
@@ -31,6 +39,9 @@ from decoupled_diloco.run import schedule
 RESERVED_HBM_FRACTION = 0.125
 # Formats from most to least faithful: the first one whose exchange hides is the one to pick.
 FORMATS_BY_FIDELITY = ("fp32", "bf16", "int8", "int4", "fp4", "int2")
+# Scratch of the sharded init, in params-sized states per chip: every leaf's random bits and its draw before
+# scaling are live at once as XLA schedules the init on CPU (tests/test_sharded_init.py measures 1.95).
+INIT_SCRATCH_STATES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +57,11 @@ class MemoryPlan:
   def peak(self) -> int:
     """Everything alive at the end of the backward pass (a conservative peak)."""
     return self.params + self.optimizer + self.gradients + self.activations
+
+  @property
+  def startup(self) -> int:
+    """The init's peak: params and AdamW state born sharded, plus the draws' scratch (INIT_SCRATCH_STATES)."""
+    return self.params + self.optimizer + INIT_SCRATCH_STATES * self.params
 
   @property
   def usable(self) -> float:
@@ -89,6 +105,17 @@ def state_bytes(params_shape, param_axes, layout: mesh.Layout) -> int:
       for p, axes in zip(jax.tree.leaves(params_shape), _axes_leaves(param_axes)))
 
 
+def abstract_params(model_cfg):
+  """model.abstract_params, traced once per model shape: a plan asks for it per group, fragment count and format,
+  and tracing a 48-layer model takes seconds."""
+  return _abstract_params_of(model_cfg.to_json(sort_keys=True))
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_params_of(model_json: str):
+  return model_lib.abstract_params(ml_collections.ConfigDict(json.loads(model_json)))
+
+
 def _axes_leaves(param_axes):
   return jax.tree.leaves(param_axes, is_leaf=model_lib.is_axes_leaf)
 
@@ -101,10 +128,17 @@ def _tensor_sharded_dims(model_cfg) -> set[int]:
 def residual_bytes(model_cfg, local_batch: int, tensor: int = 1) -> int:
   """Bytes `jax.vjp` of the loss saves for `local_batch` sequences, params themselves excluded.
 
-  Traced abstractly. Under tensor parallelism each residual's first non-batch dimension that
-  is a head count, the MLP width or the vocabulary (and divides by `tensor`) is split.
+  Traced abstractly (once per model, batch and tensor size: groups of one shape share it). Under
+  tensor parallelism each residual's first non-batch dimension that is a head count, the MLP width
+  or the vocabulary (and divides by `tensor`) is split.
   """
-  model, params_shape, _ = model_lib.abstract_params(model_cfg)
+  return _residual_bytes(model_cfg.to_json(sort_keys=True), local_batch, tensor)
+
+
+@functools.lru_cache(maxsize=64)
+def _residual_bytes(model_json: str, local_batch: int, tensor: int) -> int:
+  model_cfg = ml_collections.ConfigDict(json.loads(model_json))
+  model, params_shape, _ = abstract_params(model_cfg)
   batch = jax.ShapeDtypeStruct((local_batch, model_cfg.seq_len + 1), jnp.int32)
   split, found = _tensor_sharded_dims(model_cfg), []
 
@@ -147,22 +181,25 @@ def activation_bytes(model_cfg, local_batch: int, layout: mesh.Layout) -> int:
   return saved + _saved_per_chip(plain, local_batch, layout) - one
 
 
+def chip_attention(model_cfg, chip: str) -> attention.Choice:
+  """The attention kernel the chip will run for this model (attention.select at the model's compute dtype)."""
+  return attention.select(model_cfg.attention, hardware.ACCELERATORS[chip].backend, model_cfg.dtype,
+                          model_cfg.document_eod_id >= 0)
+
+
 def target_model_config(model_cfg, chip: str):
-  """The model config as the chip would trace it: attention='auto' and 'dot_product' resolved for
-  its backend, flash kernels traced as splash (which traces abstractly on any backend)."""
-  backend = hardware.ACCELERATORS[chip].backend
-  kernel = attention.resolve_implementation(model_cfg.attention, backend)
-  if kernel == "dot_product" and backend == "gpu":
-    kernel = "splash"  # cuDNN flash attention: the same residuals as splash.
+  """The model config as the chip would trace it: its attention as `chip_attention` picks it, flash kernels
+  (splash, cuDNN's, whose saved tensors are splash's) traced as splash in interpret mode (any backend)."""
+  kernel = chip_attention(model_cfg, chip).kernel
   target = copy.deepcopy(model_cfg)
-  target.attention = kernel
+  target.attention = "splash_interpret" if kernel in ("splash", "cudnn") else kernel
   return target
 
 
 def memory_plan(config, group: int) -> MemoryPlan:
   """Analytic bytes per chip of learner group `group` on its chip (learners.hardware[group])."""
   layout, chip = mesh.layouts_from_config(config.learners)[group], chip_of(config, group)
-  _, params_shape, param_axes = model_lib.abstract_params(config.model)
+  _, params_shape, param_axes = abstract_params(config.model)
   per_state = state_bytes(params_shape, param_axes, layout)
   microbatches = config.inner.microbatches
   local_batch = config.learners.batch_size[group] // layout.batch_shards // microbatches
@@ -193,7 +230,7 @@ def link(config, group: int) -> tuple[float, float]:
 
 def comm_plan(config, group: int, fmt: str | None = None, num_fragments: int | None = None) -> CommPlan:
   """Group `group`'s exchange per fragment at `fmt` and P (the config's unless given)."""
-  _, params_shape, _ = model_lib.abstract_params(config.model)
+  _, params_shape, _ = abstract_params(config.model)
   p = num_fragments or config.streaming.num_fragments
   assignment = fragments.partition(params_shape, p, config.streaming.strategy)
   codec = compression.Codec.from_config(config.compression)
@@ -217,7 +254,7 @@ def hiding_format(config, group: int) -> str | None:
 
 def hiding_fragments(config, group: int) -> int | None:
   """The fewest fragments P (>= the configured one) that hide the exchange at the chosen format."""
-  _, params_shape, _ = model_lib.abstract_params(config.model)
+  _, params_shape, _ = abstract_params(config.model)
   most = config.model.num_layers if config.streaming.strategy == "strided" else len(jax.tree.leaves(params_shape))
   return next(
       (p for p in range(config.streaming.num_fragments, most + 1) if comm_plan(config, group, num_fragments=p).hides),
@@ -227,23 +264,35 @@ def hiding_fragments(config, group: int) -> int | None:
 def syncer_bytes(config) -> int:
   """Host bytes of the syncer at its peak, independent of the number of learners (docs/syncer-memory.md): Θ and
   the outer optimizer's state (float32), the running sums of the fragments with open pushes (at most Θ's size),
-  and the push being received: its largest tensor (the rest waits in a spool file, over the data channel or
-  gRPC alike)."""
-  _, params_shape, _ = model_lib.abstract_params(config.model)
+  the outer step's scratch over the largest fragment (merge_scratch_bytes) and the push being received: its
+  largest tensor (the rest waits in a spool file, over the data channel or gRPC alike)."""
+  _, params_shape, _ = abstract_params(config.model)
   theta = 4 * model_lib.count_params(params_shape)
   outer_state = jax.eval_shape(outer.outer_optimizer(config.outer).init, params_shape)
   state = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(outer_state))
   receive = max(4 * math.prod(x.shape) for x in jax.tree.leaves(params_shape))
-  return 2 * theta + state + receive
+  return 2 * theta + state + merge_scratch_bytes(config) + receive
+
+
+def merge_scratch_bytes(config) -> int:
+  """XLA's scratch for one outer step of the largest fragment (a merge runs one fragment at a time)."""
+  _, params_shape, _ = abstract_params(config.model)
+  streaming = config.streaming
+  assignment = fragments.partition(params_shape, streaming.num_fragments, streaming.strategy)
+  sizes = [0] * streaming.num_fragments
+  for fragment, leaf in zip(assignment, jax.tree.leaves(params_shape)):
+    sizes[fragment] += math.prod(leaf.shape)
+  largest = fragments.select(params_shape, assignment, max(range(len(sizes)), key=sizes.__getitem__))
+  return accumulate.outer_step_scratch_bytes(outer.outer_optimizer(config.outer), largest)
 
 
 def compile_group(config, group: int) -> dict:
   """XLA's figures for `group`'s inner step, compiled abstractly on this process's virtual devices."""
   layout = mesh.layouts_from_config(config.learners)[group]
   model_cfg = copy.deepcopy(config.model)
-  model_cfg.attention = attention.resolve_implementation(model_cfg.attention, "cpu")
-  if model_cfg.attention == "splash":
-    model_cfg.attention = "xla"  # Pallas TPU kernels do not compile for CPU; XLA's figure then holds [T, T] scores.
+  model_cfg.attention = chip_attention(config.model, chip_of(config, group)).kernel
+  if model_cfg.attention in ("splash", "cudnn", "splash_interpret"):
+    model_cfg.attention = "xla"  # Pallas and cuDNN kernels do not compile for CPU; XLA's figure holds [T, T] scores.
   model, params_shape, param_axes = model_lib.abstract_params(model_cfg)
   optimizer = inner.inner_optimizer(config.inner, config.outer_steps * config.inner_steps)
   loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(jax.devices()[:layout.devices], layout), params_shape,
@@ -253,11 +302,10 @@ def compile_group(config, group: int) -> dict:
   begin = time.perf_counter()
   compiled = loop.step.lower(state, batch).compile()
   seconds = time.perf_counter() - begin
-  stats = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
-  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes -
-          stats.alias_size_in_bytes)
+  init = loop.fresh(sharded_init.params_fn(model_cfg, config.seed))  # Compiled only: the start-up's figure.
   return {
-      "peak_bytes": int(peak), "temp_bytes": int(stats.temp_size_in_bytes), "flops": float(cost.get("flops", 0)),
-      "compile_seconds": seconds}
+      "peak_bytes": sharded_init.peak_bytes(compiled), "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+      "flops": float(cost.get("flops", 0)), "compile_seconds": seconds,
+      "init_peak_bytes": sharded_init.peak_bytes(init), "attention": model_cfg.attention}

@@ -22,6 +22,10 @@ past start-up and trains) is SIGKILLed and restarted --restart_delay_seconds lat
 machine: when a restart takes longer than the time between kills, unbounded chaos can keep
 every learner down and the run never ends.
 
+On a GPU machine each learner group gets its own GPUs (CUDA_VISIBLE_DEVICES; groups share GPUs, each
+preallocating its share of their memory, when there are fewer GPUs than the groups need) and the syncer and
+evaluator run on CPU only (experiments/gpu_placement.py, docs/scale.md).
+
 --processes_per_group=N runs each learner group as N JAX processes (gloo collectives, a
 fresh coordinator port per start) named learner_<i>.p<k>; a group is killed and restarted
 as a whole, like a slice that lost a host.
@@ -42,7 +46,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from decoupled_diloco.service import security, shardrun
-from experiments import cli
+from experiments import cli, gpu_placement
 from experiments.chaos_schedule import Chaos
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py", "Experiment config file.", lock_config=True)
@@ -70,12 +74,13 @@ class LocalCluster:
 
   def __init__(self, config_path: str, workdir: str, overrides: list[str], num_learners: int, env: dict | None = None,
                host: str = "127.0.0.1", port: int = 0, group_processes: tuple[int, ...] = (), evaluator: bool = False,
-               shards: int = 1):
+               shards: int = 1, group_devices: tuple[int, ...] = (), gpu_ids: tuple[str, ...] = ()):
     self.config_path, self.workdir, self.overrides = config_path, os.path.abspath(workdir), list(overrides)
     self.shards = shards  # Syncer shards: processes 'syncer' (shard 0, which keeps the budget), 'syncer_<s>'.
     self.num_learners, self.host, self.port = num_learners, host, port
     self.group_processes = tuple(group_processes) or (1,) * num_learners  # JAX processes per learner group.
     self.evaluator = evaluator  # Whether an evaluator process reads Θ (service.evaluate_on='evaluator').
+    self.group_devices, self.gpu_ids = tuple(group_devices), tuple(gpu_ids)  # learners.devices; GPUs to hand out.
     self.env = dict(os.environ if env is None else env)
     self.env.pop("XLA_FLAGS", None)  # Each process sizes its own CPU backend (jax_num_cpu_devices).
     self.env.setdefault(TOKEN_ENV, secrets.token_hex(16))
@@ -90,6 +95,10 @@ class LocalCluster:
     return [
         sys.executable, "-m", "experiments.train", f"--config={self.config_path}", *self.overrides,
         f"--workdir={self.workdir}", *args]
+
+  def _env(self, role: str, index: int = 0) -> dict:
+    """A child's environment: its own GPUs for a learner group, CPU only for the others (gpu_placement)."""
+    return gpu_placement.child_env(self.env, role, index, self.group_devices, self.gpu_ids)
 
   def _spawn(self, name: str, command: list[str], env: dict | None = None) -> subprocess.Popen:
     self.starts[name] = self.starts.get(name, 0) + 1
@@ -122,7 +131,7 @@ class LocalCluster:
     args.append(f"--config.service.port={self.address.split(',')[0].rsplit(':', 1)[1]}")
     if os.path.exists(address_file):
       os.remove(address_file)
-    process = self._spawn(name, self._command(*args))
+    process = self._spawn(name, self._command(*args), self._env("syncer"))
     deadline = time.monotonic() + timeout
     while wait and not os.path.exists(address_file):
       if process.poll() is not None:
@@ -138,7 +147,7 @@ class LocalCluster:
   def start_learner(self, index: int) -> None:
     """Starts (or restarts) learner group `index` against the syncer: one process, or several."""
     args = ("--role=learner", f"--learner_id={index}", f"--syncer={self.address}")
-    env = {**self.env, TOKEN_ENV: security.learner_credential(self.env[TOKEN_ENV], index)}
+    env = {**self._env("learner", index), TOKEN_ENV: security.learner_credential(self.env[TOKEN_ENV], index)}
     count = self.group_processes[index]
     if count == 1:
       self._spawn(f"learner_{index}", self._command(*args), env)
@@ -152,7 +161,7 @@ class LocalCluster:
 
   def start_evaluator(self) -> None:
     """Starts (or restarts) the evaluator against the syncer, with its read-only credential."""
-    env = {**self.env, TOKEN_ENV: security.evaluator_credential(self.env[TOKEN_ENV])}
+    env = {**self._env("evaluator"), TOKEN_ENV: security.evaluator_credential(self.env[TOKEN_ENV])}
     self._spawn("evaluator", self._command("--role=evaluator", f"--syncer={self.address}"), env)
 
   def start(self) -> None:
@@ -262,6 +271,15 @@ def _validate(config) -> None:
     cli.fail(error)
   if _PROCESSES_PER_GROUP.value < 1:
     cli.fail(f"--processes_per_group={_PROCESSES_PER_GROUP.value} must be >= 1")
+  gpus = gpu_placement.visible_gpus()
+  if gpus:
+    if _PROCESSES_PER_GROUP.value > 1:
+      cli.fail(f"--processes_per_group={_PROCESSES_PER_GROUP.value} on a GPU machine: a group's processes would "
+               "share its GPUs; run one process per group here (multi-host groups: docs/launch.md)")
+    try:
+      gpu_placement.assign_gpus(config.learners.devices, len(gpus))
+    except ConfigError as error:
+      cli.fail(error)
   workdir = _WORKDIR.value
   if os.path.isdir(workdir) and any(os.scandir(workdir)) and not config.resume:
     cli.fail(f"workdir {workdir} already holds files (a run?): pass --config.resume=True to continue it, or pick a "
@@ -327,7 +345,8 @@ def main(argv: list[str]) -> None:
                          host=config.service.host if config.service.host not in ("0.0.0.0", "::") else "127.0.0.1",
                          port=config.service.port,
                          group_processes=(_PROCESSES_PER_GROUP.value,) * len(config.learners.devices),
-                         evaluator=config.service.evaluate_on == "evaluator", shards=config.service.shards)
+                         evaluator=config.service.evaluate_on == "evaluator", shards=config.service.shards,
+                         group_devices=tuple(config.learners.devices), gpu_ids=gpu_placement.visible_gpus())
   chaos = None
   if _CHAOS_SEED.value is not None and _KILL_EVERY.value > 0:
     chaos = Chaos(_CHAOS_SEED.value, _KILL_EVERY.value, _RESTART_DELAY.value, _CHAOS_SYNCER.value, _MIN_UPTIME.value,

@@ -6,7 +6,8 @@ r"""Plans a run before anyone books a slice: per-chip memory, step time and the 
 For every learner group it prints bytes per chip (params, AdamW state, gradients, activations
 at the model's remat) from `decoupled_diloco.plan`, beside XLA's own peak for the group's inner
 step compiled abstractly (ShapeDtypeStructs with the layout's shardings, nothing allocated) over
-as many virtual CPU devices as the slice has chips, in a subprocess; FLOPs, step time at the
+as many virtual CPU devices as the slice has chips, in a subprocess; the start-up peak (params and
+AdamW state created sharded, sharded_init) beside the step's, analytic and compiled; FLOPs, step time at the
 profile's MFU and tokens/s per chip; and the exchange with the syncer per fragment. No TPU needed.
 When a group does not fit its chip's HBM it ends with one `error:` line naming the group, the
 shortfall and the knob to turn, and exits with status 2 (as it does on bad input).
@@ -73,23 +74,27 @@ def print_group(config, group: int, xla: dict | None):
   layout = mesh.layouts_from_config(config.learners)[group]
   chip, memory = plan.chip_of(config, group), plan.memory_plan(config, group)
   batch, seq = config.learners.batch_size[group], config.model.seq_len
-  remat, traced = config.model.remat, plan.target_model_config(config.model, chip).attention
+  remat, runs = config.model.remat, plan.chip_attention(config.model, chip)
+  traced = runs.kernel
   print(f"group {group}: {chip} x {layout.devices} chips, layout {layout}, batch {batch} x {seq} tokens "
         f"({batch // layout.batch_shards} sequences per batch shard, {config.inner.microbatches} microbatch(es)), "
-        f"remat {remat}, attention traced as {traced}")
+        f"remat {remat}, attention {traced}{f' ({runs.fallback})' if runs.fallback else ''}")
   print("  memory per chip           analytic       XLA (CPU compile)")
   for name in ("params", "optimizer", "gradients", "activations"):
     print(f"    {name:<20} {_gb(getattr(memory, name))}")
-  decided = memory.peak
-  xla_text = "not compiled (--xla=false)"
+  decided = max(memory.peak, memory.startup)
+  xla_text = init_text = "not compiled (--xla=false)"
   if xla:
-    xla_text = f"{_gb(xla['peak_bytes'])}  (compiled in {xla['compile_seconds']:.0f} s)"
-    if remat == "none":
-      decided = max(decided, xla["peak_bytes"])
+    xla_text, init_text = f"{_gb(xla['peak_bytes'])}  (compiled in {xla['compile_seconds']:.0f} s)", _gb(
+        xla["init_peak_bytes"])
+    if xla["attention"] == traced:
+      decided = max(decided, xla["peak_bytes"], xla["init_peak_bytes"])
     else:
-      xla_text += "; XLA's CPU analysis ignores remat's savings, the fit uses the analytic figure"
+      xla_text += (f"; XLA on CPU compiled attention as {xla['attention']} (T x T scores) where the chip runs "
+                   f"{traced}: the fit uses the analytic figure")
   verdict = "fits" if decided <= memory.usable else "DOES NOT FIT"
-  print(f"    {'peak':<20} {_gb(memory.peak)}   {xla_text}")
+  print(f"    {'peak (step)':<20} {_gb(memory.peak)}   {xla_text}")
+  print(f"    {'start-up (init)':<20} {_gb(memory.startup)}   {init_text}  (params and AdamW state created sharded)")
   print(f"    chip HBM {memory.hbm / GB:.0f} GB, {memory.usable / GB:.1f} GB usable "
         f"({plan.RESERVED_HBM_FRACTION:.1%} reserved): {verdict}")
   comm = plan.comm_plan(config, group)
@@ -143,8 +148,9 @@ def main(argv):
                      f"{(decided - memory.usable) / GB:.1f} GB over its {memory.usable / GB:.1f} GB usable HBM: "
                      f"{knob(config, group, memory)}")
     print()
-  print(f"syncer host: {plan.syncer_bytes(config) / GB:.2f} GB (Θ, outer state and merge sums in fp32, plus the "
-        "push being received; the same for any number of learners)")
+  print(f"syncer host: {plan.syncer_bytes(config) / GB:.2f} GB (Θ, outer state and merge sums in fp32, the outer "
+        f"step's scratch ({plan.merge_scratch_bytes(config) / GB:.2f} GB, {config.outer.optimizer}), plus the push "
+        "being received; the same for any number of learners)")
   if misfits:
     cli.fail(misfits[0] + (f" (and {len(misfits) - 1} more group(s))" if len(misfits) > 1 else ""))
 

@@ -45,6 +45,14 @@ def test_tpu_8b_config_is_about_eight_billion_parameters_with_a_subword_vocabula
   assert config.mode == "decoupled" and config.learners.hardware == ("v5p", "v6e")
 
 
+def test_tpu_12b_config_is_gemma_shaped_about_twelve_billion_parameters_on_two_v6e_and_two_v5p_slices():
+  config = importlib.import_module("configs.tpu_12b").get_config()
+  _, shapes, _ = model_lib.abstract_params(config.model)
+  assert 11e9 < model_lib.count_params(shapes) < 13e9 and config.model.tie_embeddings
+  assert sorted(config.learners.hardware) == ["v5p", "v5p", "v6e", "v6e"]
+  assert config.streaming.num_fragments > 1 and config.compression.format == "int4"
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("inner.lr", -0.5, "inner.lr=-0.5 must be > 0"),
     ("inner.warmup_steps", -10, "inner.warmup_steps=-10 must be >= 0"),

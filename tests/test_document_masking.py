@@ -43,7 +43,7 @@ def test_each_end_of_document_token_opens_the_next_segment():
     dict(attention='xla'),
     dict(attention='dot_product'),
     dict(attention='xla', scan_layers=True, remat='full', loss_chunk=4),
-    dict(attention='splash', seq_len=128, num_layers=1)])
+    dict(attention='splash_interpret', seq_len=128, num_layers=1)])
 def test_no_token_sees_the_previous_document(overrides):
   """Changing the first document changes nothing after its end-of-document token; without the mask it does."""
   config = _cfg(**overrides)

@@ -1,15 +1,18 @@
 """Model options: every kernel, remat policy, scan and chunked loss computes the plain model's function;
 RoPE, GQA, SwiGLU and tied embeddings have the shapes, counts and FLOPs they claim."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 
-from decoupled_diloco import model as model_lib
+from decoupled_diloco import experiment, model as model_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.model import attention
+from tests.helpers import tiny_config
 
 
 def cfg(**overrides) -> ml_collections.ConfigDict:
@@ -60,15 +63,57 @@ def test_splash_kernel_in_interpret_mode_matches_xla_attention():
   _, params, _ = model_lib.build_model(config, seed=0)
   batch = jax.random.randint(jax.random.key(1), (1, 129), 0, 256, dtype=jnp.int32)
   loss, grads = loss_and_grads(config, params, batch)
-  splash_loss, splash_grads = loss_and_grads(cfg(seq_len=128, num_layers=1, attention='splash'), params, batch)
+  splash_loss, splash_grads = loss_and_grads(cfg(seq_len=128, num_layers=1, attention='splash_interpret'), params,
+                                             batch)
   np.testing.assert_allclose(splash_loss, loss, atol=1e-4, rtol=0)
   assert max(jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), splash_grads, grads))) <= 1e-4
 
 
-def test_auto_picks_a_kernel_per_backend():
-  assert [attention.resolve_implementation('auto', b) for b in ('tpu', 'gpu', 'cpu')
-         ] == ['splash', 'dot_product', 'xla']
-  assert attention.resolve_implementation('xla', 'tpu') == 'xla'
+@pytest.mark.parametrize('backend, dtype, segments, kernel, fallback',
+                         [('tpu', 'bfloat16', False, 'splash', ''), ('tpu', 'float32', True, 'splash', ''),
+                          ('gpu', 'bfloat16', False, 'cudnn', ''), ('gpu', 'float16', False, 'cudnn', ''),
+                          ('gpu', 'float32', False, 'xla', 'bf16/fp16, not float32'),
+                          ('gpu', 'bfloat16', True, 'xla', 'segment ids'), ('cpu', 'bfloat16', False, 'xla', ''),
+                          ('cpu', 'float32', True, 'xla', '')])
+def test_auto_picks_the_fastest_kernel_that_applies_and_says_why_it_fell_back(backend, dtype, segments, kernel,
+                                                                              fallback):
+  choice = attention.select('auto', backend, dtype, segments)
+  assert choice.kernel == kernel and (fallback in choice.fallback if fallback else not choice.fallback)
+
+
+@pytest.mark.parametrize('setting, backend, dtype, segments, refused',
+                         [('splash', 'cpu', 'bfloat16', False, "'splash_interpret'"),
+                          ('splash', 'gpu', 'bfloat16', False, 'TPU kernel'),
+                          ('cudnn', 'cpu', 'bfloat16', False, 'needs a GPU'),
+                          ('cudnn', 'gpu', 'float32', False, 'float32'),
+                          ('cudnn', 'gpu', 'bfloat16', True, 'segment ids'), ('splash', 'tpu', 'float32', False, None),
+                          ('splash_interpret', 'cpu', 'float32', True, None), ('cudnn', 'gpu', 'bfloat16', False, None),
+                          ('dot_product', 'gpu', 'float32', False, None), ('xla', 'tpu', 'bfloat16', False, None)])
+def test_an_explicit_kernel_runs_as_asked_or_is_refused_in_one_line(setting, backend, dtype, segments, refused):
+  if refused is None:
+    assert attention.select(setting, backend, dtype, segments) == (setting, '')
+    return
+  with pytest.raises(ConfigError, match=refused) as error:
+    attention.select(setting, backend, dtype, segments)
+  message = str(error.value)
+  assert '\n' not in message and ('\'auto\'' in message or '=auto' in message)
+
+
+def test_a_learner_group_refuses_splash_off_a_tpu_before_it_starts():
+  config = tiny_config(**{'model.attention': 'splash', 'model.seq_len': 128})
+  with pytest.raises(ConfigError, match='splash_interpret'):
+    experiment.build(config)
+
+
+def test_the_model_logs_a_fallback_it_takes(caplog, monkeypatch):
+  """On a GPU at float32 'auto' runs XLA's attention and the trace logs why (never silently)."""
+  monkeypatch.setattr(attention.jax, 'default_backend', lambda: 'gpu')
+  config = cfg(dtype='float32', attention='auto')
+  model, params, _ = model_lib.build_model(config, seed=0)
+  batch = jnp.zeros((1, config.seq_len + 1), jnp.int32)
+  with caplog.at_level(logging.WARNING):
+    jax.eval_shape(model.loss, params, batch)
+  assert any("cuDNN's flash attention takes bf16/fp16, not float32" in r.getMessage() for r in caplog.records)
 
 
 def test_gqa_equals_multi_head_attention_with_repeated_kv_heads():
@@ -141,7 +186,7 @@ def test_tied_head_is_the_token_embedding():
         (dict(remat='some'), 'remat'),
         (dict(attention='flash'), 'attention'),
         (dict(loss_chunk=5), 'loss_chunk'),
-        (dict(attention='splash'), 'multiple of 128'),
+        (dict(attention='splash_interpret'), 'multiple of 128'),
         (dict(d_model=36, num_heads=4, d_ff=64), 'even head dim'),  # head dim 9 cannot be rotated in pairs.
     ])
 def test_bad_options_name_the_fix(overrides, match):

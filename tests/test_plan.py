@@ -55,12 +55,13 @@ def test_exchange_hides_only_with_enough_overlap_and_link():
   assert plan.comm_plan(config, 0, fmt="int4").push_bytes < fast.push_bytes / 6
 
 
-@pytest.mark.parametrize("name", ["tpu_1b", "tpu_8b"])
+@pytest.mark.parametrize("name", ["tpu_1b", "tpu_8b", "tpu_12b"])
 def test_shipped_tpu_configs_fit_every_group_analytically(name):
   config = importlib.import_module(f"configs.{name}").get_config()
   for group, chip in enumerate(config.learners.hardware):
     memory = plan.memory_plan(config, group)
     assert memory.peak <= memory.usable, (name, group, memory)
+    assert memory.startup <= memory.peak, (name, group, memory)  # Sharded init: start-up never the binding peak.
     if chip == "v6e":
       assert memory.peak <= 28 * GB
     assert plan.comm_plan(config, group).hides
@@ -74,13 +75,17 @@ def test_the_syncer_host_holds_theta_outer_state_sums_and_one_tensor_whatever_th
   _, shapes, _ = plan.model_lib.abstract_params(config.model)
   theta, largest = 4 * plan.model_lib.count_params(shapes), max(4 * x.size for x in jax.tree.leaves(shapes))
   largest += 4  # DN's arrival count (an int32) rides along.
-  assert config.outer.optimizer == "delayed_nesterov" and plan.syncer_bytes(config) == 4 * theta + largest
+  # DN's outer step keeps its window sum's new value beside the old (read twice): 4 B per param of the largest
+  # fragment, as XLA compiles it (plus the count's few bytes).
+  scratch = plan.merge_scratch_bytes(config)
+  assert theta / config.streaming.num_fragments <= scratch <= theta / config.streaming.num_fragments * 1.1 + 64
+  assert config.outer.optimizer == "delayed_nesterov" and plan.syncer_bytes(config) == 4 * theta + largest + scratch
   config.learners.devices, config.learners.batch_size = (8,) * 16, (8,) * 16
-  assert plan.syncer_bytes(config) == 4 * theta + largest  # Flat in the number of learners.
+  assert plan.syncer_bytes(config) == 4 * theta + largest + scratch  # Flat in the number of learners.
   config.service.data_port = -1  # Spooled as on the data channel.
-  assert plan.syncer_bytes(config) == 4 * theta + largest
+  assert plan.syncer_bytes(config) == 4 * theta + largest + scratch
   config.outer.optimizer = "sgd"
-  assert plan.syncer_bytes(config) == 3 * theta + largest - 4
+  assert plan.merge_scratch_bytes(config) == 0 and plan.syncer_bytes(config) == 3 * theta + largest - 4
 
 
 def _run_plan(*flags):
@@ -95,6 +100,18 @@ def test_a_group_that_does_not_fit_is_one_line_naming_group_shortfall_and_knob()
   error = done.stderr.strip().splitlines()[-1]
   assert error.startswith("error: group 0 (v5e x 2) needs") and "GB over its 14.0 GB usable HBM" in error
   assert "--config.model.remat=full" in error
+
+
+@pytest.mark.slow
+def test_plan_of_tpu_12b_fits_every_slice_at_start_up_and_step_and_remat_off_does_not():
+  """Analytic only (--xla=false): the 12B config's four slices fit, start-up (sharded init) beside the step; the
+  same model without remat holds every layer's activations and exits 2 naming the knob."""
+  done = _run_plan("--config=configs/tpu_12b.py", "--xla=false")
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.count(": fits") == 4 and done.stdout.count("start-up (init)") == 4
+  assert "DOES NOT FIT" not in done.stdout and "delayed_nesterov" in done.stdout
+  overfull = _run_plan("--config=configs/tpu_12b.py", "--xla=false", "--config.model.remat=none")
+  assert overfull.returncode == 2 and "--config.model.remat=full" in overfull.stderr.strip().splitlines()[-1]
 
 
 def test_a_config_without_chips_is_refused():

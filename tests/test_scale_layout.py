@@ -141,7 +141,7 @@ def test_splash_under_a_data_by_tensor_mesh_matches_xla_attention(eod):
           "model.seq_len": 128, "model.num_heads": 4, "model.num_kv_heads": 2, "model.position": "rope",
           "model.document_eod_id": eod}).model
   model, params, _ = model_lib.build_model(config, seed=0)
-  splash_model, _, _ = model_lib.build_model(dict(config, attention="splash"), seed=0)
+  splash_model, _, _ = model_lib.build_model(dict(config, attention="splash_interpret"), seed=0)
   group = jax.make_mesh((2, 2), ("data", "tensor"), devices=jax.devices()[:4],
                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
   batch = jax.device_put(

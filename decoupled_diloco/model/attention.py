@@ -1,7 +1,8 @@
 """Causal self-attention: rotary positions, grouped-query heads and interchangeable kernels.
 
-The kernels (model.attention: 'xla', 'dot_product', 'splash', 'auto') all compute the same
-function, so a config picks what its backend runs fastest (docs/scale.md). Every kernel also
+The kernels (model.attention, IMPLEMENTATIONS) all compute the same function, so a config picks
+what its backend runs fastest; `select` decides, as a pure function of (setting, backend, dtype,
+segments), what actually runs, refusing what cannot run there (docs/scale.md). Every kernel also
 takes optional segment ids [B, T] (packed documents), so no token attends across documents.
 Grouped-query attention: num_kv_heads key/value heads, each shared by num_heads /
 num_kv_heads query heads.
@@ -9,25 +10,63 @@ num_kv_heads query heads.
 
 import functools
 import math
+from typing import NamedTuple
 
+from absl import logging
 import jax
 from flax import nnx
 import jax.numpy as jnp
 
 from decoupled_diloco import mesh as mesh_lib
+from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.model.layers import INIT_STDDEV, Kernel, constrain
 
-IMPLEMENTATIONS = ('auto', 'xla', 'dot_product', 'splash')
+# 'dot_product': jax.nn.dot_product_attention as XLA lowers it; 'cudnn': the same call with cuDNN's flash kernel
+# (GPU, bf16/fp16); 'splash': Pallas TPU splash attention; 'splash_interpret': splash in Pallas interpret mode on any
+# backend (tests, and the plan tracing a TPU's attention on a CPU).
+IMPLEMENTATIONS = ('auto', 'xla', 'dot_product', 'cudnn', 'splash', 'splash_interpret')
 POSITIONS = ('learned', 'rope')
 _HEADS_AXES = ('batch', 'length', 'heads', 'kv')
+_CUDNN_DTYPES = ('bfloat16', 'float16')
 
 
-def resolve_implementation(implementation: str, backend: str | None = None) -> str:
-  """The kernel 'auto' stands for on `backend` (default: JAX's default backend)."""
-  if implementation != 'auto':
-    return implementation
-  backend = backend or jax.default_backend()
-  return {'tpu': 'splash', 'gpu': 'dot_product'}.get(backend, 'xla')
+class Choice(NamedTuple):
+  """The kernel that runs, and why it is not the one asked for ('' when it is, or 'auto' found its best)."""
+  kernel: str
+  fallback: str = ''
+
+
+def select(setting: str, backend: str, dtype, segments: bool = False) -> Choice:
+  """The kernel `setting` runs as on `backend` at compute `dtype`, with or without segment ids: pure, so every
+  backend's choice is testable on a CPU and the plan traces what the chip will run.
+
+  'auto': splash on TPU; on GPU cuDNN's flash kernel for bf16/fp16 without segment ids, else XLA's
+  attention with the reason as `fallback` (the caller logs it: never a silent fallback); XLA's on CPU.
+  An explicit kernel that cannot run here is refused (ConfigError naming the fix): splash off a
+  TPU unless as 'splash_interpret', cuDNN off a GPU, at float32 or with segment ids.
+  """
+  dtype = jnp.dtype(dtype).name
+  if setting == 'auto':
+    if backend == 'tpu':
+      return Choice('splash')
+    if backend != 'gpu':
+      return Choice('xla')
+    if dtype not in _CUDNN_DTYPES:
+      return Choice(
+          'xla', f"cuDNN's flash attention takes bf16/fp16, not {dtype}: XLA's attention runs "
+          '(T x T scores; --config.model.dtype=bfloat16 runs the flash kernel)')
+    if segments:
+      return Choice(
+          'xla', "cuDNN's flash attention here takes no segment ids (packed documents): XLA's "
+          'attention runs (T x T scores)')
+    return Choice('cudnn')
+  if setting == 'splash' and backend != 'tpu':
+    raise ConfigError(f"model.attention=splash is a TPU kernel and this backend is {backend}: use 'auto', or "
+                      "'splash_interpret' to emulate it (slow; tests)")
+  if setting == 'cudnn' and (backend != 'gpu' or dtype not in _CUDNN_DTYPES or segments):
+    raise ConfigError(f'model.attention=cudnn needs a GPU, bf16/fp16 and no segment ids; here {backend}, {dtype}'
+                      f"{', segment ids' if segments else ''}: use --config.model.attention=auto")
+  return Choice(setting)
 
 
 def rope(x: jax.Array, theta: float) -> jax.Array:
@@ -79,13 +118,15 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array 
   return jnp.einsum('bkgts,bskd->btkgd', probs, v).reshape(b, t, n, d)
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None) -> jax.Array:
-  """jax.nn.dot_product_attention (cuDNN flash attention on GPU); handles GQA natively.
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None,
+                          implementation: str | None = None) -> jax.Array:
+  """jax.nn.dot_product_attention, as XLA lowers it or (implementation='cudnn') cuDNN's flash kernel; handles GQA
+  natively.
 
-  Segments enter as a [B, 1, T, T] boolean mask next to is_causal.
+  Segments enter as a [B, 1, T, T] boolean mask next to is_causal (`select` keeps them from cuDNN).
   """
   mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
 
 
 def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None, *,
@@ -113,15 +154,16 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array 
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, d)
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None, *,
+                     interpret: bool = False) -> jax.Array:
   """Pallas TPU splash attention; under a mesh, one kernel per batch and head shard (shard_map).
 
-  Off TPU the kernel runs in Pallas interpret mode (same arithmetic, emulated), for tests.
+  `interpret`: Pallas interpret mode (same arithmetic, emulated on any backend), for tests and the plan.
 
   A Pallas call has no partitioning rule, so without shard_map XLA would gather the global
   batch onto every chip; sequences and heads are independent, so shards need no exchange.
   """
-  local = functools.partial(_splash_local, interpret=jax.default_backend() != 'tpu')
+  local = functools.partial(_splash_local, interpret=interpret)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return local(q, k, v, segments)
@@ -135,7 +177,10 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Arr
   return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)(*args)
 
 
-_KERNELS = {'xla': xla_attention, 'dot_product': dot_product_attention, 'splash': splash_attention}
+_KERNELS = {
+    'xla': xla_attention, 'dot_product': dot_product_attention,
+    'cudnn': functools.partial(dot_product_attention, implementation='cudnn'), 'splash': splash_attention,
+    'splash_interpret': functools.partial(splash_attention, interpret=True)}
 
 
 class CausalSelfAttention(nnx.Module):
@@ -159,5 +204,8 @@ class CausalSelfAttention(nnx.Module):
     v = constrain(self.value('btd,dhk->bthk', x), _HEADS_AXES)
     if self.rope_theta:
       q, k = rope(q, self.rope_theta), rope(k, self.rope_theta)
-    mixed = _KERNELS[resolve_implementation(self.implementation)](q, k, v, segments)
+    choice = select(self.implementation, jax.default_backend(), q.dtype, segments is not None)
+    if choice.fallback:
+      logging.warning('model.attention=%s: %s', self.implementation, choice.fallback)
+    mixed = _KERNELS[choice.kernel](q, k, v, segments)
     return self.out('bqhk,hkd->bqd', constrain(mixed, _HEADS_AXES))

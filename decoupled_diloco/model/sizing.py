@@ -79,7 +79,7 @@ class Settings:
     if not -1 <= self.document_eod_id < self.vocab_size:
       _refuse(f'model.document_eod_id is {self.document_eod_id}: it is set from data.mask_document_boundaries, '
               'leave it at -1')
-    if self.attention == 'splash' and self.seq_len % 128:
+    if self.attention.startswith('splash') and self.seq_len % 128:
       _refuse(f'model.attention=splash needs seq_len a multiple of 128 (its block), got {self.seq_len}: '
               "use --config.model.attention=xla or 'dot_product'")
     # Only an offload config asks the backend: validating must not start JAX's backend (a sweep

@@ -28,10 +28,10 @@ def build_learner(config, plan: schedule.RunPlan, index: int, group: group_lib.G
                       "start it with jax_num_cpu_devices (experiments.train does) or on its own slice")
   tokenizer_lib.resolve_model_vocab(config)
   corpus = sources.load_corpus(config.data, config.model.seq_len)
-  model, params, param_axes = model_lib.build_model(config.model, config.seed)
+  model, shapes, param_axes = model_lib.abstract_params(config.model)  # The params are created sharded, on the mesh.
   rows_per_process = config.learners.batch_size[index] // jax.process_count()
   rows = range(jax.process_index() * rows_per_process, (jax.process_index() + 1) * rows_per_process)
-  learner = experiment.build_learner(config, plan, index, devices[:count], corpus, model, params, param_axes, rows)
+  learner = experiment.build_learner(config, plan, index, devices[:count], corpus, model, shapes, param_axes, rows)
   # θ comes to the leader one leaf at a time (only its Δ is sent); as pushed, it anchors a fragment no merge moved.
   learner.to_host, learner.keep_pushed, learner.forms_delta = group.gather_to_leader, True, group.leader
   return learner

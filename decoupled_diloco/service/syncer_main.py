@@ -22,7 +22,7 @@ import numpy as np
 
 from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import experiment, metrics as metrics_lib, model as model_lib
-from decoupled_diloco import storage, syncer as syncer_lib, workdir_lock
+from decoupled_diloco import sharded_init, storage, syncer as syncer_lib, workdir_lock
 from decoupled_diloco.data import sources
 from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
@@ -120,10 +120,9 @@ def initial_params(config, checkpoints: str):
   model's params (an eager computation per leaf: 13 s at the demo's size on a loaded host)
   would only delay serving; jax.eval_shape gives the shapes for nothing.
   """
-  if not config.resume or latest_checkpoint(checkpoints) is None:
-    model, params, _ = model_lib.build_model(config.model, config.seed)
-    return model, params
   model, shapes, _ = model_lib.abstract_params(config.model)
+  if not config.resume or latest_checkpoint(checkpoints) is None:
+    return model, sharded_init.host_params(config.model, config.seed)  # Drawn in host memory, never on a chip.
   return model, jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), shapes)
 
 

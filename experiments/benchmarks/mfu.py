@@ -6,7 +6,7 @@ variants, times what a learner runtime calls per inner step, `Learner.step` (bat
 a plain jax.jit + optax AdamW step of the same model, layout and devices (`runners`), and a second
 bare loop as an A/A control; `paired_ratios` says how the noise of a shared machine is handled.
 mfu = model FLOPs per second / (devices x peak bf16 FLOP/s) where the device's peak is known
-(TPU, H100/H200), else null; model FLOPs are the analytic 6N + attention count
+(hardware.ACCELERATORS, matched by exact device_kind), else null; model FLOPs are the analytic 6N + attention count
 (model.flops_per_token), so remat's recomputation is not counted as useful work.
 `flops_xla_vs_analytic` checks that count: XLA's cost analysis of the lowered forward + backward
 of each full-size config (one sequence, nothing compiled) over the analytic count.
@@ -40,17 +40,19 @@ from configs import default  # noqa: E402
 from decoupled_diloco import hardware, inner, learner as learner_lib, mesh, model as model_lib  # noqa: E402
 from decoupled_diloco.model import attention  # noqa: E402
 
-# Peak dense bf16 FLOP/s per device, by jax device_kind prefix.
-_PEAKS = {
-    "TPU v4": hardware.CHIP_PEAK_FLOPS["v4"], "TPU v5 lite": hardware.CHIP_PEAK_FLOPS["v5e"],
-    "TPU v5": hardware.CHIP_PEAK_FLOPS["v5p"], "TPU v6 lite": hardware.CHIP_PEAK_FLOPS["v6e"], "NVIDIA H100": 989e12,
-    "NVIDIA H200": 989e12}
 SIZES = {
-    "125m": dict(d_model=768, num_layers=12, num_heads=12, d_ff=2048), "350m": dict(d_model=1024, num_layers=24,
-                                                                                    num_heads=16, d_ff=2816)}
+    "125m": dict(d_model=768, num_layers=12, num_heads=12, d_ff=2048),
+    "350m": dict(d_model=1024, num_layers=24, num_heads=16, d_ff=2816),
+    "1b": dict(d_model=2048, num_layers=18, num_heads=16, d_ff=5632),}  # 1b: the device check's (device_check.py).
 # attention/remat: the plain model, the fused kernel per backend, and the remat policies that trade FLOPs for memory.
 VARIANTS = ("xla/none", "dot_product/none", "auto/minimal", "auto/full")
 SIDES = ("framework", "bare", "bare_again")
+
+
+def device_peak_flops(device) -> float | None:
+  """The device's dense bf16 peak by its exact device_kind (hardware.chip_of_device); None where unknown (CPU)."""
+  chip = hardware.chip_of_device(device.device_kind)
+  return None if chip is None else hardware.CHIP_PEAK_FLOPS[chip]
 
 
 def model_config(size: str, variant: str, on_cpu: bool, scan_layers: bool = True):
@@ -183,14 +185,14 @@ def measure(sizes, variants, rounds: int, steps: int) -> tuple[dict, dict]:
   on_cpu = backend == "cpu"
   clock = "cpu" if on_cpu else "wall"
   devices = jax.devices()[:4] if on_cpu else jax.devices()
-  peak = next((p for prefix, p in _PEAKS.items() if devices[0].device_kind.startswith(prefix)), None)
+  peak = device_peak_flops(devices[0])
   batch_size = 8 if on_cpu else 8 * len(devices)
   mfu, timed, costs = {}, {}, {}
   for size in sizes:
     for variant in variants:
       cfg = model_config(size, variant, on_cpu)
       kind, remat = variant.split("/")
-      name = f"{size}{'-cpu' if on_cpu else ''}/{attention.resolve_implementation(kind, backend)}/{remat}"
+      name = f"{size}{'-cpu' if on_cpu else ''}/{attention.select(kind, backend, cfg.dtype).kernel}/{remat}"
       if name in timed:
         continue  # `auto` resolved to a kernel already timed with the same remat.
       runs, costs[name] = runners(cfg, devices, batch_size, steps)
@@ -214,7 +216,7 @@ def measure(sizes, variants, rounds: int, steps: int) -> tuple[dict, dict]:
 def main(argv=None) -> None:
   """Parses which configs to time, measures them, prints the context line and then the one JSON line."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--sizes", default=",".join(SIZES), help=f"some of {', '.join(SIZES)}")
+  parser.add_argument("--sizes", default="125m,350m", help=f"some of {', '.join(SIZES)}")
   parser.add_argument("--variants", default=",".join(VARIANTS), help="attention/remat pairs")
   parser.add_argument("--rounds", type=int, default=15, help="palindrome rounds per config (medians taken)")
   parser.add_argument("--steps", type=int, default=1, help="steps per timed block")
