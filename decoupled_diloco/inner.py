@@ -61,8 +61,8 @@ class Settings:
         (self.optimizer in inner_optimizers.OPTIMIZERS,
          f"inner.optimizer={self.optimizer!r} must be one of {inner_optimizers.OPTIMIZERS}"),
         (0 <= self.muon_beta < 1, f"inner.muon_beta={self.muon_beta} must be in [0, 1)"),
-        (settings_lib.is_int(self.muon_ns_steps) and self.muon_ns_steps >= 1,
-         f"inner.muon_ns_steps={self.muon_ns_steps!r} must be an int >= 1"),
+        (settings_lib.is_int(self.muon_ns_steps) and
+         self.muon_ns_steps >= 1, f"inner.muon_ns_steps={self.muon_ns_steps!r} must be an int >= 1"),
         (self.muon_consistent_rms >= 0, f"inner.muon_consistent_rms={self.muon_consistent_rms} must be >= 0 "
          "(0 = width scaling)"),
         *((self.optimizer == "muon" or getattr(self, f.name) == f.default,

@@ -69,10 +69,10 @@ def muon(settings, schedule) -> optax.GradientTransformation:
   one weight decay (decoupled, times lr; on every leaf, embeddings and norm scales too, as Moonlight
   and optax apply it). 0 keeps Keller Jordan's √max(1, fan_out/fan_in), which needs its own, larger lr.
   """
-  return optax.contrib.muon(
-      schedule, ns_steps=settings.muon_ns_steps, beta=settings.muon_beta, weight_decay=settings.weight_decay,
-      adam_b1=settings.b1, adam_b2=settings.b2, adam_weight_decay=settings.weight_decay,
-      muon_weight_dimension_numbers=muon_dimensions, consistent_rms=settings.muon_consistent_rms or None)
+  return optax.contrib.muon(schedule, ns_steps=settings.muon_ns_steps, beta=settings.muon_beta,
+                            weight_decay=settings.weight_decay, adam_b1=settings.b1, adam_b2=settings.b2,
+                            adam_weight_decay=settings.weight_decay, muon_weight_dimension_numbers=muon_dimensions,
+                            consistent_rms=settings.muon_consistent_rms or None)
 
 
 def require_optax_muon() -> None:

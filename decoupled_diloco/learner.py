@@ -81,10 +81,13 @@ class Learner:
   def feedback_state(self) -> list:
     """Each fragment's error-feedback residual as host arrays, for a checkpoint: zeros before the fragment's
     first push, which fold in as nothing (e = β·0 + Δ is Δ to the bit), so a restored run sends what this one would."""
-    params = jax.eval_shape(self.loop.from_step, self.state.params)
-    return [[np.asarray(r) for r in residual] if residual is not None else
-            [np.zeros(x.shape, np.float32) for x in jax.tree.leaves(fragments.select(params, self.assignment, p))]
-            for p, residual in enumerate(self.residuals)]
+    params, residuals = jax.eval_shape(self.loop.from_step, self.state.params), []
+    for p, residual in enumerate(self.residuals):
+      if residual is None:
+        residual = [
+            np.zeros(x.shape, np.float32) for x in jax.tree.leaves(fragments.select(params, self.assignment, p))]
+      residuals.append([np.asarray(r) for r in residual])
+    return residuals
 
   def restore(self, state, data_state=None) -> None:
     """Takes a checkpointed TrainState (block_i's) and its data position (None: not saved), so a resumed

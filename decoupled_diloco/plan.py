@@ -88,7 +88,8 @@ def state_bytes(params_shape, param_axes, layout: mesh.Layout, held=None) -> int
   sizes = dict(zip(mesh.MESH_AXES, layout.shape))
   held = jax.tree.leaves(params_shape if held is None else held, is_leaf=inner.is_masked)
   return sum(
-      mesh.shard_bytes(p.shape, mesh.param_spec(p.shape, axes, sizes), sizes, jnp.dtype(leaf.dtype).itemsize)
+      mesh.shard_bytes(p.shape, mesh.param_spec(p.shape, axes, sizes), sizes,
+                       jnp.dtype(leaf.dtype).itemsize)
       for p, axes, leaf in zip(jax.tree.leaves(params_shape), _axes_leaves(param_axes), held)
       if not inner.is_masked(leaf))
 

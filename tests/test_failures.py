@@ -114,9 +114,9 @@ ROWS = {  # Rows every JSON map holds at the tiny size.
 FLAGS = {"compression_quality": ["--formats=fp32,int4,int2"]}  # The rows it needs: each other format is one more.
 
 
-@pytest.mark.parametrize("benchmark",
-                         ["failure_quality", "quorum_grace", "learners_sweep", "hetero_quality", "compression_quality",
-                          "h_sweep"])
+@pytest.mark.parametrize(
+    "benchmark",
+    ["failure_quality", "quorum_grace", "learners_sweep", "hetero_quality", "compression_quality", "h_sweep"])
 def test_paper_benchmarks_run_end_to_end(benchmark, tmp_path):
   """Tiny sizes on a small text file: the rows, the runs and the JSON line still fit together."""
   text = tmp_path / "text.txt"

@@ -68,11 +68,12 @@ def test_muon_update_equals_the_newton_schulz_equation_on_a_hand_made_matrix():
 @pytest.mark.parametrize("scan", [False, True])
 def test_muon_takes_every_block_matrix_and_leaves_embeddings_head_and_norms_to_adamw(scan):
   config = tiny_config(**{"model.num_layers": 2, "model.mlp": "swiglu", "model.scan_layers": scan})
-  model, params, _ = model_lib.abstract_params(config.model)
+  _, params, _ = model_lib.abstract_params(config.model)
   if scan:
     params = jax.eval_shape(lambda p: model_lib.stack_blocks(p, 2), params)
-  paths = {jax.tree_util.keystr(path): dims for path, dims in jax.tree_util.tree_leaves_with_path(
-      inner_optimizers.muon_dimensions(params), is_leaf=lambda x: x is None or isinstance(x, tuple))}
+  paths = {
+      jax.tree_util.keystr(path): dims for path, dims in jax.tree_util.tree_leaves_with_path(
+          inner_optimizers.muon_dimensions(params), is_leaf=lambda x: x is None or isinstance(x, tuple))}
   block = "['blocks']" if scan else "['block_1']"
   first = int(scan)  # The stacked layer axis is a batch axis: every layer is its own matrix.
   assert paths[f"{block}['attn']['query']['kernel']"] == (first, (first + 1, first + 2))  # d_model -> heads x dim
@@ -81,7 +82,6 @@ def test_muon_takes_every_block_matrix_and_leaves_embeddings_head_and_norms_to_a
   for adamw in ("['token_embed']", "['pos_embed']", "['lm_head']", "['final_norm']['scale']",
                 f"{block}['mlp_norm']['scale']"):
     assert paths[adamw] is None, adamw
-  del model
 
 
 def test_muon_state_is_sharded_like_its_params_and_a_sharded_step_equals_one_device_s():
@@ -91,8 +91,8 @@ def test_muon_state_is_sharded_like_its_params_and_a_sharded_step_equals_one_dev
   batch = np.random.default_rng(0).integers(0, 256, (8, config.model.seq_len + 1), dtype=np.int32)
 
   def three_steps(devices, layout):
-    loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(devices, layout), jax.eval_shape(lambda p: p,
-                                                                                                      params), axes)
+    loop = inner.build_inner_loop(model, optimizer, mesh.group_mesh(devices, layout),
+                                  jax.eval_shape(lambda p: p, params), axes)
     state = loop.init(params)
     for _ in range(3):
       state, _ = loop.step(state, loop.put_batch(batch))
@@ -119,9 +119,10 @@ def test_the_plan_counts_muons_one_moment_per_matrix_per_chip():
   _, params_shape, axes = model_lib.abstract_params(config.model)
   per_state = plan.state_bytes(params_shape, axes, layout)
   dimensions = inner_optimizers.muon_dimensions(params_shape)
-  matrices = plan.state_bytes(params_shape, axes, layout, jax.tree.map(
-      lambda p, d: optax.MaskedNode() if d is None else p, params_shape, dimensions,
-      is_leaf=lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)))
+  matrices = plan.state_bytes(
+      params_shape, axes, layout,
+      jax.tree.map(lambda p, d: optax.MaskedNode() if d is None else p, params_shape, dimensions,
+                   is_leaf=lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)))
   assert 0 < matrices < per_state
   assert plan.optimizer_bytes(config, params_shape, axes, layout) == 2 * per_state - matrices
   config.inner.optimizer = "adamw"
@@ -130,14 +131,16 @@ def test_the_plan_counts_muons_one_moment_per_matrix_per_chip():
 
 @pytest.mark.slow  # ~30 s: three short lockstep runs.
 def test_a_muon_run_with_stacked_layers_learns_and_resumes_exactly(tmp_path):
-  config = tiny_config(**{"inner.optimizer": "muon", "model.num_layers": 2, "model.scan_layers": True,
-                          "outer_steps": 4, "checkpoint_every": 2})
+  config = tiny_config(**{
+      "inner.optimizer": "muon", "model.num_layers": 2, "model.scan_layers": True, "outer_steps": 4,
+      "checkpoint_every": 2})
   lockstep.run(experiment.build(config), str(tmp_path / "full"))
   lockstep.run(experiment.build(config), str(tmp_path / "cut"), stop_after=3)
   config.resume = True
   lockstep.run(experiment.build(config), str(tmp_path / "cut"))
-  records = {run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-             for run in ("full", "cut")}
+  records = {
+      run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+      for run in ("full", "cut")}
   for run in records.values():
     for record in run:
       record.pop("wall_time")

@@ -22,8 +22,12 @@ from experiments.benchmarks import shakespeare  # noqa: E402
 
 HS = "1,5,20,50"
 TINY_HS, TINY_STEPS = "1,2", 4
-BASE = {"mode": "diloco", "runtime": "sim", "eval_every": 1_000_000, "eval_batches": 8,  # The final eval only,
-        "checkpoint_every": 1_000_000}  # and the final checkpoint: H = 1 would write one every 5 steps.
+BASE = {
+    "mode": "diloco",
+    "runtime": "sim",
+    "eval_every": 1_000_000,
+    "eval_batches": 8,  # The final eval only,
+    "checkpoint_every": 1_000_000}  # and the final checkpoint: H = 1 would write one every 5 steps.
 PUBLISHED = "DiLoCo 150M, k = 8: H = 1000 is 2.9% worse than H = 50; bytes fall as 1/H"
 _HS = flags.DEFINE_string("hs", HS, "Comma-separated H values; each must divide --steps.")
 _STEPS = flags.DEFINE_integer("steps", 200, "Inner steps per learner, the same in every row (equal tokens).")
@@ -59,9 +63,9 @@ def main(argv) -> None:
           f"{sent[key] / 1e6:.2f} | {sent[key] * h / 1e6:.2f} |")
   common.emit_keys(
       {
-          "eval_loss": {h: round(value, 4) for h, value in loss.items()},
-          "mb_sent": {h: round(value / 1e6, 3) for h, value in sent.items()}, "steps": steps,
-          "wall_seconds": {h: round(value) for h, value in wall.items()}, "published": PUBLISHED}, ("eval_loss",))
+          "eval_loss": {h: round(value, 4) for h, value in loss.items()}, "mb_sent": {
+              h: round(value / 1e6, 3) for h, value in sent.items()}, "steps": steps, "wall_seconds": {
+                  h: round(value) for h, value in wall.items()}, "published": PUBLISHED}, ("eval_loss",))
 
 
 if __name__ == "__main__":
