@@ -73,14 +73,18 @@ def get_config() -> ml_collections.ConfigDict:
   config.learners.slowdown = ()  # Per-group sleep factor; () = none.
 
   config.inner = ml_collections.ConfigDict()
-  config.inner.lr = 3e-3  # Peak AdamW learning rate (DiLoCo uses 4e-4 at 150M params).
+  config.inner.optimizer = "adamw"  # 'adamw' (DiLoCo) or 'muon' (block matrices; AdamW the rest: MuLoCo).
+  config.inner.lr = 3e-3  # Peak AdamW learning rate (DiLoCo uses 4e-4 at 150M params); Muon's too (consistent RMS).
   config.inner.warmup_steps = 50  # Linear warmup steps, counted per learner.
   config.inner.final_lr_fraction = 0.1  # Cosine decays to this fraction of lr at the last step.
-  config.inner.weight_decay = 0.1  # AdamW decoupled weight decay (matrices only).
+  config.inner.weight_decay = 0.1  # Decoupled weight decay x lr (AdamW: matrices only; Muon: every leaf, as optax).
   config.inner.clip_norm = 1.0  # Global gradient-norm clip.
-  config.inner.b1 = 0.9  # AdamW beta1.
-  config.inner.b2 = 0.95  # AdamW beta2.
+  config.inner.b1 = 0.9  # AdamW beta1 (also of Muon's AdamW half).
+  config.inner.b2 = 0.95  # AdamW beta2 (also of Muon's AdamW half).
   config.inner.microbatches = 1  # Gradient accumulation over k microbatches (batch % (k x devices) == 0).
+  config.inner.muon_beta = 0.95  # Muon's Nesterov momentum (optimizer='muon' only, as the muon_* fields).
+  config.inner.muon_ns_steps = 5  # Newton-Schulz iterations orthogonalising each matrix's update.
+  config.inner.muon_consistent_rms = 0.2  # Update x 0.2 sqrt(max(fan_in, fan_out)): AdamW's RMS (0 = width scaling).
 
   config.outer = ml_collections.ConfigDict()
   # 'auto' (and buffer_size 0, policy.kind 'auto'): the mode's recipe, decoupled_diloco/mode_defaults.py.

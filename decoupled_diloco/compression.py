@@ -4,8 +4,8 @@ Each format turns a float tensor into a payload dict whose arrays are exactly th
 sent, so `Compressed.nbytes` is the wire size and `wire_bytes` reproduces it from the shapes
 alone (why: the cost models price 12B-parameter pushes without allocating them). Formats
 (fp32, bf16, blockwise int8/int4/int2, fp4 E3M0, top-k) and their layouts: docs/streaming.md.
-Error feedback (Karimireddy et al. 2019) keeps what compression lost, e = β e + Δ, and
-sends it later.
+Error feedback (Karimireddy et al. 2019) keeps what a lossy format lost, e = β e + Δ, and
+sends it later; each learner keeps its own residual per fragment (docs/exchange.md, "Error feedback").
 """
 
 import dataclasses
@@ -22,6 +22,7 @@ from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.errors import ConfigError
 
 FORMATS = ("fp32", "bf16", "int8", "int4", "fp4", "int2", "topk")
+LOSSLESS = ("fp32", "bf16")  # Nothing (bf16: rounding at 2^-8 relative) for error feedback to keep.
 DOWNLINK_FORMATS = ("fp32", "bf16")  # Θ_p sent back to learners; the syncer keeps fp32.
 _LEVELS = {"int8": 127, "int4": 7, "int2": 1}  # q in [-L, L]; codes are q + L.
 _PACKED_BITS = {"int4": 4, "fp4": 4, "int2": 2}
@@ -50,6 +51,13 @@ class Codec:
     if not 0 < self.error_feedback_beta <= 1:
       raise ConfigError(f"compression.error_feedback_beta={self.error_feedback_beta} must be in (0, 1]: "
                         f"set --config.compression.error_feedback_beta, e.g. 1.0")
+    if self.error_feedback and self.format in LOSSLESS:
+      raise ConfigError(f"compression.error_feedback=True has nothing to feed back with format {self.format!r} "
+                        f"(lossless, or about so): set --config.compression.error_feedback=False or a lossy format "
+                        f"({', '.join(f for f in FORMATS if f not in LOSSLESS)})")
+    if not self.error_feedback and self.error_feedback_beta != 1.0:
+      raise ConfigError(f"compression.error_feedback_beta={self.error_feedback_beta} applies with error feedback "
+                        "only: set --config.compression.error_feedback=True or leave the beta at 1.0")
 
   @classmethod
   def from_config(cls, cfg) -> "Codec":

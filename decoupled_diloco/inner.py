@@ -1,8 +1,8 @@
-"""The inner loop of one learner group: AdamW with warmup + cosine, one sharded `jax.jit`.
+"""The inner loop of one learner group: AdamW or Muon with warmup + cosine, one sharded `jax.jit`.
 
 The train step is a pure `(state, batch) -> (state, metrics)`; the jit pins its input and
 output shardings to the group's mesh and donates the old state, so a step holds one copy
-of params + AdamW moments. Nothing here knows about DiLoCo: the outer loop swaps
+of params + optimizer moments (each sharded as its param). Nothing here knows about DiLoCo: the outer loop swaps
 `state.params` between rounds and leaves the optimizer state alone (it is never reset).
 """
 
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from decoupled_diloco import inner_optimizers
 from decoupled_diloco import mesh as mesh_lib
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco import sharded_init
@@ -31,7 +32,11 @@ class TrainState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  """`config.inner`, validated: AdamW settings optax would take and train with silently (a negative lr ascends)."""
+  """`config.inner`, validated: optimizer settings optax would take and train with silently (a negative lr ascends).
+
+  The muon_* fields (defaults as in configs/default.py) apply to optimizer 'muon' only; changed under
+  'adamw' they are refused, not ignored.
+  """
   lr: float
   warmup_steps: int
   final_lr_fraction: float
@@ -40,6 +45,10 @@ class Settings:
   b1: float
   b2: float
   microbatches: int = 1  # Checked against each group's batch by `validate_microbatches` (it needs the layout).
+  optimizer: str = "adamw"
+  muon_beta: float = 0.95
+  muon_ns_steps: int = 5
+  muon_consistent_rms: float = 0.2
 
   def __post_init__(self):
     checks = (
@@ -50,9 +59,22 @@ class Settings:
         (self.clip_norm > 0, f"inner.clip_norm={self.clip_norm} must be > 0"),
         (0 <= self.b1 < 1, f"inner.b1={self.b1} must be in [0, 1)"),
         (0 <= self.b2 < 1, f"inner.b2={self.b2} must be in [0, 1)"),
+        (self.optimizer in inner_optimizers.OPTIMIZERS,
+         f"inner.optimizer={self.optimizer!r} must be one of {inner_optimizers.OPTIMIZERS}"),
+        (0 <= self.muon_beta < 1, f"inner.muon_beta={self.muon_beta} must be in [0, 1)"),
+        (settings_lib.is_int(self.muon_ns_steps) and
+         self.muon_ns_steps >= 1, f"inner.muon_ns_steps={self.muon_ns_steps!r} must be an int >= 1"),
+        (self.muon_consistent_rms >= 0, f"inner.muon_consistent_rms={self.muon_consistent_rms} must be >= 0 "
+         "(0 = width scaling)"),
+        *((self.optimizer == "muon" or getattr(self, f.name) == f.default,
+           f"inner.{f.name}={getattr(self, f.name)} applies to inner.optimizer='muon' only, which is "
+           f"{self.optimizer!r} here; set it to muon or leave {f.name} at {f.default}")
+          for f in dataclasses.fields(self) if f.name.startswith("muon_")),
     )
     settings_lib.check((ok, f"{message}: set --config.{message.split('=', 1)[0]} (defaults in configs/default.py)")
                        for ok, message in checks)
+    if self.optimizer == "muon":
+      inner_optimizers.require_optax_muon()
 
   @classmethod
   def from_config(cls, inner_cfg) -> "Settings":
@@ -61,21 +83,15 @@ class Settings:
 
 
 def inner_optimizer(inner_cfg, total_steps: int) -> optax.GradientTransformation:
-  """AdamW as in DiLoCo: linear warmup, cosine decay, global-norm clipping.
-
-  Weight decay skips vectors (norm scales, biases), as is standard for Transformers; a leaf of
-  stacked blocks (scan_layers) counts its leading layer axis out.
-  """
-  schedule = optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=inner_cfg.lr,
-                                                warmup_steps=min(inner_cfg.warmup_steps, total_steps),
-                                                decay_steps=max(total_steps, inner_cfg.warmup_steps + 1),
-                                                end_value=inner_cfg.lr * inner_cfg.final_lr_fraction)
-  return optax.chain(
-      optax.clip_by_global_norm(inner_cfg.clip_norm),
-      optax.adamw(
-          schedule, b1=inner_cfg.b1, b2=inner_cfg.b2,
-          weight_decay=inner_cfg.weight_decay, mask=lambda params: jax.tree_util.tree_map_with_path(
-              lambda path, p: p.ndim - model_lib.layer_axes(path) > 1, params)))
+  """The configured inner optimizer (`inner_optimizers`) as in DiLoCo: linear warmup, cosine decay,
+  global-norm clipping of the gradient before either optimizer sees it."""
+  settings = Settings.from_config(inner_cfg)
+  schedule = optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=settings.lr,
+                                                warmup_steps=min(settings.warmup_steps, total_steps),
+                                                decay_steps=max(total_steps, settings.warmup_steps + 1),
+                                                end_value=settings.lr * settings.final_lr_fraction)
+  return optax.chain(optax.clip_by_global_norm(settings.clip_norm),
+                     inner_optimizers.BUILDERS[settings.optimizer](settings, schedule))
 
 
 def validate_microbatches(microbatches, batch_size: int, devices: int, group: int) -> None:
@@ -108,7 +124,7 @@ def loss_and_grads(model: LanguageModel, params, batch, microbatches: int = 1):
 
 def train_step(model: LanguageModel, optimizer: optax.GradientTransformation, state: TrainState, batch,
                microbatches: int = 1):
-  """One AdamW step on the mean next-token loss of `batch` (accumulated over microbatches).
+  """One optimizer step on the mean next-token loss of `batch` (accumulated over microbatches).
 
   With scan_layers the state holds the blocks stacked as [L, ...] leaves (`InnerLoop.to_step`), so
   the update, the norm and the step's inputs and outputs are one op and one buffer per block param
@@ -272,13 +288,36 @@ def abstract_inputs(loop: InnerLoop, optimizer: optax.GradientTransformation, pa
 
 
 def _map_params_like(fn, tree, like_def, other=lambda node: node):
-  """`tree` with `fn` applied to every subtree with the params' structure `like_def` (the params,
-  AdamW's moments) and `other` to every other leaf (counts)."""
-  is_like = lambda node: jax.tree.structure(node) == like_def  # noqa: E731
+  """`tree` with `fn` applied to every subtree with the params' structure `like_def` (the params, an
+  optimizer's moments) and `other` to every other leaf (counts).
+
+  A moment of an optimizer that partitions the params (Muon's and its AdamW's) holds optax's empty
+  `MaskedNode` where the other one owns the param: it counts as a leaf here, so that subtree is
+  params-like too, and `fn` must leave those nodes be (`keep_masked`).
+  """
+  is_like = lambda node: jax.tree.structure(node, is_leaf=is_masked) == like_def  # noqa: E731
   return jax.tree.map(lambda node: fn(node) if is_like(node) else other(node), tree, is_leaf=is_like)
+
+
+def is_masked(node) -> bool:
+  """optax's placeholder for a param another optimizer of a partition owns: it holds no bytes."""
+  return isinstance(node, optax.MaskedNode)
+
+
+def moments(opt_state, params_shape) -> list:
+  """Every params-like subtree of an optimizer state (its moments); what the plan counts per chip."""
+  found = []
+  _map_params_like(found.append, opt_state, jax.tree.structure(params_shape))
+  return found
+
+
+def keep_masked(like, tree):
+  """`tree` (of the params' structure) with `like`'s `MaskedNode`s in their places: a masked moment's shardings."""
+  return jax.tree.map(lambda node, value: node if is_masked(node) else value, like, tree, is_leaf=is_masked)
 
 
 def _opt_state_shardings(optimizer: optax.GradientTransformation, params_shape, param_shardings, scalar):
   """Shardings for the optax state of `params_shape`: moments take their param's sharding, counts are replicated."""
-  return _map_params_like(lambda _: param_shardings, jax.eval_shape(optimizer.init, params_shape),
-                          jax.tree.structure(params_shape), lambda _: scalar)
+  return _map_params_like(lambda moments: keep_masked(moments, param_shardings),
+                          jax.eval_shape(optimizer.init, params_shape), jax.tree.structure(params_shape),
+                          lambda _: scalar)

@@ -78,6 +78,17 @@ class Learner:
       self.tokens_since_push[p] = self.steps_since_push[p] = 0
     self.pushed.clear()  # Pushes before a rejoin anchor nothing any more.
 
+  def feedback_state(self) -> list:
+    """Each fragment's error-feedback residual as host arrays, for a checkpoint: zeros before the fragment's
+    first push, which fold in as nothing (e = β·0 + Δ is Δ to the bit), so a restored run sends what this one would."""
+    params, residuals = jax.eval_shape(self.loop.from_step, self.state.params), []
+    for p, residual in enumerate(self.residuals):
+      if residual is None:
+        residual = [
+            np.zeros(x.shape, np.float32) for x in jax.tree.leaves(fragments.select(params, self.assignment, p))]
+      residuals.append([np.asarray(r) for r in residual])
+    return residuals
+
   def restore(self, state, data_state=None) -> None:
     """Takes a checkpointed TrainState (block_i's) and its data position (None: not saved), so a resumed
     learner goes on where it stopped: packed pipelines from their saved position instead of replaying."""
@@ -135,7 +146,7 @@ class Learner:
     leaves = jax.tree.leaves(params)
     if self.alpha:  # One of each (shape, dtype, sharding): what a compiled program is specialised on.
       ran += [_blend(self.alpha, x, x) for x in {(x.shape, x.dtype, x.sharding): x for x in leaves}.values()]
-    if self.codec.format != "fp32" or self.codec.error_feedback:
+    if self.codec.format != "fp32":
       zeros = [np.zeros(shape, np.float32) for shape in {x.shape for x in leaves}]  # A Δ on the host, as pushed.
       ran += compression.encode_with_feedback(self.codec, zeros)
       if ran[-1] is not None:  # The residual: later pushes fold it in, another program.
@@ -185,7 +196,7 @@ class Learner:
     """
     local = self.to_host(fragments.select(self.params, self.assignment, fragment))
     delta = outer.pseudo_gradient(self.anchors[fragment], local) if self.forms_delta else local
-    if self.codec.format == "fp32" and not self.codec.error_feedback:
+    if self.codec.format == "fp32":
       payload, wire_bytes = delta, compression.wire_bytes(self.codec, [x.shape for x in jax.tree.leaves(delta)])
     else:
       payload, self.residuals[fragment] = compression.encode_with_feedback(self.codec, jax.tree.leaves(delta),

@@ -1,7 +1,7 @@
 """What a run needs before anyone books a slice: per-chip memory, step time and the exchange's cost.
 
 Pure arithmetic over abstract shapes (nothing large is allocated), used by `experiments.plan`:
-- Memory per chip of one learner group: params, AdamW moments and gradients (float32, laid out
+- Memory per chip of one learner group: params, the inner optimizer's moments and gradients (laid out
   by the group's mesh layout), plus the activations the backward pass keeps. Those are counted
   from the model itself: the residuals `jax.vjp` saves (its remat policy included), split into
   what grows with the batch (taken at one chip's share of it) and weight copies (sharded like
@@ -97,12 +97,24 @@ class CommPlan:
     return math.ceil(self.transfer_seconds / self.step_seconds) if self.step_seconds else 0
 
 
-def state_bytes(params_shape, param_axes, layout: mesh.Layout) -> int:
-  """float32 bytes one chip holds of one params-shaped tree under `layout`."""
+def state_bytes(params_shape, param_axes, layout: mesh.Layout, held=None) -> int:
+  """Bytes one chip holds of one params-shaped tree under `layout`: the params (float32) or `held`, a moment of
+  the inner optimizer, whose leaves are sharded as their params and whose masked leaves (another optimizer's
+  params) hold nothing."""
   sizes = dict(zip(mesh.MESH_AXES, layout.shape))
+  held = jax.tree.leaves(params_shape if held is None else held, is_leaf=inner.is_masked)
   return sum(
-      mesh.shard_bytes(p.shape, mesh.param_spec(p.shape, axes, sizes), sizes, 4)
-      for p, axes in zip(jax.tree.leaves(params_shape), _axes_leaves(param_axes)))
+      mesh.shard_bytes(p.shape, mesh.param_spec(p.shape, axes, sizes), sizes,
+                       jnp.dtype(leaf.dtype).itemsize)
+      for p, axes, leaf in zip(jax.tree.leaves(params_shape), _axes_leaves(param_axes), held)
+      if not inner.is_masked(leaf))
+
+
+def optimizer_bytes(config, params_shape, param_axes, layout: mesh.Layout) -> int:
+  """Bytes one chip holds of the inner optimizer's moments: AdamW two per param, Muon one per block matrix and
+  two per other leaf (its AdamW half). Counted from the optimizer's own state, so a new optimizer is counted right."""
+  state = jax.eval_shape(inner.inner_optimizer(config.inner, 1).init, params_shape)
+  return sum(state_bytes(params_shape, param_axes, layout, moment) for moment in inner.moments(state, params_shape))
 
 
 def abstract_params(model_cfg):
@@ -204,7 +216,7 @@ def memory_plan(config, group: int) -> MemoryPlan:
   microbatches = config.inner.microbatches
   local_batch = config.learners.batch_size[group] // layout.batch_shards // microbatches
   gradients = per_state * (2 if microbatches > 1 else 1)  # An accumulator beside each microbatch's grads.
-  return MemoryPlan(per_state, 2 * per_state, gradients,
+  return MemoryPlan(per_state, optimizer_bytes(config, params_shape, param_axes, layout), gradients,
                     activation_bytes(target_model_config(config.model, chip), max(local_batch, 1), layout),
                     hardware.ACCELERATORS[chip].hbm_bytes)
 

@@ -309,7 +309,7 @@ class Syncer:
       sums, radii = None, None
       for _ in range(2):  # The first fold and later ones, the way this codec's pushes are folded.
         sums, radii = accumulate.fold(state.rda, sums, radii, jax.tree.leaves(zeros), np.float32(1),
-                                      one_at_a_time=self.codec.format != "fp32" or self.codec.error_feedback)
+                                      one_at_a_time=self.codec.format != "fp32")
       jax.block_until_ready(
           accumulate.merge_and_step(self.optimizer, state.rda, zeros, zeros_like(state.opt_state),
                                     merge.Accumulator(sums, radii, 2.0, 1.0), np.float32(0.5), arrivals=2))

@@ -150,6 +150,36 @@ def test_error_feedback_loses_nothing_over_rounds(fmt):
     np.testing.assert_allclose(t_sent + np.asarray(r), t_in, rtol=1e-4, atol=1e-3 * np.abs(t_in).max())
 
 
+def test_error_feedback_on_int2_keeps_the_accumulated_error_bounded_where_plain_int2_lets_it_grow():
+  """A fixed sequence of 12 pseudo-gradients of one slowly moving direction (what consecutive Δs of a run look
+  like) and noise: the sum of what int2 sent drifts from the sum of the Δs without error feedback, and stays
+  within one residual of it with."""
+  rng = np.random.default_rng(0)
+  drift = rng.standard_normal((64, 8)).astype(np.float32)
+  deltas = [drift + 0.3 * rng.standard_normal((64, 8)).astype(np.float32) for _ in range(12)]
+  errors = {}
+  for feedback in (False, True):
+    codec = compression.Codec(format="int2", block_size=BLOCK, error_feedback=feedback)
+    total, residual, errors[feedback] = np.zeros((64, 8)), None, []
+    for round_index, delta in enumerate(deltas, start=1):
+      sent, residual = compression.encode_with_feedback(codec, [delta], residual)
+      total += np.asarray(compression.decode(codec, sent)[0])
+      errors[feedback].append(np.linalg.norm(total - np.sum(deltas[:round_index], axis=0)))
+  assert errors[True][0] == errors[False][0]  # One round: nothing fed back yet.
+  assert errors[False][-1] > 5 * errors[False][0]  # Plain int2's bias adds up over the rounds...
+  assert errors[True][-1] < 0.2 * errors[False][-1]  # ...error feedback sends it later.
+  assert max(errors[True]) < 2 * errors[True][0]
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+def test_error_feedback_on_a_lossless_format_is_refused(fmt):
+  with pytest.raises(ConfigError, match=rf"error_feedback=True has nothing to feed back with format '{fmt}'") as error:
+    compression.Codec.from_config(compression_config(format=fmt, error_feedback=True))
+  assert "\n" not in str(error.value) and "--config.compression.error_feedback=False" in str(error.value)
+  with pytest.raises(ConfigError, match=r"error_feedback_beta=0.5 applies with error feedback only"):
+    compression.Codec.from_config(compression_config(format="int2", error_feedback_beta=0.5))
+
+
 def test_error_feedback_beta_decays_the_residual():
   codec = compression.Codec(format="topk", topk_fraction=0.25, error_feedback=True, error_feedback_beta=0.5)
   _, residual = compression.encode_with_feedback(codec, [np.float32([10, 2, 0, 0])])

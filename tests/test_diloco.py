@@ -71,7 +71,9 @@ def _records(workdir):
 
 @pytest.mark.slow  # Long: the fast subset leaves it to CI.
 def test_resumed_run_writes_the_same_metrics_as_an_uninterrupted_one(tmp_path):
-  config = tiny_config(outer_steps=4, checkpoint_every=2)
+  """With int2 error feedback: the residuals each learner kept are checkpointed and sent after the resume."""
+  config = tiny_config(outer_steps=4, checkpoint_every=2,
+                       **{"compression.format": "int2", "compression.error_feedback": True})
   lockstep.run(experiment.build(config), str(tmp_path / "full"))
   # Interrupted after round 3: its checkpoint is at round 2 and round 3's records must go.
   lockstep.run(experiment.build(config), str(tmp_path / "cut"), stop_after=3)

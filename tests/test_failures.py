@@ -107,15 +107,16 @@ def test_elastic_ddp_keeps_the_math_and_pays_in_time_while_a_restart_loses_work(
 
 ISSUE_KEYS = {  # The last line's keys, exactly, where the benchmark's issue names them all.
     "failure_quality": {"eval_loss", "goodput"}, "hetero_quality": {"eval_loss", "time_to_target"},
-    "compression_quality": {"eval_loss"}}
+    "compression_quality": {"eval_loss"}, "h_sweep": {"eval_loss"}}
 ROWS = {  # Rows every JSON map holds at the tiny size.
     "hetero_quality": {"ddp", "sync_diloco", "async_naive", "decoupled", "decoupled_homogeneous"},
-    "compression_quality": {"fp32", "int4", "int2"}}
+    "compression_quality": {"fp32", "int4", "int2"}, "h_sweep": {"1", "2"}}
 FLAGS = {"compression_quality": ["--formats=fp32,int4,int2"]}  # The rows it needs: each other format is one more.
 
 
-@pytest.mark.parametrize("benchmark",
-                         ["failure_quality", "quorum_grace", "learners_sweep", "hetero_quality", "compression_quality"])
+@pytest.mark.parametrize(
+    "benchmark",
+    ["failure_quality", "quorum_grace", "learners_sweep", "hetero_quality", "compression_quality", "h_sweep"])
 def test_paper_benchmarks_run_end_to_end(benchmark, tmp_path):
   """Tiny sizes on a small text file: the rows, the runs and the JSON line still fit together."""
   text = tmp_path / "text.txt"

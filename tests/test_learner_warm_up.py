@@ -13,11 +13,11 @@ import numpy as np
 from decoupled_diloco import experiment, fragments
 from tests import helpers
 
-# Every program a warm-up covers: stacked layers, int4 with error feedback, α > 0, two fragments.
+# Every program a warm-up covers: stacked layers, int4 with error feedback, α > 0, two fragments; Muon's state.
 _OVERRIDES = {
-    "mode": "decoupled", "runtime": "sim", "model.scan_layers": True, "compression.format": "int4",
-    "compression.error_feedback": True, "streaming.alpha": 0.5, "streaming.num_fragments": 2,
-    "streaming.strategy": "balanced"}
+    "inner.optimizer": "muon", "mode": "decoupled", "runtime": "sim", "model.scan_layers": True,
+    "compression.format": "int4", "compression.error_feedback": True, "streaming.alpha": 0.5,
+    "streaming.num_fragments": 2, "streaming.strategy": "balanced"}
 
 
 def _programs(caplog) -> list[str]:

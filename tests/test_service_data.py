@@ -30,10 +30,12 @@ def _records(workdir, name, kind):
 def test_a_restarted_learner_continues_its_packed_stream_exactly(tmp_path):
   (tmp_path / "data").mkdir()
   data = helpers.write_documents(tmp_path / "data")
-  # A budget far beyond the test: it stops the run once the restarted learner has trained two periods.
+  # A budget far beyond the test: it stops the run once the restarted learner has trained two periods. With int4
+  # error feedback the learner's checkpoint holds its residuals too, which the restart restores.
   overrides = [
       "--config.outer_steps=1000", "--config.data.source=array_record", f"--config.data.path={data}",
-      "--config.data.mask_document_boundaries=True", "--config.service.learner_checkpoint_every=1"]
+      "--config.data.mask_document_boundaries=True", "--config.service.learner_checkpoint_every=1",
+      "--config.compression.format=int4", "--config.compression.error_feedback=True"]
   cluster = LocalCluster("tests/service_config.py", str(tmp_path / "run"), overrides, 2,
                          env=dict(os.environ, DD_SYNCER_TOKEN="d" * 32))
   try:

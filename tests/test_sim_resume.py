@@ -16,9 +16,10 @@ from tests.helpers import tiny_config
 REPO = pathlib.Path(__file__).parents[1]
 
 # Everything that carries state across events: streaming fragments in flight (τ = 1), error
-# feedback residuals, a grace window, staleness, jittered step times and DyLU on two speeds.
+# feedback residuals, a grace window, staleness, jittered step times, DyLU on two speeds and Muon's
+# inner state (its momentum and its AdamW half's moments, partitioned over the params).
 OVERRIDES = {
-    "mode": "decoupled", "runtime": "sim", "learners.speed":
+    "inner.optimizer": "muon", "mode": "decoupled", "runtime": "sim", "learners.speed":
         (1.0, 2.0), "policy.kind": "dylu", "syncer.quorum": 1, "syncer.grace_gamma": 0.5,
     "syncer.grace_overlap_steps": 2.0, "streaming.num_fragments": 2, "streaming.strategy": "balanced",
     "streaming.overlap_steps": 1, "compression.format": "int8", "compression.error_feedback": True,

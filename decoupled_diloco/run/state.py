@@ -6,8 +6,10 @@ from decoupled_diloco.syncer import SyncerState
 
 def run_state(exp) -> dict:
   """The pytrees a checkpoint holds: the syncer's (host) and every learner's (device, as block_i's
-  whatever scan_layers says, so a run may switch it between resumes)."""
+  whatever scan_layers says, so a run may switch it between resumes), with its error-feedback residuals
+  (host) when the codec keeps them."""
   state = {f"learner_{l.index}": l.loop.from_step(l.state) for l in exp.learners}
+  state.update({f"learner_{l.index}_residuals": l.feedback_state() for l in exp.learners if l.codec.error_feedback})
   if exp.syncer is not None:
     state["syncer_params"] = exp.syncer.params
     state["syncer_opt_state"] = exp.syncer.state.opt_state
@@ -34,6 +36,7 @@ def restore(exp, checkpointer: checkpoint_lib.Checkpointer, step: int) -> dict:
   state, meta = checkpointer.restore(step, abstract)
   for learner, data_state in zip(exp.learners, meta.get("data") or [None] * len(exp.learners)):
     learner.restore(state[f"learner_{learner.index}"], data_state)
+    learner.residuals = state.get(f"learner_{learner.index}_residuals", learner.residuals)
   if exp.syncer is not None:
     exp.syncer.restore(SyncerState(state["syncer_params"], state["syncer_opt_state"], tuple(meta["syncer_versions"])))
   return meta

@@ -23,7 +23,8 @@ from decoupled_diloco.run import schedule
 from decoupled_diloco.run import state as state_lib
 
 BLOB = "simulation"  # The orbax item holding the pickled host state.
-_LEARNER_FIELDS = ("anchors", "base_versions", "tokens_since_push", "steps_since_push", "residuals", "pushed")
+# A learner's host state besides its trees (its error-feedback residuals are one of those: run/state.py).
+_LEARNER_FIELDS = ("anchors", "base_versions", "tokens_since_push", "steps_since_push", "pushed")
 _FRAGMENT_FIELDS = ("pending", "deadline", "window_start", "accumulator")
 _SIMULATION_FIELDS = ("now", "clocks", "rngs", "speeds", "steps_left", "eval_due", "waiting", "last_eval")
 

@@ -135,17 +135,25 @@ class LearnerProcess:
     return joined
 
   def _restore(self) -> None:
-    """AdamW state, step and data position from this learner's own checkpoint, if it has one.
+    """Optimizer state, step, data position and error-feedback residuals from this learner's own checkpoint, if
+    it has one.
 
     A process without a saved data position (a follower of a multi-process group: the leader writes
     the metadata) replays its rows up to the step, which yields the same batches, only slower.
     """
     step = self.checkpointer.latest_step()
     if step is not None:
-      like = checkpoint_lib.abstract_like(self.learner.loop.from_step(self.learner.state))
-      state, meta = self.checkpointer.restore(step, {"state": like})
+      state, meta = self.checkpointer.restore(step, checkpoint_lib.abstract_like(self._checkpoint_trees()))
       self.learner.restore(state["state"], meta.get("data", {}).get(str(jax.process_index())))
+      self.learner.residuals = state.get("residuals", self.learner.residuals)
       logging.info("learner %d restored its inner state at step %d", self.index, self.learner.steps)
+
+  def _checkpoint_trees(self) -> dict:
+    """What this learner's checkpoint holds: its inner state (block_i's) and, with error feedback, its residuals."""
+    trees = {"state": self.learner.loop.from_step(self.learner.state)}
+    if self.learner.codec.error_feedback:
+      trees["residuals"] = self.learner.feedback_state()
+    return trees
 
   def run(self) -> dict:
     """Trains until the syncer says the budget is spent; returns the learner's summary."""
@@ -296,7 +304,7 @@ class LearnerProcess:
     """
     try:
       self.checkpointer.save(
-          self.learner.steps, {"state": self.learner.loop.from_step(self.learner.state)},
+          self.learner.steps, self._checkpoint_trees(),
           {"steps": self.learner.steps, "data": {str(jax.process_index()): self.learner.batches.state()}})
     except (OSError, ValueError) as error:  # orbax reports tensorstore's I/O errors as ValueError.
       logging.error("learner %d checkpoint at step %d failed (%s): training on, retrying at the next checkpoint",
