@@ -12,7 +12,7 @@ import pytest
 from decoupled_diloco import outer
 from decoupled_diloco.service import client as client_lib
 from decoupled_diloco.service import core as core_lib
-from decoupled_diloco.service import learner_main, limits
+from decoupled_diloco.service import limits
 from decoupled_diloco.syncer import Settings, Syncer
 from tests import service_config
 from tests.test_datachannel import _serving
@@ -83,12 +83,12 @@ def test_a_replaced_process_is_fenced_in_a_status_of_its_own(params, tmp_path):
 
 
 def test_a_learner_process_stops_on_a_fenced_push_and_after_its_refusals_in_a_row():
-  """learner_main's rule, on the replies its exchange makes of the syncer's answers."""
+  """The client's rule (learner_main applies it), on the replies its exchange makes of the syncer's answers."""
   count = 0
   for status in ("refused", "refused", "applied", "refused", "refused"):
-    count = learner_main.refusals_in_a_row(1, {"status": status, "details": "NaN"}, count, 3)
+    count = client_lib.refusals_in_a_row(1, {"status": status, "details": "NaN"}, count, 3)
   assert count == 2
   with pytest.raises(client_lib.LearnerStopped, match=r"refused its last 3 pushes in a row .*the last: NaN"):
-    learner_main.refusals_in_a_row(1, {"status": "refused", "details": "NaN"}, count, 3)
+    client_lib.refusals_in_a_row(1, {"status": "refused", "details": "NaN"}, count, 3)
   with pytest.raises(client_lib.LearnerStopped, match="learner 1 stops: replaced"):
-    learner_main.refusals_in_a_row(1, {"status": "fenced", "details": "replaced"}, 0, 3)
+    client_lib.refusals_in_a_row(1, {"status": "fenced", "details": "replaced"}, 0, 3)

@@ -270,3 +270,20 @@ class SyncerClient:
   def close(self) -> None:
     """Closes the channel."""
     self._channel.close()
+
+
+def refusals_in_a_row(learner: int, reply: dict, before: int, most: int) -> int:
+  """The syncer's refusals of this process's pushes in a row after `reply` (`before`: up to the last one).
+
+  Raises client.LearnerStopped (the process exits 1 with its line) once the syncer will not take this process's
+  pushes: at once when it was replaced (fenced), else at `most` (service.max_refusals_in_a_row). Why: a learner
+  whose every push is refused only burns its hardware (the syncer counts it out of the quorum meanwhile), and a
+  replaced one pushed on for good before (216 refused pushes in 30 s).
+  """
+  if reply["status"] == "fenced":
+    raise LearnerStopped(f"learner {learner} stops: {reply['details']}")
+  count = before + 1 if reply["status"] == "refused" else 0
+  if count >= most:
+    raise LearnerStopped(f"learner {learner} stops: the syncer refused its last {count} pushes in a row "
+                                    f"(service.max_refusals_in_a_row); the last: {reply['details']}")
+  return count

@@ -328,7 +328,7 @@ class LearnerProcess:
         "kind": "ack", "outer_step": reply.get("version", self.learner.base_versions[0]), "learner": self.index,
         "seq": seq, "status": reply["status"], "wall_time": time.perf_counter() - self.account.begin,
         **({} if push.delta_norm is None else {"pseudo_gradient_norm": float(push.delta_norm)})})
-    self.refused_in_a_row = refusals_in_a_row(self.index, reply, self.refused_in_a_row,
+    self.refused_in_a_row = client_lib.refusals_in_a_row(self.index, reply, self.refused_in_a_row,
                                               self.service.max_refusals_in_a_row)
     if not moved:
       self.learner.anchor_on_pushed(fragment)
@@ -376,23 +376,6 @@ class LearnerProcess:
     self.checkpointer.close()
     self.learner.batches.close()
     self.lock.release()
-
-
-def refusals_in_a_row(learner: int, reply: dict, before: int, most: int) -> int:
-  """The syncer's refusals of this process's pushes in a row after `reply` (`before`: up to the last one).
-
-  Raises client.LearnerStopped (the process exits 1 with its line) once the syncer will not take this process's
-  pushes: at once when it was replaced (fenced), else at `most` (service.max_refusals_in_a_row). Why: a learner
-  whose every push is refused only burns its hardware (the syncer counts it out of the quorum meanwhile), and a
-  replaced one pushed on for good before (216 refused pushes in 30 s).
-  """
-  if reply["status"] == "fenced":
-    raise client_lib.LearnerStopped(f"learner {learner} stops: {reply['details']}")
-  count = before + 1 if reply["status"] == "refused" else 0
-  if count >= most:
-    raise client_lib.LearnerStopped(f"learner {learner} stops: the syncer refused its last {count} pushes in a row "
-                                    f"(service.max_refusals_in_a_row); the last: {reply['details']}")
-  return count
 
 
 def run(config, workdir: str, index: int, target: str) -> dict:
