@@ -17,6 +17,8 @@ def get_config():
   config.inner_steps = 4
   config.outer.optimizer = "delayed_nesterov"  # Quorum 1: one momentum step per M arrivals, as in hetero_v5p_v6e.
   config.outer.buffer_size = 2
+  config.syncer.grace_gamma = 0.0  # Each push merged on arrival, as these tests count versions; the default window
+  # (mode_defaults) runs in test_grace_replies and the README's launch_local command (test_cli).
   config.eval_every = 5
   config.data.synthetic.num_tokens = 30_000
   config.service.lease_seconds = 3.0

@@ -241,5 +241,6 @@ def test_a_reader_leaves_a_save_in_progress_and_a_missing_directory_alone(tmp_pa
   with Checkpointer(tmp_path / "absent", reader=True) as reader:
     assert reader.latest_step() is None
   assert in_progress.is_dir() and not (tmp_path / "absent").exists()
-  Checkpointer(tmp_path / "run").close()  # One that saves cleans up after crashed saves.
+  with Checkpointer(tmp_path / "run") as ckpt:  # One that saves cleans up after crashed saves (a save awaits it).
+    ckpt.save(2, {"syncer": {"x": np.zeros((8,), np.float32)}}, {"outer_step": 2})
   assert not in_progress.exists()

@@ -60,7 +60,8 @@ def test_a_seeded_simulation_gives_identical_metrics_twice(tmp_path):
 
 
 def test_faster_learners_take_more_local_steps_and_nobody_waits(tmp_path):
-  summary = sim.run(experiment.build(_hetero()), str(tmp_path))
+  """Without a grace window (the decoupled default waits up to ~2 steps for a round's other pushes)."""
+  summary = sim.run(experiment.build(_hetero(**{"syncer.grace_gamma": 0.0})), str(tmp_path))
   pushes = _records(tmp_path, "push")
   # The last push of each learner may be short: the run's token budget ran out.
   slow_steps, fast_steps = ([p["local_steps"] for p in pushes if p["learner"] == m][:-1] for m in (0, 1))
