@@ -43,6 +43,8 @@ class Recovery:
       self.counts.update(meta.get("counts", {}))  # Replay adds the pushes applied after the checkpoint.
       self.refused.update(meta.get("refused", {}))
       self.syncer.restore_estimates(meta["estimates"])  # Before the replay, which goes on updating them.
+      if "recent_norms" in meta:  # Checkpoints from before robust merges have none: clipping starts afresh.
+        self.syncer.restore_recent_norms(meta["recent_norms"])
       self.restored_at = time.time()
       self._replay(meta["segment"], step)
       self.store.open_after_replay(meta["segment"])
@@ -70,6 +72,7 @@ class Recovery:
         "acked": {str(m): s for m, s in self.acked.items()}, "start_time": self.start_time,
         "steps_done": self.steps_done - pending_steps, "tokens_done": self.tokens_done - pending_tokens,
         "counts": self.counts, "refused": dict(self.refused), "estimates": self.syncer.estimates,
+        "recent_norms": self.syncer.recent_norms,
         "incarnations": {str(m): n for m, n in self.incarnations.items()}}
     locations = self.store.rotate(version, carried)
     self._unabsorbed = [(f, record, location) for (f, record, _), location in zip(self._unabsorbed, locations)]
