@@ -145,6 +145,17 @@ def test_clip_scales_an_outlier_to_a_multiple_of_the_median_norm_before_its_weig
   assert report.weights == (0.5,) and syncer.recent_norms == [pytest.approx([np.sqrt(10)] * 2 + [np.sqrt(1e5)])]
 
 
+def test_clip_judges_a_push_by_the_open_merges_pushes_too():
+  syncer = _syncer(quorum=3, merge_rule="clip", clip_multiple=1.0)
+  syncer.receive(_push(0, 100.0), now=0.0)  # First of the run: judged by itself, not clipped.
+  syncer.receive(_push(1, 1.0), now=0.0)
+  assert syncer.verdict.clip_factor == 1.0
+  _, report = syncer.receive(_push(2, 2.0), now=0.0)  # Median of (100, 1, 2)·√10 is 2√10: not clipped.
+  assert syncer.verdict.clip_factor == 1.0 and report is not None
+  syncer.receive(_push(0, 50.0, base=1), now=0.0)  # Median of (100, 1, 2, 50)·√10 = 26√10.
+  assert syncer.verdict.clip_factor == pytest.approx(26 / 50)
+
+
 def test_clip_without_outliers_merges_as_the_mean_bit_for_bit():
   pushes = [_push(m, v) for m, v in enumerate((1.0, 1.5, 0.7))]
   merged = {}

@@ -18,7 +18,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from decoupled_diloco.errors import ConfigError
+from decoupled_diloco import settings as settings_lib
 
 KINDS = ("scaled", "flipped", "noise")
 RUNTIMES = ("sim", "threads")
@@ -50,9 +50,7 @@ class Settings:
         (config.compression.format == "fp32" and not config.compression.error_feedback,
          "failures.byzantine_learner corrupts fp32 pushes: set --config.compression.format=fp32 without error "
          "feedback"))
-    for ok, message in checks:
-      if not ok:
-        raise ConfigError(message)
+    settings_lib.check(checks)
     return cls(cfg.byzantine_learner, cfg.byzantine_kind, float(cfg.byzantine_scale), int(cfg.seed))
 
 
