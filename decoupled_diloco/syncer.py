@@ -6,9 +6,10 @@ drops over-stale ones, folds each accepted one into its fragment's running sums 
 pushes per merge) and merges once a quorum of learners reported (and an adaptive grace
 window, if any, closed): weights = staleness × tokens, merge rule = weighted mean, RDA or
 a robust rule (`robust`: each push clipped to a multiple of recent norms, or a coordinate-wise
-trimmed mean over the merge's pushes, which are then held until it), then one outer step. It does no I/O and reads no clock: runtimes
-pass `now` in (virtual or wall-clock seconds) and decide when to call what, so the same
-machine runs under the lockstep, virtual-clock and networked runtimes.
+trimmed mean over the merge's pushes, which are then held until it), then one outer step. It
+does no I/O and reads no clock: runtimes pass `now` in (virtual or wall-clock seconds) and
+decide when to call what, so the same machine runs under the lockstep, virtual-clock and
+networked runtimes.
 
 Θ lives on the host (the CPU device of the process that runs the syncer), apart from
 every learner group's mesh, so no learner holds an extra device copy of it.
@@ -355,12 +356,11 @@ class Syncer:
     state = self.fragments[fragment]
     if not state.pending:
       return None
-    weights, damping = zip(*(self._weight_and_damping(state, p) for p in state.pending))
-    weights = (merge.normalized_weights(weights) * np.asarray(damping)).astype(np.float32)
+    tokens, damping = zip(*(self._weight_and_damping(state, p) for p in state.pending))
+    weights = (merge.normalized_weights(tokens) * np.asarray(damping)).astype(np.float32)
     staleness = tuple(state.version - p.base_version for p in state.pending)
     trimmed = ()
     if self.settings.merge_rule == "trimmed_mean":
-      tokens = [self._weight_and_damping(state, p)[0] for p in state.pending]
       merged, trimmed = robust.trimmed_merge([iter(leaves) for leaves in state.held], tokens, damping,
                                              self.settings.trim_fraction)
       state.held = []

@@ -205,7 +205,8 @@ class Simulation:
   def _push(self, m: int, p: int) -> None:
     learner, clock = self.exp.learners[m], self.clocks[m]
     clock.unsent.discard(p)
-    push = byzantine.corrupt(learner.push(p, compute_seconds=clock.compute_since_push[p]), self.byzantine, learner.steps)
+    push = learner.push(p, compute_seconds=clock.compute_since_push[p])
+    push = byzantine.corrupt(push, self.byzantine, learner.steps)
     clock.compute_since_push[p] = 0.0
     clock.in_flight[p] = learner.steps + self.overlap
     arrival = clock.up.send(self.now, round(push.wire_bytes * self.exp.byte_scale))
