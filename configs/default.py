@@ -133,7 +133,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.failures.elastic = False  # ddp only: continue on fewer chips after a resize (False = stop and restart).
   config.failures.checkpoint_every = 1  # Periods (H steps) between a learner's checkpoints of its inner state.
   config.failures.seed = 0  # Seeds the failure trace and downtimes.
-  config.failures.byzantine_learner = -1  # Corrupt this learner's pushes (runtime/byzantine.py; sim, threads); -1 = no.
+  config.failures.byzantine_learner = -1  # Corrupt this learner's pushes (runtime/byzantine.py; sim, threads); -1: off
   config.failures.byzantine_kind = "scaled"  # 'scaled' (x byzantine_scale), 'flipped' (-Δ), 'noise' (Δ's norm).
   config.failures.byzantine_scale = 100.0  # 'scaled': the factor.
 
