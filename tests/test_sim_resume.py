@@ -76,7 +76,8 @@ def test_a_killed_simulation_resumes_and_writes_the_uninterrupted_records(tmp_pa
   with pytest.raises(ConfigError, match="pass --config.resume=True"):
     sim.run(experiment.build(tiny_config(**overrides)), str(tmp_path / "twice"))
   with pytest.raises(ConfigError, match="another config"):
-    sim.run(experiment.build(tiny_config(**{**overrides, "resume": True, "syncer.staleness_a": 0.25})), str(tmp_path / "twice"))
+    sim.run(experiment.build(tiny_config(**{**overrides, "resume": True, "syncer.staleness_a": 0.25})),
+            str(tmp_path / "twice"))
   resumed = sim.run(experiment.build(tiny_config(**{**overrides, "resume": True})), str(tmp_path / "twice"))
   assert _records(tmp_path / "twice") == expected
   assert {k: v for k, v in resumed.items() if k != "wall_time"
