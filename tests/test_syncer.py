@@ -134,7 +134,8 @@ def test_a_push_over_max_push_norm_is_refused_counted_and_changes_nothing():
 
 
 def test_clip_scales_an_outlier_to_a_multiple_of_the_median_norm_before_its_weights():
-  syncer = _syncer(quorum=1, merge_rule="clip", clip_multiple=2.0, staleness="polynomial", staleness_a=1.0)
+  syncer = _syncer(quorum=1, merge_rule="clip", clip_multiple=2.0, clip_window=4, staleness="polynomial",
+                   staleness_a=1.0)
   for learner in (0, 1):
     syncer.receive(_push(learner, 1.0, base=syncer.version), now=0.0)  # Never clipped: Θ 10 → 9 → 8.
     assert syncer.verdict.fields() == {"checked_norm": pytest.approx(np.sqrt(10)), "clip_factor": 1.0, "clipped": 0}
