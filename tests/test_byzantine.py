@@ -1,7 +1,11 @@
 """A faulty learner injected on the virtual clock, and the robust merge rules that contain it."""
 
+import json
 import math
 import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -98,3 +102,17 @@ def test_a_faulty_learner_is_clipped_and_trimmed_and_recorded(tmp_path, kind):
   assert all(r["trimmed"] for r in trimmed if r["kind"] == "outer")
   if kind != "noise":  # ×100 or −Δ: trimmed at more coordinates than any honest learner.
     assert shares[2] > max(shares[m] for m in (0, 1, 3))
+
+
+@pytest.mark.slow
+def test_the_robust_merge_benchmark_runs_end_to_end_at_toy_size():
+  """One round per row, mean and clip only: every row runs and the last line holds exactly `loss_ratio`."""
+  result = subprocess.run([sys.executable, "-m", "experiments.benchmarks.robust_merge", "--outer_steps=1",
+                           "--rules=mean,clip"], cwd=pathlib.Path(__file__).parents[1],
+                          env=helpers.quick_compile_env(),
+                          capture_output=True, text=True, timeout=900, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  last = json.loads(result.stdout.strip().splitlines()[-1])
+  assert set(last) == {"loss_ratio"} and set(last["loss_ratio"]) == {"mean", "clip"}
+  assert all(set(row) == {"honest", "scaled", "flipped", "noise"} for row in last["loss_ratio"].values())
+  assert last["loss_ratio"]["mean"]["honest"] == 1.0
