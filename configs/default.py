@@ -104,7 +104,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.syncer.staleness_b = 0.0  # b of the hinge function (staleness tolerated at full weight).
   config.syncer.max_staleness = -1  # Drop (and count) pushes staler than this; -1 = keep all.
   config.syncer.token_weighting = "tokens"  # 'none', 'tokens' or 'tokens_squared_per_step' (Decoupled DiLoCo).
-  config.syncer.merge_rule = "mean"  # 'mean' or 'rda' (radial-directional averaging; embeddings averaged).
+  config.syncer.merge_rule = "mean"  # 'mean', 'rda' (radial-directional), or robust: 'clip', 'trimmed_mean'.
+  config.syncer.clip_multiple = 2.0  # clip: each push scaled to at most this × the median of recent push norms.
+  config.syncer.clip_window = 16  # clip: that median is over this push and the clip_window - 1 accepted before it.
+  config.syncer.trim_fraction = 0.125  # trimmed_mean: share of a merge's pushes trimmed at each end per coordinate.
+  config.syncer.max_push_norm = 0.0  # Refuse (and count) a push whose decoded norm exceeds this; 0 = no bound.
   config.syncer.min_learners_to_start = 0  # Service: joins wait until this many learners joined (0 = all configured).
   config.syncer.start_timeout_seconds = 600.0  # Service: start with those joined after this long (a 'start' record).
 
@@ -134,6 +138,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.failures.elastic = False  # ddp only: continue on fewer chips after a resize (False = stop and restart).
   config.failures.checkpoint_every = 1  # Periods (H steps) between a learner's checkpoints of its inner state.
   config.failures.seed = 0  # Seeds the failure trace and downtimes.
+  config.failures.byzantine_learner = -1  # Corrupt this learner's pushes (runtime/byzantine.py; sim, threads); -1: off
+  config.failures.byzantine_kind = "scaled"  # 'scaled' (x byzantine_scale), 'flipped' (-Δ), 'noise' (Δ's norm).
+  config.failures.byzantine_scale = 100.0  # 'scaled': the factor.
 
   config.streaming = ml_collections.ConfigDict()  # Streaming DiLoCo: sync one fragment at a time.
   config.streaming.num_fragments = 1  # P: fragments of the params, each synced once per H steps (1 = whole model).

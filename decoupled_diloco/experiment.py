@@ -6,13 +6,14 @@ Runtimes take the assembled `Experiment` and only decide when things happen.
 """
 
 import dataclasses
+import math
 from typing import Any
 
 from absl import logging
 import jax
 
 from decoupled_diloco import compression, fragments, hardware, inner, mesh, mode_defaults, model as model_lib, outer
-from decoupled_diloco import policy
+from decoupled_diloco import policy, robust
 from decoupled_diloco.model import attention
 from decoupled_diloco import shards
 from decoupled_diloco import sharded_init
@@ -24,7 +25,7 @@ from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.learner import Learner
 from decoupled_diloco.run import evaluator, schedule
-from decoupled_diloco.runtime import failures
+from decoupled_diloco.runtime import byzantine, failures
 from decoupled_diloco.service import runconfig
 from decoupled_diloco.syncer import Settings, Syncer
 
@@ -108,6 +109,7 @@ def validate(config) -> settings_lib.Groups:
     streaming, codec = _streaming_groups(config)
   policy_settings = policy.Settings.from_config(config.policy)
   failure_settings = failures.Settings.from_config(config)
+  byzantine.Settings.from_config(config)
   hardware.profiles_from_config(config.learners, config.sim.reference_step_seconds)
   service = runconfig.validate(config) if config.runtime == "service" else None
   return settings_lib.Groups(model, data, inner_settings, outer_settings, syncer, streaming, codec, policy_settings,
@@ -160,6 +162,16 @@ def _syncer_group(config) -> Settings:
       "(0 = all learners)")
   _require(config.syncer.start_timeout_seconds > 0,
            f"syncer.start_timeout_seconds={config.syncer.start_timeout_seconds} must be > 0")
+  if settings.merge_rule == "trimmed_mean":
+    _require(config.runtime != "service",
+             "syncer.merge_rule='trimmed_mean' holds a merge's pushes in memory, built for runtimes sim and threads "
+             "only (the service would read them back from its log; not built): use merge_rule='clip' there")
+    quorum = settings.quorum if config.mode == "decoupled" and settings.quorum else learners
+    _require(
+        robust.trim_count(quorum, settings.trim_fraction) >= 1,
+        f"syncer.merge_rule='trimmed_mean' trims floor({settings.trim_fraction} x {quorum}) = 0 of a merge's "
+        f"{quorum} pushes (its quorum): raise syncer.quorum to >= {math.ceil(1 / settings.trim_fraction)} or "
+        "syncer.trim_fraction, or use merge_rule='clip'")
   return settings
 
 

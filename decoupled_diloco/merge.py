@@ -130,7 +130,8 @@ def radial_directional_average(deltas: Sequence, weights):
   return jax.tree.map(lambda *leaves: _rda_leaf(weights, *leaves), *deltas)
 
 
-MERGE_RULES = ("mean", "rda")
+BATCH_RULES = ("mean", "rda")  # What `merge_deltas` defines; the robust rules are `robust`'s.
+MERGE_RULES = (*BATCH_RULES, "clip", "trimmed_mean")  # syncer.merge_rule; clip and trimmed_mean merge by the mean.
 
 
 def _is_embedding_path(path) -> bool:
@@ -154,8 +155,8 @@ def merge_deltas(deltas: Sequence, weights, rule: str, averaged_mask=None):
   structure, e.g. `embedding_mask(params)`) is True, which get the weighted mean; no mask = RDA
   everywhere. Under jit, rule and mask are static: close over them, do not pass them as args.
   """
-  if rule not in MERGE_RULES:
-    raise ValueError(f"merge rule {rule!r} is unknown: use one of {MERGE_RULES}")
+  if rule not in BATCH_RULES:
+    raise ValueError(f"merge rule {rule!r} has no batch form here: use one of {BATCH_RULES} (robust rules: `robust`)")
   if len(deltas) == 0 or len(deltas) != len(weights):
     raise ValueError(f"got {len(deltas)} deltas, {len(weights)} weights: pass one weight per delta (at least one)")
   if rule == "mean":
@@ -225,7 +226,8 @@ def merged_leaf(total, radius, inverse_total, rda: bool, dtype):
 def rda_leaves(rule: str, averaged: Sequence[bool]) -> tuple[bool, ...]:
   """Per leaf (in `jax.tree.leaves` order): True where `rule` merges it by RDA, False where by the mean.
 
-  `averaged`: the embedding mask's leaves (averaged plainly under 'rda').
+  `averaged`: the embedding mask's leaves (averaged plainly under 'rda'). The robust rules ('clip',
+  'trimmed_mean') bound each push, then average: no leaf is merged by RDA.
   """
   if rule not in MERGE_RULES:
     raise ValueError(f"merge rule {rule!r} is unknown: use one of {MERGE_RULES}")

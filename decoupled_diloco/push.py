@@ -33,7 +33,8 @@ class Push:
   wire_bytes: int = 0  # Exact bytes of the payload as sent (compressed or not).
   host_views: bool = False  # Set by Syncer.check: its delta is device views of host memory (`release`).
   drop_pages: Any = None  # A payload mapped from disk (service `wal.Spool`): called after each tensor is read.
-  delta_norm: float | None = None  # ‖Δ‖ before compression (records and TensorBoard), or None.
+  delta_norm: float | None = None  # ‖Δ‖ before compression as the learner claims it (records, TensorBoard), or None.
+  checked_norm: float | None = None  # ‖Δ‖ as the syncer decoded it (set by Syncer.check; robust merges use it).
 
 
 def delta_leaves(push: Push, codec: compression.Codec) -> Iterator:
@@ -111,11 +112,14 @@ def release(push: Push) -> None:
       leaf.delete()
 
 
-def validate(push: Push, learners: Sequence[int], fragments: Sequence, codec: compression.Codec) -> None:
-  """Raises PushRejected, naming the problem, for anything that must not be merged.
+def validate(push: Push, learners: Sequence[int], fragments: Sequence, codec: compression.Codec,
+             max_norm: float = 0.0) -> float:
+  """Raises PushRejected, naming the problem, for anything that must not be merged; returns ‖Δ‖ as decoded.
 
   `fragments`: the syncer's, each with its `version`, its Θ_p tree `params` and the
-  (shape, dtype) `leaf_specs` every pushed leaf must have.
+  (shape, dtype) `leaf_specs` every pushed leaf must have. `max_norm` > 0: a bound without
+  statistics (`syncer.max_push_norm`); a push whose decoded norm exceeds it is refused. The norm
+  comes from the NaN/Inf pass every push takes anyway (Σ x²), so it costs no extra read.
   """
   who = f"push from learner {push.learner}"
   if push.learner not in learners:
@@ -145,8 +149,13 @@ def validate(push: Push, learners: Sequence[int], fragments: Sequence, codec: co
     if got != (shape, dtype):
       raise PushRejected(f"{who} rejected: {jax.tree_util.keystr(path)} is {got[1]}{list(got[0])}, "
                          f"expected {dtype}{list(shape)}")
-  if not finite(push, codec):
+  norm = checked_norm(push, codec)
+  if np.isnan(norm):
     raise PushRejected(f"{who} rejected: the pseudo-gradient holds NaN or Inf (did the learner diverge?)")
+  if max_norm > 0 and norm > max_norm:
+    raise PushRejected(f"{who} rejected: its pseudo-gradient norm {norm:.4g} exceeds syncer.max_push_norm={max_norm:g} "
+                       "(a corrupt or hostile push; raise the bound if honest pushes reach it)")
+  return norm
 
 
 def one_at_a_time(push: Push) -> bool:
@@ -155,37 +164,60 @@ def one_at_a_time(push: Push) -> bool:
   return isinstance(push.delta, compression.Compressed) or push.drop_pages is not None
 
 
-def finite(push: Push, codec: compression.Codec) -> bool:
-  """No NaN or Inf in the push: one pass over a tree, or tensor by tensor (decoded, or mapped from disk)."""
-  if one_at_a_time(push):
-    return all(all_finite(leaf) for leaf in delta_leaves(push, codec))
-  return all_finite(push.delta)
+def checked_norm(push: Push, codec: compression.Codec) -> float:
+  """‖Δ‖ of the push as the syncer decodes it: NaN when a value is NaN or Inf, inf when only Σ x² overflows.
+
+  One pass over a tree, or tensor by tensor (decoded, or mapped from disk). Why the syncer's own
+  norm, not the learner's `delta_norm`: a faulty or hostile learner's claim cannot be trusted.
+  """
+  leaves = delta_leaves(push, codec) if one_at_a_time(push) else jax.tree.leaves(push.delta)
+  total = 0.0
+  for leaf in leaves:
+    total += squared_norm(leaf)
+    if np.isnan(total):
+      return total
+  return float(np.sqrt(total))
 
 
 def all_finite(tree) -> bool:
-  """True when no leaf holds NaN or Inf; it runs on every push, so the common case takes one fast pass.
+  """True when no leaf holds NaN or Inf (see `squared_norm`)."""
+  return not np.isnan(sum(squared_norm(leaf) for leaf in jax.tree.leaves(tree)))
 
-  Σ x² over each float32 leaf (BLAS's dot on the host memory: no temporary; ~3x faster on
-  this CPU than XLA's jitted dot with its dispatch, itself ~3x faster than a fused Σ x·0) is finite exactly when
-  every x is, unless it overflows (|x| ~ 1e19): only then is the leaf checked value by value.
-  Other dtypes take the exact Σ x·0 pass in XLA.
+
+def squared_norm(leaf) -> float:
+  """Σ x² of one tensor: NaN when it holds NaN or Inf, inf when its values are finite but Σ x² overflows.
+
+  It runs on every push, so the common case takes one fast pass: Σ x² over a float32 leaf
+  (BLAS's dot on the host memory: no temporary; ~3x faster on this CPU than XLA's jitted dot with
+  its dispatch, itself ~3x faster than a fused Σ x·0) is finite exactly when every x is, unless it
+  overflows (|x| ~ 1e19): only then is the leaf checked value by value. Other dtypes take Σ x² in
+  float32 in XLA, and the exact Σ x·0 pass only when that is not finite.
   """
-  others = [leaf for leaf in jax.tree.leaves(tree) if np.dtype(leaf.dtype) != np.float32]
-  return (all(_float32_finite(leaf) for leaf in jax.tree.leaves(tree) if np.dtype(leaf.dtype) == np.float32) and
-          (not others or bool(_others_finite(others))))
+  if np.dtype(leaf.dtype) == np.float32:
+    return _float32_squares(leaf)
+  squares = float(_others_squares(leaf))
+  if np.isfinite(squares):
+    return squares
+  return np.inf if bool(_others_finite(leaf)) else np.nan
 
 
-def _float32_finite(leaf, chunk: int = 1 << 20) -> bool:
+def _float32_squares(leaf, chunk: int = 1 << 20) -> float:
   # DLPack: a view of a host array's memory, ~20x cheaper than np.asarray's first call on a new array.
   exportable = not isinstance(leaf, np.ndarray) and leaf.device.platform == "cpu"
   values = (np.from_dlpack(leaf) if exportable else np.asarray(leaf)).reshape(-1)
   with np.errstate(over="ignore", invalid="ignore"):
-    if np.isfinite(np.dot(values, values)):
-      return True
-  return all(np.isfinite(values[i:i + chunk]).all() for i in range(0, values.size, chunk))
+    squares = float(np.dot(values, values))
+  if np.isfinite(squares):
+    return squares
+  return np.inf if all(np.isfinite(values[i:i + chunk]).all() for i in range(0, values.size, chunk)) else np.nan
 
 
 @jax.jit
-def _others_finite(leaves):
+def _others_squares(leaf):
+  return jnp.sum(jnp.square(leaf.astype(jnp.float32)))
+
+
+@jax.jit
+def _others_finite(leaf):
   # x·0 is 0 for finite x and NaN for NaN/±Inf, and a sum keeps a NaN (it never overflows).
-  return jnp.isfinite(sum(jnp.sum(x * 0, dtype=jnp.float32) for x in leaves))
+  return jnp.isfinite(jnp.sum(leaf * 0, dtype=jnp.float32))

@@ -111,6 +111,7 @@ class ShardedSyncer(syncer_lib.Syncer):
     self.learners = first.learners
     self.fragments = [self.shards[s].fragments[shard_map.local(p)] for p, s in enumerate(shard_map.shard_of)]
     self._counts = first.counts
+    self.verdict = None  # The last push's, from the shard that took it.
     for shard in self.shards:
       shard.counts = self._counts
 
@@ -137,6 +138,7 @@ class ShardedSyncer(syncer_lib.Syncer):
       push = self.check(push)
     shard, local = self._route(push.fragment)
     accepted, report = shard.receive(dataclasses.replace(push, fragment=local), now, checked=True)
+    self.verdict = shard.verdict
     return accepted, self._named_back(report, push.fragment)
 
   def merge(self, now: float, fragment: int = 0):

@@ -4,10 +4,12 @@ Learners push pseudo-gradients whenever they are ready; the syncer validates eac
 drops over-stale ones, folds each accepted one into its fragment's running sums at once
 (`merge.Accumulator`: the push's buffer is released, so memory does not grow with the
 pushes per merge) and merges once a quorum of learners reported (and an adaptive grace
-window, if any, closed): weights = staleness × tokens, merge rule = weighted mean or RDA,
-then one outer step. It does no I/O and reads no clock: runtimes
-pass `now` in (virtual or wall-clock seconds) and decide when to call what, so the same
-machine runs under the lockstep, virtual-clock and networked runtimes.
+window, if any, closed): weights = staleness × tokens, merge rule = weighted mean, RDA or
+a robust rule (`robust`: each push clipped to a multiple of recent norms, or a coordinate-wise
+trimmed mean over the merge's pushes, which are then held until it), then one outer step. It
+does no I/O and reads no clock: runtimes pass `now` in (virtual or wall-clock seconds) and
+decide when to call what, so the same machine runs under the lockstep, virtual-clock and
+networked runtimes.
 
 Θ lives on the host (the CPU device of the process that runs the syncer), apart from
 every learner group's mesh, so no learner holds an extra device copy of it.
@@ -22,10 +24,12 @@ import jax
 import numpy as np
 import optax
 
-from decoupled_diloco import accumulate, compression, fragments, merge
+from decoupled_diloco import accumulate, compression, fragments, merge, robust
 from decoupled_diloco import push as push_lib
 from decoupled_diloco.push import Push, PushRejected
 from decoupled_diloco.errors import ConfigError
+from decoupled_diloco.robust import Verdict
+from decoupled_diloco.syncer_settings import Settings  # Re-exported: the syncer's config group.
 
 
 class SyncerState(NamedTuple):
@@ -44,40 +48,7 @@ class MergeReport:
   weights: tuple[float, ...]
   time: float
   fragment: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-  """Merge policy, from `config.syncer`."""
-  quorum: int = 0  # Distinct learners needed to merge; 0 = all of them.
-  staleness: str = "constant"  # One of merge.STALENESS_FUNCTIONS.
-  staleness_a: float = 0.5
-  staleness_b: float = 0.0
-  max_staleness: int = -1  # Drop pushes staler than this; -1 = never drop.
-  token_weighting: str = "tokens"  # One of merge.TOKEN_WEIGHTINGS.
-  merge_rule: str = "mean"  # One of merge.MERGE_RULES.
-  grace_gamma: float = 0.0  # γ of the grace window; 0 = merge as soon as the quorum is met.
-  grace_overlap_steps: float = 0.0  # τ: steps of slack learners have before they need Θ.
-  ema: float = 0.3  # Weight of the newest duration in the ξ EMAs.
-
-  @classmethod
-  def from_config(cls, syncer_cfg) -> "Settings":
-    """Settings from `config.syncer`, rejecting unknown rule names with the allowed ones."""
-    settings = cls(**{f.name: syncer_cfg[f.name] for f in dataclasses.fields(cls) if f.name in syncer_cfg})
-    for name, allowed in (("staleness", merge.STALENESS_FUNCTIONS), ("token_weighting", merge.TOKEN_WEIGHTINGS),
-                          ("merge_rule", merge.MERGE_RULES)):
-      if getattr(settings, name) not in allowed:
-        raise ConfigError(f"syncer.{name}={getattr(settings, name)!r} is unknown: use one of {allowed}")
-    checks = ((settings.quorum >= 0, f"syncer.quorum={settings.quorum} must be >= 0 (0 = all learners)"),
-              (0 <= settings.grace_gamma < 1, f"syncer.grace_gamma={settings.grace_gamma} must be in [0, 1)"),
-              (settings.staleness_a >= 0, f"syncer.staleness_a={settings.staleness_a} must be >= 0"),
-              (settings.staleness_b >= 0, f"syncer.staleness_b={settings.staleness_b} must be >= 0"),
-              (settings.max_staleness >= -1, f"syncer.max_staleness={settings.max_staleness} must be >= -1"),
-              (0 < settings.ema <= 1, f"syncer.ema={settings.ema} must be in (0, 1]"))
-    for ok, message in checks:
-      if not ok:
-        raise ConfigError(f"{message}: fix --config.syncer.*")
-    return settings
+  trimmed: tuple[float, ...] = ()  # trimmed_mean: per push, the share of its coordinates trimmed.
 
 
 def grace_seconds(gamma: float, overlap_steps: float, step_seconds: float, quorum_seconds: float,
@@ -116,6 +87,8 @@ class _Fragment:
   accumulator: merge.Accumulator | None = None  # Their running sums; None while no push is open.
   deadline: float | None = None
   window_start: float | None = None
+  norms: list = dataclasses.field(default_factory=list)  # clip: the last W merged pushes' decoded norms.
+  held: list = dataclasses.field(default_factory=list)  # trimmed_mean: each pending push's float32 tensors.
 
 
 class Syncer:
@@ -140,6 +113,7 @@ class Syncer:
     self.fragments = [
         self._new_fragment(fragments.select(params, self.assignment, p)) for p in range(max(self.assignment) + 1)]
     self.counts = {"accepted": 0, "dropped": 0, "rejected": 0, "merges": 0}
+    self.verdict: Verdict | None = None  # What the syncer made of the last push received (for its record).
     self._xi = {"step": 0.0, "quorum": 0.0, "sync": 0.0}
 
   def _new_fragment(self, params) -> _Fragment:
@@ -181,7 +155,7 @@ class Syncer:
       fragment.params = fragments.select(params, self.assignment, p)
       fragment.opt_state = jax.device_put(state.opt_state[p], self.device)
       fragment.version, fragment.pending, fragment.deadline, fragment.window_start = state.version[p], [], None, None
-      fragment.accumulator = None
+      fragment.accumulator, fragment.held, fragment.norms = None, [], []
 
   def adopt(self, accumulator: merge.Accumulator | None) -> merge.Accumulator | None:
     """An accumulator read back from a checkpoint (numpy sums), placed on the syncer's device."""
@@ -240,12 +214,23 @@ class Syncer:
       raise PushRejected(f"push from learner {push.learner} rejected: its pseudo-gradient is not a valid tree or "
                          f"payload of arrays ({error})") from error
     try:
-      push_lib.validate(push, self.learners, self.fragments, self.codec)
+      norm = push_lib.validate(push, self.learners, self.fragments, self.codec, self.settings.max_push_norm)
     except PushRejected:
       self.counts["rejected"] += 1
       push_lib.release(push)
       raise
-    return push
+    return dataclasses.replace(push, checked_norm=norm)
+
+  @property
+  def recent_norms(self) -> list[list[float]]:
+    """Per fragment, the merged pushes' norms the clip rule's median is over: a checkpoint keeps them,
+    so that a restarted syncer clips as the uninterrupted one would."""
+    return [list(f.norms) for f in self.fragments]
+
+  def restore_recent_norms(self, norms: Sequence[Sequence[float]]) -> None:
+    """Takes checkpointed `recent_norms` back."""
+    for fragment, saved in zip(self.fragments, norms, strict=True):
+      fragment.norms = [float(n) for n in saved]
 
   def receive(self, push: Push, now: float, checked: bool = False) -> tuple[bool, MergeReport | None]:
     """Takes a push at time `now`: (accepted, report of the merge it triggered, if any).
@@ -259,6 +244,7 @@ class Syncer:
     if not checked:
       push = self.check(push)
     fragment = self.fragments[push.fragment]
+    self.verdict = Verdict(push.checked_norm)
     if 0 <= self.settings.max_staleness < fragment.version - push.base_version:
       self.counts["dropped"] += 1
       push_lib.release(push)
@@ -267,7 +253,11 @@ class Syncer:
     self._xi_update("step", push.compute_seconds / push.local_steps)
     if fragment.window_start is None:
       fragment.window_start = now
-    self._fold(fragment, push)
+    if self.settings.merge_rule == "trimmed_mean":
+      fragment.held.append([np.array(leaf, np.float32) for leaf in push_lib.delta_leaves(push, self.codec)])
+      push_lib.release(push)
+    else:
+      self._fold(fragment, push)
     fragment.pending.append(dataclasses.replace(push, delta=None, delta_norm=None))  # Its header only.
     reporters = len({p.learner for p in fragment.pending})
     if reporters < self.quorum:
@@ -337,6 +327,12 @@ class Syncer:
   def _fold(self, fragment: _Fragment, push: Push) -> None:
     """Adds an accepted push to its fragment's running sums (see `merge.Accumulator`), tensor by tensor."""
     weight, damping = self._weight_and_damping(fragment, push)
+    if self.settings.merge_rule == "clip":  # On the raw push, before its weights (docs/syncer.md).
+      seen = fragment.norms + [p.checked_norm for p in fragment.pending]  # Merged, then open: oldest first.
+      recent = seen[max(0, len(seen) + 1 - self.settings.clip_window):] + [push.checked_norm]
+      self.verdict = Verdict(push.checked_norm, robust.clip_factor(push.checked_norm, recent,
+                                                                   self.settings.clip_multiple))
+      damping *= self.verdict.clip_factor
     accumulator = fragment.accumulator
     ref = weight if accumulator is None else accumulator.ref
     sums, radii = (None, None) if accumulator is None else (accumulator.sums, accumulator.radii)
@@ -360,16 +356,24 @@ class Syncer:
     state = self.fragments[fragment]
     if not state.pending:
       return None
-    weights, damping = zip(*(self._weight_and_damping(state, p) for p in state.pending))
-    weights = (merge.normalized_weights(weights) * np.asarray(damping)).astype(np.float32)
+    tokens, damping = zip(*(self._weight_and_damping(state, p) for p in state.pending))
+    weights = (merge.normalized_weights(tokens) * np.asarray(damping)).astype(np.float32)
     staleness = tuple(state.version - p.base_version for p in state.pending)
-    accumulator, state.accumulator = state.accumulator, None  # Donated to the merge.
+    trimmed = ()
+    if self.settings.merge_rule == "trimmed_mean":
+      merged, trimmed = robust.trimmed_merge([iter(leaves) for leaves in state.held], tokens, damping,
+                                             self.settings.trim_fraction)
+      state.held = []
+      accumulator = merge.Accumulator(self.to_host(merged), [None] * len(merged), 1.0, 1.0)
+    else:
+      accumulator, state.accumulator = state.accumulator, None  # Donated to the merge.
     state.params, state.opt_state = accumulate.merge_and_step(self.optimizer, state.rda, state.params, state.opt_state,
                                                               accumulator, np.float32(1.0 / accumulator.total),
                                                               arrivals=len(state.pending))
     state.version += 1
     report = MergeReport(self.version, tuple(p.learner for p in state.pending), staleness,
-                         tuple(float(w) for w in weights), now, fragment)
+                         tuple(float(w) for w in weights), now, fragment, tuple(trimmed))
+    state.norms = (state.norms + [p.checked_norm for p in state.pending])[-self.settings.clip_window:]
     state.pending, state.deadline, state.window_start = [], None, None
     self.counts["merges"] += 1
     return report

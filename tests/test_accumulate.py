@@ -92,7 +92,7 @@ def _assert_float32_close(got, want) -> None:
 
 
 @pytest.mark.parametrize("rule, staleness, weighting",
-                         list(itertools.product(merge.MERGE_RULES, merge.STALENESS_FUNCTIONS, merge.TOKEN_WEIGHTINGS)))
+                         list(itertools.product(merge.BATCH_RULES, merge.STALENESS_FUNCTIONS, merge.TOKEN_WEIGHTINGS)))
 def test_streaming_merge_equals_the_batch_merge(rule, staleness, weighting):
   settings = Settings(merge_rule=rule, staleness=staleness, staleness_a=0.5, staleness_b=1.0, token_weighting=weighting)
   deltas = _deltas(4)
@@ -138,7 +138,7 @@ def _held_bytes() -> int:
   return sum(x.nbytes for x in jax.live_arrays())
 
 
-@pytest.mark.parametrize("rule", merge.MERGE_RULES)
+@pytest.mark.parametrize("rule", merge.BATCH_RULES)
 def test_open_pushes_hold_one_accumulator_whatever_their_number(rule):
   """After 1 or 7 pushes (quorum 8: nothing merged) the syncer holds the same bytes: each push was
   folded into the sums and released, and only its header is kept."""

@@ -17,13 +17,14 @@ import jax
 import numpy as np
 import pytest
 
-from decoupled_diloco import checkpoint as checkpoint_lib
+from decoupled_diloco import checkpoint as checkpoint_lib, outer
 from decoupled_diloco import metrics as metrics_lib, model as model_lib, workdir_lock
 from decoupled_diloco.data import sources
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.run import records as run_records
 from decoupled_diloco.service import core as core_lib
 from decoupled_diloco.service import durable, syncer_main, wal
+from decoupled_diloco.syncer import Settings, Syncer
 from experiments.launch_local import LocalCluster
 from tests import service_config
 from tests.test_service_units import _core, _leaves_equal, _push, params  # pylint: disable=unused-import
@@ -330,6 +331,39 @@ def test_push_counters_and_refused_calls_survive_a_restart(params, tmp_path):
   core.store.checkpointer.close()
   again = _core(params, tmp_path, quorum=2, every=1)
   assert again.counts == counts and again.refused == {"unauthenticated": 2}
+  again.close()
+
+
+@pytest.mark.slow
+def test_clip_norms_survive_a_restart_and_an_oversized_push_is_refused_and_counted(params, tmp_path):
+  norm = 0.01 * np.sqrt(sum(x.size for x in jax.tree.leaves(params)))  # ‖_delta(params)‖.
+  emitted = []
+
+  def build():
+    settings = Settings(quorum=2, merge_rule="clip", max_push_norm=float(5 * norm))
+    syncer = Syncer(outer.outer_optimizer(service_config.get_config().outer), params, range(2), settings)
+    core = core_lib.SyncerCore(syncer, 2, budget_steps=1000, directory=str(tmp_path), checkpoint_every_merges=1,
+                               lease_seconds=30.0, metadata={}, emit=emitted.append)
+    core.start(time.time())
+    return core
+
+  core = build()
+  _push(core, params, 0, 0)
+  _push(core, params, 1, 0)  # Merge: version 1.
+  _push(core, params, 0, 1, value=0.04)  # 4x: over 2x the median of (1, 1, 4)·‖Δ‖: clipped by 1/2.
+  with pytest.raises(core_lib.PushRejected, match="exceeds syncer.max_push_norm"):
+    _push(core, params, 1, 1, value=0.1)  # 10x: over the bound, refused before the log.
+  _push(core, params, 1, 1)  # Merge: version 2.
+  _push(core, params, 0, 2)  # Pending: carried into the checkpoint's log segment...
+  core.tick(time.time())  # ...checkpoint 2.
+  pushes = [r for r in emitted if r["kind"] == "push"]
+  assert [r["clipped"] for r in pushes] == [0, 0, 1, 0, 0] and core.counts["rejected"] == 1
+  assert pushes[2]["clip_factor"] == pytest.approx(0.5, rel=1e-4)
+  norms = core.syncer.recent_norms
+  core.store.log.close()  # SIGKILL.
+  core.store.checkpointer.close()
+  again = build()
+  assert again.syncer.recent_norms == norms and again.counts["rejected"] == 1
   again.close()
 
 

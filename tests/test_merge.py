@@ -147,7 +147,7 @@ def test_merge_deltas_rda_uses_the_mean_on_masked_leaves_and_jit_matches_eager()
   assert _norm(eager["lm_head"]) > 1.4 * _norm(mean["lm_head"])
 
 
-@pytest.mark.parametrize("rule", merge.MERGE_RULES)
+@pytest.mark.parametrize("rule", merge.BATCH_RULES)
 def test_merge_deltas_without_mask_under_jit(rule):
   deltas = [{"w": jnp.array([1.0, 0.0]), "e": jnp.array([3.0])}, {"w": jnp.array([0.0, 1.0]), "e": jnp.array([1.0])}]
   weights = np.array([0.5, 0.5], np.float32)
@@ -159,7 +159,7 @@ def test_merge_deltas_without_mask_under_jit(rule):
 
 def test_merge_deltas_rejects_bad_arguments():
   deltas = [{"w": jnp.ones(2)}]
-  with pytest.raises(ValueError, match="merge rule 'median' is unknown"):
+  with pytest.raises(ValueError, match="merge rule 'median' has no batch form"):
     merge.merge_deltas(deltas, np.ones(1), "median")
   with pytest.raises(ValueError, match="one weight per delta"):
     merge.merge_deltas(deltas, np.array([0.5, 0.5]), "mean")

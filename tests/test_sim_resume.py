@@ -24,6 +24,14 @@ OVERRIDES = {
     "syncer.grace_overlap_steps": 2.0, "streaming.num_fragments": 2, "streaming.strategy": "balanced",
     "streaming.overlap_steps": 1, "compression.format": "int8", "compression.error_feedback": True,
     "learners.jitter": 0.2, "sim.link_latency_seconds": 0.3, "outer_steps": 4, "inner_steps": 4, "checkpoint_every": 1}
+# Robust merges with a faulty learner: the clip rule's recent norms, a trimmed mean's held pushes (quorum 4:
+# open across checkpoints) and the noise learner's draws carry state across a checkpoint too.
+_ROBUST = {
+    "mode": "decoupled", "runtime": "sim", "learners.devices": (1,) * 4, "learners.batch_size": (4,) * 4,
+    "learners.jitter": 0.2, "syncer.quorum": 4, "syncer.trim_fraction": 0.25, "failures.byzantine_learner": 1,
+    "failures.byzantine_kind": "noise", "outer_steps": 4, "inner_steps": 4, "checkpoint_every": 1}
+RUNS = {"streaming": OVERRIDES, "clip": {**_ROBUST, "syncer.merge_rule": "clip"},
+        "trimmed_mean": {**_ROBUST, "syncer.merge_rule": "trimmed_mean"}}
 
 # The child runs the same simulation and SIGKILLs itself 15 events after its first checkpoint,
 # so records past the checkpoint are on disk and must be replaced by the resumed run.
@@ -33,7 +41,7 @@ from decoupled_diloco import experiment
 from decoupled_diloco.runtime import sim, sim_checkpoint
 from tests import conftest  # 8 virtual CPU devices, as in the parent.
 from tests.helpers import tiny_config
-from tests.test_sim_resume import OVERRIDES
+from tests.test_sim_resume import RUNS
 since_save, call = [], sim_checkpoint.Cadence.__call__
 def cadence(self):
   before = self.every.next
@@ -43,7 +51,7 @@ def cadence(self):
   if len(since_save) > 15:
     os.kill(os.getpid(), signal.SIGKILL)
 sim_checkpoint.Cadence.__call__ = cadence
-sim.run(experiment.build(tiny_config(**OVERRIDES)), sys.argv[1])
+sim.run(experiment.build(tiny_config(**RUNS[sys.argv[2]])), sys.argv[1])
 """
 
 
@@ -54,9 +62,12 @@ def _records(workdir):
   return records
 
 
-def test_a_killed_simulation_resumes_and_writes_the_uninterrupted_records(tmp_path):
-  reference = sim.run(experiment.build(tiny_config(**OVERRIDES)), str(tmp_path / "once"))
-  killed = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "twice")], cwd=REPO, capture_output=True,
+@pytest.mark.parametrize("run", ["streaming", pytest.param("clip", marks=pytest.mark.slow),
+                                 pytest.param("trimmed_mean", marks=pytest.mark.slow)])
+def test_a_killed_simulation_resumes_and_writes_the_uninterrupted_records(tmp_path, run):
+  overrides = RUNS[run]
+  reference = sim.run(experiment.build(tiny_config(**overrides)), str(tmp_path / "once"))
+  killed = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "twice"), run], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
   assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
   partial = _records(tmp_path / "twice")
@@ -64,12 +75,13 @@ def test_a_killed_simulation_resumes_and_writes_the_uninterrupted_records(tmp_pa
   assert 0 < len(partial) < len(expected)  # Killed mid-run, after writing records.
 
   with pytest.raises(ConfigError, match="pass --config.resume=True"):
-    sim.run(experiment.build(tiny_config(**OVERRIDES)), str(tmp_path / "twice"))
+    sim.run(experiment.build(tiny_config(**overrides)), str(tmp_path / "twice"))
   with pytest.raises(ConfigError, match="another config"):
-    sim.run(experiment.build(tiny_config(**{**OVERRIDES, "resume": True, "syncer.quorum": 2})), str(tmp_path / "twice"))
-  resumed = sim.run(experiment.build(tiny_config(**{**OVERRIDES, "resume": True})), str(tmp_path / "twice"))
+    sim.run(experiment.build(tiny_config(**{**overrides, "resume": True, "syncer.staleness_a": 0.25})),
+            str(tmp_path / "twice"))
+  resumed = sim.run(experiment.build(tiny_config(**{**overrides, "resume": True})), str(tmp_path / "twice"))
   assert _records(tmp_path / "twice") == expected
   assert {k: v for k, v in resumed.items() if k != "wall_time"
          } == {k: v for k, v in reference.items() if k != "wall_time"}
   with pytest.raises(ConfigError, match="finished run"):
-    sim.run(experiment.build(tiny_config(**{**OVERRIDES, "resume": True})), str(tmp_path / "twice"))
+    sim.run(experiment.build(tiny_config(**{**overrides, "resume": True})), str(tmp_path / "twice"))

@@ -122,6 +122,77 @@ def test_bad_pushes_are_rejected_and_leave_the_state_untouched(push, message):
   assert syncer.receive(_push(0, 1.0), now=1.0)[1] is not None  # the run continues
 
 
+def test_a_push_over_max_push_norm_is_refused_counted_and_changes_nothing():
+  syncer = _syncer(quorum=1, max_push_norm=10.0)  # ‖_tree(v)‖ = √10 · v.
+  before = jax.tree.map(np.asarray, syncer.state)
+  with pytest.raises(PushRejected, match="exceeds syncer.max_push_norm=10"):
+    syncer.receive(_push(0, 4.0), now=0.0)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, syncer.state), before)
+  assert syncer.counts["rejected"] == 1 and syncer.version == 0
+  syncer.receive(_push(0, 3.0), now=1.0)  # √90 < 10: merged.
+  assert syncer.version == 1 and syncer.verdict.norm == pytest.approx(np.sqrt(90.0))
+
+
+def test_clip_scales_an_outlier_to_a_multiple_of_the_median_norm_before_its_weights():
+  syncer = _syncer(quorum=1, merge_rule="clip", clip_multiple=2.0, clip_window=4, staleness="polynomial",
+                   staleness_a=1.0)
+  for learner in (0, 1):
+    syncer.receive(_push(learner, 1.0, base=syncer.version), now=0.0)  # Never clipped: Θ 10 → 9 → 8.
+    assert syncer.verdict.fields() == {"checked_norm": pytest.approx(np.sqrt(10)), "clip_factor": 1.0, "clipped": 0}
+  _, report = syncer.receive(_push(2, 100.0, base=1), now=0.0)  # Staleness 1: weight 1/2.
+  # Median of (√10, √10, 100√10) is √10: the push is scaled by 2/100, then halved: Θ = 8 − 100 · 0.02 · 0.5.
+  assert syncer.verdict.clip_factor == pytest.approx(0.02) and syncer.verdict.fields()["clipped"] == 1
+  chex.assert_trees_all_close(syncer.params, _tree(7.0), atol=1e-5)
+  assert report.weights == (0.5,) and syncer.recent_norms == [pytest.approx([np.sqrt(10)] * 2 + [np.sqrt(1e5)])]
+
+
+def test_clip_judges_a_push_by_the_open_merges_pushes_too():
+  syncer = _syncer(quorum=3, merge_rule="clip", clip_multiple=1.0)
+  syncer.receive(_push(0, 100.0), now=0.0)  # First of the run: judged by itself, not clipped.
+  syncer.receive(_push(1, 1.0), now=0.0)
+  assert syncer.verdict.clip_factor == 1.0
+  _, report = syncer.receive(_push(2, 2.0), now=0.0)  # Median of (100, 1, 2)·√10 is 2√10: not clipped.
+  assert syncer.verdict.clip_factor == 1.0 and report is not None
+  syncer.receive(_push(0, 50.0, base=1), now=0.0)  # Median of (100, 1, 2, 50)·√10 = 26√10.
+  assert syncer.verdict.clip_factor == pytest.approx(26 / 50)
+
+
+def test_clip_without_outliers_merges_as_the_mean_bit_for_bit():
+  pushes = [_push(m, v) for m, v in enumerate((1.0, 1.5, 0.7))]
+  merged = {}
+  for rule in ("mean", "clip"):
+    syncer = _syncer(quorum=3, merge_rule=rule)
+    for push in pushes:
+      syncer.receive(push, now=0.0)
+    merged[rule] = jax.tree.map(np.asarray, syncer.params)
+  jax.tree.map(np.testing.assert_array_equal, merged["mean"], merged["clip"])
+
+
+def test_trimmed_mean_merge_equals_a_numpy_reference_with_token_and_staleness_weights():
+  rng = np.random.default_rng(3)
+  values = [rng.standard_normal(10).astype(np.float32) for _ in range(4)]
+  values[1] = values[1] * 100.0
+  tree = lambda v: {"w": jnp.asarray(v[:6].reshape(3, 2)), "b": {"v": jnp.asarray(v[6:])}}
+  syncer = _syncer(learners=range(4), quorum=4, merge_rule="trimmed_mean", trim_fraction=0.25,
+                   staleness="polynomial", staleness_a=1.0)
+  syncer.merge(0.0)  # Nothing pending: no merge.
+  syncer.receive(_push(0, 0.0), now=0.0)
+  syncer.merge(0.0)  # Version 1: base 0 is now staleness 1 (factor 1/2).
+  tokens, bases = (10, 20, 10, 40), (1, 1, 0, 1)
+  for m, v in enumerate(values):
+    _, report = syncer.receive(Push(m, tree(v), bases[m], tokens[m], 2), now=1.0)
+  stack = np.stack(values).astype(np.float64)
+  damping = np.array([1.0, 1.0, 0.5, 1.0])
+  order = np.argsort(stack, axis=0, kind="stable")
+  kept = np.zeros_like(stack, bool)
+  np.put_along_axis(kept, order[1:3], True, axis=0)
+  expected = (kept * damping[:, None] * np.asarray(tokens)[:, None] * stack).sum(0) / (kept * np.asarray(
+      tokens)[:, None]).sum(0)
+  got = 10.0 - np.concatenate([np.asarray(syncer.params["b"]["v"]), np.asarray(syncer.params["w"]).reshape(-1)])
+  np.testing.assert_allclose(got, np.concatenate([expected[6:], expected[:6]]), rtol=1e-5, atol=1e-5)
+  assert report.trimmed[1] == 1.0 and syncer.fragments[0].held == []
+
+
 def test_syncer_state_lives_on_the_host_device():
   syncer = _syncer()
   devices = {d for leaf in jax.tree.leaves(syncer.state) if isinstance(leaf, jax.Array) for d in leaf.devices()}
@@ -156,7 +227,8 @@ def test_impossible_settings_are_refused_up_front(settings, message):
 
 
 @pytest.mark.parametrize("field, value", [("staleness_a", -1.0), ("staleness_b", -1.0), ("max_staleness", -2),
-                                          ("ema", 0.0), ("grace_gamma", 1.0)])
+                                          ("ema", 0.0), ("grace_gamma", 1.0), ("clip_multiple", 0.5),
+                                          ("clip_window", 0), ("trim_fraction", 0.5), ("max_push_norm", -1.0)])
 def test_settings_from_config_reject_out_of_range_values(field, value):
   with pytest.raises(ConfigError, match=f"syncer.{field}"):
     Settings.from_config(ml_collections.ConfigDict({field: value}))

@@ -111,3 +111,21 @@ def test_bad_threads_configs_name_the_fix_in_one_line(overrides, message):
   with pytest.raises(ConfigError, match=message) as error:
     experiment.validate(tiny_config(runtime="threads", **overrides))
   assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_scaled_learner_is_clipped_in_real_time_and_counted(tmp_path):
+  """One of 3 learners pushes Δ ×100 (failures.byzantine_*); merge_rule 'clip' scales its pushes down
+  once honest norms are the majority of the window (arrival order is the threads', so earlier ones may
+  pass), and its learner_summary counts them."""
+  config = tiny_config(**{
+      "mode": "decoupled", "runtime": "threads", "learners.devices": (1, 1, 1), "learners.batch_size": (4, 4, 4),
+      "syncer.merge_rule": "clip", "failures.byzantine_learner": 2, "outer_steps": 3, "inner_steps": 4})
+  threads.run(experiment.build(config), str(tmp_path))
+  records = metrics.read_metrics(tmp_path / "metrics.jsonl")
+  pushes = _kind(records, "push")
+  faulty = [p for p in pushes if p["learner"] == 2]
+  assert faulty[-1]["clipped"] == 1 and faulty[-1]["clip_factor"] < 0.1
+  assert not any(p["clipped"] for p in pushes if p["learner"] != 2)
+  summaries = {s["learner"]: s for s in _kind(records, "learner_summary")}
+  assert summaries[2]["clipped"] == sum(p["clipped"] for p in faulty) and summaries[0]["clipped"] == 0

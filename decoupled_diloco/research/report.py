@@ -25,11 +25,11 @@ from decoupled_diloco.errors import ConfigError
 
 # Summary figures of one run, in table (and results.csv) order.
 SUMMARY_FIELDS = ("eval_loss", "optimal_loss", "tokens", "outer_updates", "wall_seconds", "virtual_seconds", "goodput",
-                  "idle_fraction", "pushes", "dropped", "mean_staleness")
+                  "idle_fraction", "pushes", "dropped", "clipped", "mean_staleness")
 _COLUMNS = {  # Table header of each summary field (optimal_loss shows as the gap to it).
     "eval_loss": "eval loss", "optimal_loss": "gap to optimum", "tokens": "tokens", "outer_updates": "outer updates",
     "wall_seconds": "wall s", "virtual_seconds": "virtual s", "goodput": "goodput", "idle_fraction": "idle",
-    "pushes": "pushes", "dropped": "dropped", "mean_staleness": "mean staleness"}
+    "pushes": "pushes", "dropped": "dropped", "clipped": "clipped", "mean_staleness": "mean staleness"}
 
 
 def _of(records: list[dict], kind: str) -> list[dict]:
@@ -101,6 +101,7 @@ def summarize_run(records: list[dict]) -> dict:
   staleness = [(s, n) for counter in staleness_counts(records).values() for s, n in counter.items()]
   pushes = sum(n for _, n in staleness)
   idle = [r["idle_seconds"] / r["time"] for r in learners if r["idle_seconds"] is not None and r["time"]]
+  verdicts = [r["clipped"] for r in _of(records, "push") if "clipped" in r]  # Robust merges (docs/syncer.md).
   return {
       "eval_loss": last.get("eval_loss"),
       "optimal_loss": last.get("optimal_loss"),
@@ -112,6 +113,7 @@ def summarize_run(records: list[dict]) -> dict:
       "idle_fraction": statistics.mean(idle) if idle else None,
       "pushes": pushes or None,
       "dropped": summary.get("dropped_pushes"),
+      "clipped": sum(verdicts) if verdicts else None,
       "mean_staleness": sum(s * n for s, n in staleness) / pushes if pushes else None,}
 
 
@@ -121,7 +123,7 @@ def _cell(field: str, row: dict) -> str:
     value = row["eval_loss"] - value
   if value is None:
     return "–"
-  if field in ("tokens", "outer_updates", "pushes", "dropped"):
+  if field in ("tokens", "outer_updates", "pushes", "dropped", "clipped"):
     return f"{int(value):,}"
   if field in ("wall_seconds", "virtual_seconds"):
     return f"{value:.1f}"

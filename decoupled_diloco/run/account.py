@@ -27,6 +27,9 @@ class Account:
   pushes: int = 0
   dropped: int = 0  # Over-stale: counted by the syncer, not merged.
   rejected: int = 0  # Malformed: refused by the syncer.
+  clipped: int = 0  # Accepted pushes the clip rule scaled down (syncer.merge_rule='clip').
+  trimmed: float = 0.0  # Σ over its merged pushes of the share of coordinates trimmed (merge_rule='trimmed_mean').
+  trimmed_pushes: int = 0  # Its pushes merged by a trimmed mean: `trimmed`'s denominator.
   bytes_sent: int = 0
   bytes_received: int = 0
   staleness: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -46,7 +49,8 @@ class Account:
     return {
         "busy_seconds": self.busy, "idle_seconds": self.idle, "blocked_seconds": self.blocked, "stalls": self.stalls,
         "pushes": self.pushes, "dropped": self.dropped, "rejected": self.rejected, "bytes_sent": self.bytes_sent,
-        "bytes_received": self.bytes_received,
+        "bytes_received": self.bytes_received, "clipped": self.clipped,
+        "trimmed_share": self.trimmed / self.trimmed_pushes if self.trimmed_pushes else None,
         "staleness_histogram": {str(s): n for s, n in sorted(self.staleness.items())}}
 
 
@@ -61,4 +65,12 @@ def hand_over(syncer, account: Account, push, now: float, useful_seconds: float,
     account.rejected += 1
     return None
   account.count_push(staleness, accepted, useful_seconds, wire_bytes)
+  account.clipped += int(accepted and syncer.verdict.clip_factor < 1)
   return accepted, report, staleness
+
+
+def count_trimmed(accounts, report) -> None:
+  """Adds a merge's trimmed shares (syncer.MergeReport.trimmed; none unless trimmed_mean) to its learners' accounts."""
+  for learner, share in zip(report.learners, report.trimmed):
+    accounts[learner].trimmed += share
+    accounts[learner].trimmed_pushes += 1

@@ -16,7 +16,8 @@ from decoupled_diloco.errors import ConfigError
 LEARNER_SUMMARY_FIELDS = ("learner", "steps", "tokens", "busy_seconds", "idle_seconds", "blocked_seconds",
                           "finished_early_seconds", "wall_seconds", "compute_utilization", "blocked_fraction", "stalls",
                           "overlapped_steps", "pushes", "dropped", "rejected", "bytes_sent", "bytes_received",
-                          "uplink_busy_seconds", "downlink_busy_seconds", "staleness_histogram", "final_ack_seconds",
+                          "uplink_busy_seconds", "downlink_busy_seconds", "staleness_histogram", "clipped",
+                          "trimmed_share", "final_ack_seconds",
                           "exchange_seconds", "rounds", "retries", "syncer_restarts", "processes", "group_peak_bytes",
                           "group_host_bytes", "ack_statuses")
 # The run's totals, once, when it is done.
@@ -49,19 +50,22 @@ def summary(clock: dict, **fields) -> dict:
   return _record("summary", SUMMARY_FIELDS, CLOCK_FIELDS, clock, fields)
 
 
-def push(clock: dict, push_, staleness: int, accepted: bool, **extra) -> dict:
-  """The `push` record of a pseudo-gradient the syncer took."""
+def push(clock: dict, push_, staleness: int, accepted: bool, verdict=None, **extra) -> dict:
+  """The `push` record of a pseudo-gradient the syncer took; `verdict` (syncer.Verdict): its decoded norm
+  and clip factor, so that a clipped push is visible push by push."""
   return {
       "kind": "push", **clock, "learner": push_.learner, "fragment": push_.fragment, "local_steps": push_.local_steps,
       "tokens": push_.tokens, "staleness": staleness, "accepted": int(accepted), "wire_bytes": push_.wire_bytes,
-      **({} if push_.delta_norm is None else {"pseudo_gradient_norm": float(push_.delta_norm)}), **extra}
+      **({} if push_.delta_norm is None else {"pseudo_gradient_norm": float(push_.delta_norm)}),
+      **({} if verdict is None else verdict.fields()), **extra}
 
 
 def outer(clock: dict, report, **extra) -> dict:
   """The `outer` record of a merge (syncer.MergeReport)."""
   return {
       "kind": "outer", **clock, "fragment": report.fragment, "learners": list(report.learners),
-      "staleness": list(report.staleness), "weights": list(report.weights), **extra}
+      "staleness": list(report.staleness), "weights": list(report.weights),
+      **({"trimmed": list(report.trimmed)} if report.trimmed else {}), **extra}
 
 
 def write_summaries(write, exp, clock: dict, accounts, end: float, weights, useful, learner_fields, **fields) -> dict:

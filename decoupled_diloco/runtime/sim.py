@@ -27,7 +27,7 @@ from decoupled_diloco.experiment import Experiment
 from decoupled_diloco.run import account as account_lib
 from decoupled_diloco.run import evaluator, records, schedule
 from decoupled_diloco.run import monitor as monitor_lib
-from decoupled_diloco.runtime import failures as failures_lib
+from decoupled_diloco.runtime import byzantine, failures as failures_lib
 from decoupled_diloco.runtime import sim_checkpoint
 from decoupled_diloco.syncer import MergeReport
 
@@ -88,6 +88,7 @@ class Simulation:
     self.last_eval = None
     failure_settings = failures_lib.Settings.from_config(exp.config)
     self.failures = failures_lib.Injector(failure_settings, self) if failure_settings else None
+    self.byzantine = byzantine.Settings.from_config(exp.config)
 
   # Event plumbing.
   def _schedule(self, at: float, priority: int, kind, *payload) -> None:
@@ -205,6 +206,7 @@ class Simulation:
     learner, clock = self.exp.learners[m], self.clocks[m]
     clock.unsent.discard(p)
     push = learner.push(p, compute_seconds=clock.compute_since_push[p])
+    push = byzantine.corrupt(push, self.byzantine, learner.steps)
     clock.compute_since_push[p] = 0.0
     clock.in_flight[p] = learner.steps + self.overlap
     arrival = clock.up.send(self.now, round(push.wire_bytes * self.exp.byte_scale))
@@ -234,7 +236,8 @@ class Simulation:
       self._schedule(self.now, REPLY, self._on_reply, m, fragment, epoch)
       return
     accepted, report, staleness = taken
-    self.writer.write(records.push(self._clock(self.syncer.version), push, staleness, accepted, in_flight=in_flight))
+    self.writer.write(records.push(self._clock(self.syncer.version), push, staleness, accepted, self.syncer.verdict,
+                                   in_flight=in_flight))
     deadline = self.syncer.fragments[fragment].deadline
     if accepted and (self.blocking or (report is None and deadline is not None)):
       self.waiting[fragment].append((m, epoch))  # Waits for the merge that includes its push (maybe this one).
@@ -258,6 +261,7 @@ class Simulation:
       self._schedule(self.now, REPLY, self._on_reply, m, report.fragment, epoch)
 
   def _write_outer(self, report: MergeReport) -> None:
+    account_lib.count_trimmed(self.clocks, report)
     self.writer.write(records.outer(self._clock(report.version), report))
 
   def _on_reply(self, m: int, p: int, epoch: int) -> None:

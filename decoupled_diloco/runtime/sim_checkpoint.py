@@ -25,7 +25,7 @@ from decoupled_diloco.run import state as state_lib
 BLOB = "simulation"  # The orbax item holding the pickled host state.
 # A learner's host state besides its trees (its error-feedback residuals are one of those: run/state.py).
 _LEARNER_FIELDS = ("anchors", "base_versions", "tokens_since_push", "steps_since_push", "pushed")
-_FRAGMENT_FIELDS = ("pending", "deadline", "window_start", "accumulator")
+_FRAGMENT_FIELDS = ("pending", "deadline", "window_start", "accumulator", "norms", "held")
 _SIMULATION_FIELDS = ("now", "clocks", "rngs", "speeds", "steps_left", "eval_due", "waiting", "last_eval")
 
 
@@ -135,6 +135,8 @@ def restore(checkpointer: checkpoint_lib.Checkpointer, simulation, metadata: dic
   simulation._begin = time.time() - state["wall_seconds"]  # pylint: disable=protected-access
   if syncer is not None:
     for fragment, saved in zip(syncer.fragments, state["syncer"]["fragments"]):
+      saved.setdefault("norms", [])  # Written before robust merges: no norms, nothing held.
+      saved.setdefault("held", [])
       for field in _FRAGMENT_FIELDS:
         setattr(fragment, field, saved[field])
       fragment.accumulator = syncer.adopt(fragment.accumulator)

@@ -24,6 +24,7 @@ from decoupled_diloco.run import account as account_lib
 from decoupled_diloco.run import evaluator as evaluator_lib
 from decoupled_diloco.run import monitor as monitor_lib
 from decoupled_diloco.run import records, schedule, state
+from decoupled_diloco.runtime import byzantine
 from decoupled_diloco import push as push_lib
 from decoupled_diloco.push import Push
 from decoupled_diloco.syncer import MergeReport
@@ -41,6 +42,7 @@ class ThreadedRun:
     num = len(exp.learners)
     self.plan = exp.plan
     self.accounts = [account_lib.Account() for _ in range(num)]
+    self.byzantine = byzantine.Settings.from_config(config)
     # Under the budget lock: the budget, tokens done, measured speeds (0 = none yet).
     self.budget = threading.Lock()
     self.steps_left = self.plan.budget_steps
@@ -111,7 +113,7 @@ class ThreadedRun:
         self._account_step(m, seconds)
     if steps == 0:
       return False
-    push = learner.push(0, compute_seconds=compute)
+    push = byzantine.corrupt(learner.push(0, compute_seconds=compute), self.byzantine, learner.steps)
     with self._holding(m, self.lock):
       # Every step was waited for: draining its losses here only copies scalars.
       extra = {"time": self.now(), "wall_time": time.time() - self._begin}
@@ -171,7 +173,7 @@ class ThreadedRun:
     if taken is None:
       return False
     accepted, report, staleness = taken
-    self.writer.write(records.push(self._clock(self.syncer.version), push, staleness, accepted))
+    self.writer.write(records.push(self._clock(self.syncer.version), push, staleness, accepted, self.syncer.verdict))
     if report is not None:
       self.syncer.observe_sync_seconds(time.monotonic() - began)  # ξ_sync: the merge's own duration.
       self._on_merge(report, "push")
@@ -189,6 +191,7 @@ class ThreadedRun:
     """Records a merge ('push': it completed the quorum; 'deadline': a grace window closed;
     'end': what was left when the budget ran out) and queues Θ's evaluation when it is due."""
     clock = self._clock(report.version)
+    account_lib.count_trimmed(self.accounts, report)
     self.writer.write(records.outer(clock, report, trigger=trigger))
     self.pushed.clear()
     if self.eval_due.due(clock["tokens"]):

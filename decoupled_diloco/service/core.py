@@ -311,7 +311,8 @@ class SyncerCore(recovery.Recovery):
           "kind": "push", "outer_step": outer_step, "learner": header["learner"], "seq": header["seq"],
           "fragment": header["fragment"], "local_steps": header["local_steps"], "tokens": header["tokens"],
           "staleness": fragment_version - header["base_version"], "accepted": int(accepted),
-          "wire_bytes": header["payload_bytes"], "wall_time": now - self.start_time, "replayed": int(replay)})
+          "wire_bytes": header["payload_bytes"], "wall_time": now - self.start_time, "replayed": int(replay),
+          **syncer.verdict.fields()})
     self._after_merges([report], now, replay)
     if self.steps_done >= self.budget_steps and not self.done and not replay:
       self._finish(now)

@@ -52,6 +52,8 @@ class Recovery:
       self.counts.update(meta.get("counts", {}))  # Replay adds the pushes applied after the checkpoint.
       self.refused.update(meta.get("refused", {}))
       self.syncer.restore_estimates(meta["estimates"])  # Before the replay, which goes on updating them.
+      if "recent_norms" in meta:  # Checkpoints from before robust merges have none: clipping starts afresh.
+        self.syncer.restore_recent_norms(meta["recent_norms"])
       self.restored_at = time.time()
       self._replay(meta["segment"], step)
       self.store.open_after_replay(meta["segment"])
@@ -78,7 +80,8 @@ class Recovery:
         **self.metadata, "versions": list(self.syncer.versions), "segment": version, "done": self.done,
         "start_time": self.start_time, "steps_done": self.steps_done - pending_steps,
         "tokens_done": self.tokens_done - pending_tokens, "counts": self.counts, "refused": dict(self.refused),
-        "estimates": self.syncer.estimates, "syncer_incarnation": self.syncer_incarnation}
+        "estimates": self.syncer.estimates, "recent_norms": self.syncer.recent_norms,
+        "syncer_incarnation": self.syncer_incarnation}
     per_learner = {"acked": self.acked, "incarnations": self.incarnations, "refused_seq": self.refused_seq}
     meta.update({name: {str(m): value for m, value in values.items()} for name, values in per_learner.items()})
     locations = self.store.rotate(version, carried)

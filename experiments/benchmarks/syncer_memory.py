@@ -1,6 +1,7 @@
 r"""Syncer host memory: peak bytes per parameter at the syncer while M pushes arrive for one merge.
 
   python -m experiments.benchmarks.syncer_memory [--params=100000000] [--counts=1,2,4,8,16] [--transport=data|grpc]
+      [--merge_rule=mean|rda|clip]
 
 For each push format (fp32, int4) and M, a fresh child process runs the syncer service
 (`SyncerCore`: write-ahead log on disk, pull cache; `SyncerServer` with its data channel on
@@ -52,6 +53,8 @@ _CHILD = flags.DEFINE_string("child", "", "Internal: run one measurement, FORMAT
 _PAYLOAD = flags.DEFINE_string("payload", "", "Internal: the payload file of the child.")
 _TRANSPORT = flags.DEFINE_enum("transport", "data", ["data", "grpc"],
                                "How pushes arrive: the data channel, or gRPC's Push stream (service.data_port=-1).")
+_MERGE_RULE = flags.DEFINE_enum("merge_rule", "mean", ["mean", "rda", "clip"],
+                                "syncer.merge_rule of the measured syncer (trimmed_mean is refused by the service).")
 _CHUNK_BYTES = 4 << 20  # service.chunk_bytes: gRPC's message size (the syncer's receive chunk too).
 _TOKEN = "benchmark-secret"
 _LEAVES = 10
@@ -122,7 +125,8 @@ def _core(fmt: str, count: int, n: int, directory: str):
   params = jax.tree.map(lambda shape: jnp.full(shape, 0.01, jnp.float32), _shapes(n),
                         is_leaf=lambda x: isinstance(x, tuple))
   optimizer = outer.outer_optimizer(ConfigDict({"optimizer": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}))
-  syncer = Syncer(optimizer, params, range(count), Settings(quorum=count, token_weighting="tokens"),
+  syncer = Syncer(optimizer, params, range(count),
+                  Settings(quorum=count, token_weighting="tokens", merge_rule=_MERGE_RULE.value),
                   codec=compression.Codec(format=fmt))
   return core_lib.SyncerCore(syncer, count, budget_steps=10**9, directory=directory, checkpoint_every_merges=10**6,
                              lease_seconds=1e9, metadata={})
@@ -215,7 +219,7 @@ def _run_child(fmt: str, count: int, path: str, n: int) -> dict:
 def _run(child: str, path: str, n: int) -> dict:
   command = [
       sys.executable, "-m", "experiments.benchmarks.syncer_memory", f"--child={child}", f"--payload={path}",
-      f"--params={n}", f"--transport={_TRANSPORT.value}"]
+      f"--params={n}", f"--transport={_TRANSPORT.value}", f"--merge_rule={_MERGE_RULE.value}"]
   result = subprocess.run(command, capture_output=True, text=True, check=False)
   if result.returncode:
     raise RuntimeError(f"child {child} failed:\n{result.stderr[-3000:]}")
@@ -255,7 +259,8 @@ def main(argv) -> None:
         print(json.dumps(rows[fmt, count]), flush=True)
   common.emit_keys(
       {
-          "benchmark": "syncer_memory", "params": n, "host_bytes_per_param": {
+          "benchmark": "syncer_memory", "params": n, "merge_rule": _MERGE_RULE.value,
+          "host_bytes_per_param": {
               m: r["peak_bytes_per_param"] for (f, m), r in rows.items() if f == "fp32"}, "int4_host_bytes_per_param": {
                   m: r["peak_bytes_per_param"] for (f, m), r in rows.items() if f == "int4"}, "steady_bytes_per_param": {
                       m: r["steady_bytes_per_param"] for (f, m), r in rows.items() if f == "fp32"
