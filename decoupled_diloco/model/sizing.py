@@ -14,7 +14,7 @@ import ml_collections
 
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.errors import ConfigError
-from decoupled_diloco.model import attention, layers
+from decoupled_diloco.model import attention, layers, moe as moe_lib
 from decoupled_diloco.model.transformer import DTYPES, REMAT_POLICIES
 
 _CHOICES = dict(position=attention.POSITIONS, mlp=layers.MLP_KINDS, remat=tuple(REMAT_POLICIES),
@@ -50,8 +50,10 @@ class Settings:
   scan_layers: bool = False
   loss_chunk: int = 0
   document_eod_id: int = -1
+  moe: Any = moe_lib.Settings()  # config.model.moe (a ConfigDict) becomes moe.Settings here.
 
   def __post_init__(self):
+    object.__setattr__(self, 'moe', moe_lib.Settings.from_config(self.moe))
     for name in _SHAPE:
       value = getattr(self, name)
       if not settings_lib.is_int(value) or value <= 0:
@@ -66,6 +68,7 @@ class Settings:
     if not isinstance(kv, int) or kv < 0 or (kv and self.num_heads % kv):
       _refuse(f'model.num_kv_heads is {kv!r}: use 0 (= num_heads) or a divisor of num_heads {self.num_heads}')
     self._check_options()
+    moe_lib.check_model(self.moe, self.num_layers, self.scan_layers)
 
   def _check_options(self) -> None:
     """Options that only some shapes or backends support."""
