@@ -40,7 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.moe = ml_collections.ConfigDict()
   config.model.moe.num_experts = 0  # E: expert MLPs per MoE block (0 = dense model).
   config.model.moe.top_k = 2  # k: experts each token is routed to; their gates are renormalised to sum to 1.
-  config.model.moe.capacity_factor = 1.25  # Slots per expert per sequence = ceil(k*T*c/E), overflow dropped; 0 = dropless.
+  config.model.moe.capacity_factor = 1.25  # c: ceil(k*T*c/E) slots/expert/sequence, overflow dropped; 0 = dropless.
   config.model.moe.every = 1  # MoE in every n-th block (blocks n-1, 2n-1, ...); others dense. >1 needs scan_layers off.
   config.model.moe.d_ff = 0  # Hidden width of one expert (0 = model.d_ff).
   config.model.moe.shared_experts = 0  # Always-on experts per MoE block (one MLP of shared_experts x d_ff wide).

@@ -56,8 +56,7 @@ class Layout:
 
   def __str__(self) -> str:
     """'data=2,fsdp=32,tensor=1': every axis but expert, which is named only when used (MoE layouts)."""
-    return ",".join(f"{name}={size}" for name, size in zip(MESH_AXES, self.shape)
-                    if name != EXPERT_AXIS or size > 1)
+    return ",".join(f"{name}={size}" for name, size in zip(MESH_AXES, self.shape) if name != EXPERT_AXIS or size > 1)
 
   @classmethod
   def parse(cls, spec: str, devices: int, group: int) -> "Layout":

@@ -23,7 +23,7 @@ from decoupled_diloco.model import layers
 from decoupled_diloco.model.layers import INIT_STDDEV, constrain
 
 # What each MoE block reports to the loss (summed over blocks; see `summarize`).
-STAT_KEYS = ('balance', 'z', 'dropped', 'assigned')
+STAT_KEYS = ('balance', 'z', 'dropped', 'assigned', 'max_load', 'min_load')
 _EXPERT_AXES = ('expert', 'batch', None, 'embed')
 
 
@@ -46,8 +46,9 @@ class Settings:
                        for name in counts)
     for name in ('capacity_factor', 'aux_loss_weight', 'z_loss_weight'):
       value = getattr(self, name)
-      settings_lib.check([(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
-                           f'model.moe.{name}={value!r} must be a number >= 0: set --config.model.moe.{name}')])
+      settings_lib.check([
+          (isinstance(value, (int, float)) and not isinstance(value, bool) and
+           value >= 0, f'model.moe.{name}={value!r} must be a number >= 0: set --config.model.moe.{name}')])
     if not self.num_experts:
       changed = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
       if changed:
@@ -84,6 +85,15 @@ def check_model(moe: Settings, num_layers: int, scan_layers: bool) -> None:
                       'set --config.model.moe.every=1 or --config.model.scan_layers=False')
 
 
+def mlp_params(moe: Settings, index: int, d_model: int, d_ff: int, matrices: int, active: bool) -> int:
+  """Params of block `index`'s feed-forward part: a dense MLP's, or an MoE block's router, shared experts
+  and all E experts (`active`: only the k a token runs through, what its FLOPs count)."""
+  if not moe.is_moe_block(index):
+    return matrices * d_model * d_ff
+  experts = moe.top_k if active else moe.num_experts
+  return d_model * moe.num_experts + matrices * d_model * (moe.d_ff or d_ff) * (experts + moe.shared_experts)
+
+
 def capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
   """C: token slots per expert per sequence of `tokens` (no expert can take more than every token)."""
   return min(tokens, max(1, math.ceil(top_k * tokens * capacity_factor / num_experts)))
@@ -112,16 +122,20 @@ def slots(experts: jax.Array, num_experts: int) -> jax.Array:
   return place.reshape(b, k, t).transpose(0, 2, 1)
 
 
+def expert_share(experts: jax.Array, num_experts: int) -> jax.Array:
+  """f [E]: the share of all k * N assignments routed to each expert (before capacity)."""
+  return jnp.mean(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=tuple(range(experts.ndim)))
+
+
 def balance_loss(probs: jax.Array, experts: jax.Array) -> jax.Array:
   """Switch/GShard load balance E * sum_e f_e * P_e over every token of the batch (1 when uniform).
 
-  f_e: share of the k * N assignments routed to expert e (before capacity; no gradient);
-  P_e: mean router probability of e. Its gradient pushes probability off overloaded experts.
+  f_e: `expert_share` (no gradient); P_e: mean router probability of e. Its gradient pushes
+  probability off overloaded experts.
   """
   num_experts = probs.shape[-1]
-  share = jnp.mean(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=tuple(range(experts.ndim)))
   mean_probs = jnp.mean(probs, axis=tuple(range(probs.ndim - 1)))
-  return num_experts * jnp.sum(share * mean_probs)
+  return num_experts * jnp.sum(expert_share(experts, num_experts) * mean_probs)
 
 
 def z_loss(logits: jax.Array) -> jax.Array:
@@ -137,12 +151,14 @@ def zero_stats() -> dict:
 def summarize(stats: dict, moe_blocks: int, settings: Any) -> tuple[jax.Array, dict]:
   """Block stats summed over the model -> (the penalty added to the training loss, metrics).
 
-  Why the mean over MoE blocks: the weights then mean the same whatever the depth.
+  Why the mean over MoE blocks: the weights then mean the same whatever the depth. Loads are E * f_e
+  (1 = an expert's fair share): the busiest and idlest expert's, averaged over MoE blocks.
   """
   balance, z = stats['balance'] / moe_blocks, stats['z'] / moe_blocks
   penalty = settings.aux_loss_weight * balance + settings.z_loss_weight * z
-  return penalty, {'moe_aux_loss': balance, 'moe_z_loss': z,
-                   'moe_dropped_fraction': stats['dropped'] / stats['assigned']}
+  return penalty, {
+      'moe_aux_loss': balance, 'moe_z_loss': z, 'moe_dropped_fraction': stats['dropped'] / stats['assigned'],
+      'moe_max_load': stats['max_load'] / moe_blocks, 'moe_min_load': stats['min_load'] / moe_blocks}
 
 
 class MoE(nnx.Module):
@@ -175,8 +191,10 @@ class MoE(nnx.Module):
       out, dropped = self._dropless(x, gates, experts), jnp.zeros((), jnp.float32)
     if hasattr(self, 'shared'):
       out = out + self.shared(x)
-    stats = {'balance': balance_loss(probs, experts), 'z': z_loss(logits), 'dropped': dropped,
-             'assigned': jnp.asarray(experts.size, jnp.float32)}
+    load = probs.shape[-1] * expert_share(experts, probs.shape[-1])
+    stats = {
+        'balance': balance_loss(probs, experts), 'z': z_loss(logits), 'dropped': dropped,
+        'assigned': jnp.asarray(experts.size, jnp.float32), 'max_load': jnp.max(load), 'min_load': jnp.min(load)}
     return out, stats
 
   def _expert_mlp(self, up, down, tokens: jax.Array) -> jax.Array:

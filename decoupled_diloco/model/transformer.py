@@ -45,8 +45,8 @@ class Block(nnx.Module):
     self.attn = attention.CausalSelfAttention(cfg, cfg.num_kv_heads or cfg.num_heads, out_stddev, dtype, rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, dtype)
     self.routed, self.reports = routed, bool(cfg.moe.num_experts)
-    self.mlp = (moe.MoE(cfg, out_stddev, dtype, rngs) if routed else
-                layers.MLP(cfg.d_model, cfg.d_ff, cfg.mlp, out_stddev, dtype, rngs))
+    self.mlp = (moe.MoE(cfg, out_stddev, dtype, rngs)
+                if routed else layers.MLP(cfg.d_model, cfg.d_ff, cfg.mlp, out_stddev, dtype, rngs))
 
   def __call__(self, x: jax.Array, segments: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """The new stream and the router stats (moe.STAT_KEYS; zeros in a dense block of an MoE model, {} in a
