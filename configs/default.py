@@ -36,6 +36,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.scan_layers = False  # One compiled block scanned over the layers: compile time flat in depth.
   config.model.document_eod_id = -1  # Set from data.mask_document_boundaries (the tokenizer's id); leave at -1.
   config.model.loss_chunk = 0  # Tokens per cross-entropy chunk: no [B, T, vocab] f32 logits (0 = no chunks).
+  # Mixture of experts (docs/moe.md): num_experts 0 = dense; the other fields only with num_experts > 0.
+  config.model.moe = ml_collections.ConfigDict()
+  config.model.moe.num_experts = 0  # E: expert MLPs per MoE block (0 = dense model).
+  config.model.moe.top_k = 2  # k: experts each token is routed to; their gates are renormalised to sum to 1.
+  config.model.moe.capacity_factor = 1.25  # c: ceil(k*T*c/E) slots/expert/sequence, overflow dropped; 0 = dropless.
+  config.model.moe.every = 1  # MoE in every n-th block (blocks n-1, 2n-1, ...); others dense. >1 needs scan_layers off.
+  config.model.moe.d_ff = 0  # Hidden width of one expert (0 = model.d_ff).
+  config.model.moe.shared_experts = 0  # Always-on experts per MoE block (one MLP of shared_experts x d_ff wide).
+  config.model.moe.aux_loss_weight = 0.01  # Weight of the load-balancing loss (Switch/GShard), mean over MoE blocks.
+  config.model.moe.z_loss_weight = 0.001  # Weight of the router z-loss (ST-MoE), mean over MoE blocks.
 
   config.data = ml_collections.ConfigDict()
   config.data.source = "synthetic"  # 'synthetic' (embedded, known optimum), 'text_file', 'array_record' or 'tfds'.

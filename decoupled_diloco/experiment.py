@@ -97,6 +97,11 @@ def validate(config) -> settings_lib.Groups:
         f"learner group {group}: batch_size {batch} is not divisible by its {layout.batch_shards} batch shards "
         f"(data × fsdp of {layout}): make each learners.batch_size a positive multiple of them")
     inner.validate_microbatches(inner_settings.microbatches, batch, layout.batch_shards, group)
+    experts = model.moe.num_experts
+    _require(
+        layout.expert == 1 or (experts and experts % layout.expert == 0),
+        f"learners.layouts[{group}]={str(layout)!r} splits model.moe.num_experts={experts} experts over expert="
+        f"{layout.expert}: use an expert axis size that divides num_experts (a dense model: data=N instead)")
   _require(
       config.eval_batch_size % layouts[0].batch_shards == 0,
       f"eval_batch_size {config.eval_batch_size} is not divisible by group 0's {layouts[0].batch_shards} batch "

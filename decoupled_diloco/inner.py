@@ -103,37 +103,46 @@ def validate_microbatches(microbatches, batch_size: int, devices: int, group: in
 
 
 def loss_and_grads(model: LanguageModel, params, batch, microbatches: int = 1):
-  """Mean loss and its gradient over `batch`, computed `microbatches` rows-groups at a time.
+  """Metrics ({'loss': mean cross-entropy, router metrics of an MoE model}) and the gradient of the
+  training loss (`model.train_loss`) over `batch`, computed `microbatches` rows-groups at a time.
 
   Gradient accumulation: activations are held for one microbatch only, and the mean of equal
   microbatches' means is the batch mean, so k > 1 trains the same model as one big batch (to
   float rounding). Microbatch j takes rows j, j+k, j+2k, ...: every device keeps a share of
   each microbatch, so no rows move between devices.
   """
+  value_and_grad = lambda rows: _metrics_and_grads(model, params, rows)  # noqa: E731
   if microbatches == 1:
-    return jax.value_and_grad(model.loss)(params, batch)
+    return value_and_grad(batch)
   micro = batch.reshape(batch.shape[0] // microbatches, microbatches, *batch.shape[1:]).swapaxes(0, 1)
 
   def accumulate(total, rows):
-    return jax.tree.map(jnp.add, total, jax.value_and_grad(model.loss)(params, rows)), None
+    return jax.tree.map(jnp.add, total, value_and_grad(rows)), None
 
-  zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-  (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
-  return jax.tree.map(lambda x: x / microbatches, (loss, grads))
+  metric_shapes = jax.eval_shape(value_and_grad, micro[0])[0]
+  zeros = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes), jax.tree.map(jnp.zeros_like, params))
+  (metrics, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+  return jax.tree.map(lambda x: x / microbatches, (metrics, grads))
+
+
+def _metrics_and_grads(model: LanguageModel, params, batch):
+  (_, metrics), grads = jax.value_and_grad(model.train_loss, has_aux=True)(params, batch)
+  return metrics, grads
 
 
 def train_step(model: LanguageModel, optimizer: optax.GradientTransformation, state: TrainState, batch,
                microbatches: int = 1):
-  """One optimizer step on the mean next-token loss of `batch` (accumulated over microbatches).
+  """One optimizer step on the training loss of `batch` (accumulated over microbatches); metrics are
+  `loss_and_grads`'s and the gradient's norm.
 
   With scan_layers the state holds the blocks stacked as [L, ...] leaves (`InnerLoop.to_step`), so
   the update, the norm and the step's inputs and outputs are one op and one buffer per block param
   whatever the depth: the compiled step does not grow with L.
   """
-  loss, grads = loss_and_grads(model, state.params, batch, microbatches)
+  metrics, grads = loss_and_grads(model, state.params, batch, microbatches)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+  return TrainState(state.step + 1, params, opt_state), {**metrics, "grad_norm": optax.tree.norm(grads)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,7 +45,7 @@ class Learner:
   steps_since_push: list = dataclasses.field(default_factory=list)
   residuals: list = dataclasses.field(default_factory=list)  # Error feedback: what compression has not sent yet.
   pushed: dict = dataclasses.field(default_factory=dict)  # fragment -> θ_p as pushed (keep_pushed).
-  _pending_losses: list = dataclasses.field(default_factory=list)
+  _pending_metrics: list = dataclasses.field(default_factory=list)  # (step, {'loss', router metrics}) on device.
 
   def __post_init__(self):
     self.assignment = self.assignment or (0,) * len(jax.tree.leaves(self.loop.param_shardings))
@@ -157,10 +157,10 @@ class Learner:
           jax.tree.map(lambda x: np.zeros(x.shape, np.float32), fragments.select(params, self.assignment, fragment)))
 
   def step(self) -> None:
-    """Dispatch one inner step asynchronously; the loss is fetched later in `drain_losses`."""
+    """Dispatch one inner step asynchronously; its metrics are fetched later in `drain_metrics`."""
     batch = self.loop.put_local_batch(self.batches.batch(self.steps))
     self.state, metrics = self.loop.step(self.state, batch)
-    self._pending_losses.append((self.steps, metrics["loss"]))
+    self._pending_metrics.append((self.steps, {k: v for k, v in metrics.items() if k != "grad_norm"}))
     self.steps += 1
     for p in range(self.num_fragments):
       self.steps_since_push[p] += 1
@@ -179,11 +179,16 @@ class Learner:
       time.sleep(slowdown * (time.monotonic() - begin))
     return time.monotonic() - begin
 
+  def drain_metrics(self) -> list[tuple[int, dict]]:
+    """(inner step, {'loss': cross-entropy, an MoE model's router metrics}) since the last drain, as floats;
+    blocks on the group's devices. The gradient norm stays out: train records never held it."""
+    pending, self._pending_metrics = self._pending_metrics, []
+    values = jax.device_get([metrics for _, metrics in pending])
+    return [(step, {k: float(v) for k, v in metrics.items()}) for (step, _), metrics in zip(pending, values)]
+
   def drain_losses(self) -> list[tuple[int, float]]:
-    """(inner step, loss) pairs since the last drain; blocks on the group's devices."""
-    pending, self._pending_losses = self._pending_losses, []
-    values = jax.device_get([loss for _, loss in pending])
-    return [(step, float(v)) for (step, _), v in zip(pending, values)]
+    """(inner step, loss) pairs since the last drain: `drain_metrics` for callers that want the loss only."""
+    return [(step, metrics["loss"]) for step, metrics in self.drain_metrics()]
 
   def push(self, fragment: int = 0, compute_seconds: float = 0.0) -> Push:
     """Pseudo-gradient Δ_p = Θ_p − θ_p of fragment `fragment` against its anchor, on the host, as it goes

@@ -1,9 +1,10 @@
 """Learner groups on disjoint device subsets: one `Mesh` per group, each with its own layout.
 
-Every learner group owns a slice of the devices and lays it out as a 3-D mesh `data` × `fsdp`
-× `tensor` (`learners.layouts`): the batch is split over `data` × `fsdp`, parameters shard
-their `embed` dimension over `fsdp` and their `heads`, `mlp` or `vocab` dimension over
-`tensor`, activations follow ACTIVATION_RULES (docs/plan.md). Why explicit moves: arrays
+Every learner group owns a slice of the devices and lays it out as a mesh `data` × `fsdp` ×
+`expert` × `tensor` (`learners.layouts`): the batch is split over `data` × `fsdp` × `expert`,
+parameters shard their `embed` dimension over `fsdp`, an MoE model's experts over `expert` and
+their `heads`, `mlp` or `vocab` dimension over `tensor`, activations follow ACTIVATION_RULES
+(docs/plan.md, docs/moe.md). Why explicit moves: arrays
 never move between groups implicitly; the runtime `jax.device_put`s them onto the target
 group's shardings, so pushes and pulls work between any two layouts.
 """
@@ -19,38 +20,43 @@ from decoupled_diloco.errors import ConfigError
 
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
+EXPERT_AXIS = "expert"
 TENSOR_AXIS = "tensor"
-MESH_AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
-BATCH_AXES = (DATA_AXIS, FSDP_AXIS)  # Mesh axes the batch dimension is split over.
+MESH_AXES = (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS, TENSOR_AXIS)
+# Mesh axes the batch dimension is split over: an expert axis carries data parallelism outside the experts.
+BATCH_AXES = (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS)
 # Logical parameter axes -> the mesh axis that shards them; each mesh axis takes the first matching divisible dim.
-PARAM_RULES = (("embed", FSDP_AXIS), ("heads", TENSOR_AXIS), ("mlp", TENSOR_AXIS), ("vocab", TENSOR_AXIS))
+PARAM_RULES = (("embed", FSDP_AXIS), ("expert", EXPERT_AXIS), ("heads", TENSOR_AXIS), ("mlp", TENSOR_AXIS),
+               ("vocab", TENSOR_AXIS))
 _LAYOUT_EXAMPLE = "e.g. 'fsdp=8,tensor=2' or 'data=4,fsdp=4'"
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """How one group lays out its devices: sizes of the data, fsdp and tensor mesh axes."""
+  """How one group lays out its devices: sizes of the data, fsdp, expert and tensor mesh axes."""
   data: int = 1
   fsdp: int = 1
   tensor: int = 1
+  expert: int = 1
 
   @property
   def devices(self) -> int:
     """Devices the layout needs: the product of its axis sizes."""
-    return self.data * self.fsdp * self.tensor
+    return self.data * self.fsdp * self.expert * self.tensor
 
   @property
   def batch_shards(self) -> int:
-    """Pieces the batch is split into (data × fsdp): a group's batch size must be a multiple."""
-    return self.data * self.fsdp
+    """Pieces the batch is split into (data × fsdp × expert): a group's batch size must be a multiple."""
+    return self.data * self.fsdp * self.expert
 
   @property
-  def shape(self) -> tuple[int, int, int]:
+  def shape(self) -> tuple[int, int, int, int]:
     """Mesh shape in MESH_AXES order."""
-    return (self.data, self.fsdp, self.tensor)
+    return (self.data, self.fsdp, self.expert, self.tensor)
 
   def __str__(self) -> str:
-    return ",".join(f"{name}={size}" for name, size in zip(MESH_AXES, self.shape))
+    """'data=2,fsdp=32,tensor=1': every axis but expert, which is named only when used (MoE layouts)."""
+    return ",".join(f"{name}={size}" for name, size in zip(MESH_AXES, self.shape) if name != EXPERT_AXIS or size > 1)
 
   @classmethod
   def parse(cls, spec: str, devices: int, group: int) -> "Layout":
@@ -104,7 +110,7 @@ def partition_devices(devices: Sequence[jax.Device], counts: Sequence[int]) -> l
 
 
 def group_mesh(devices: Sequence[jax.Device], layout: Layout | None = None) -> Mesh:
-  """A data × fsdp × tensor mesh over one group's devices (all on `data` without a layout).
+  """A data × fsdp × expert × tensor mesh over one group's devices (all on `data` without a layout).
 
   Axis type Auto: the train step pins shardings at its jit boundary (in/out shardings)
   and lets the compiler propagate inside, which keeps the model code sharding-agnostic.
@@ -143,17 +149,19 @@ def param_shardings(mesh: Mesh, params, param_axes):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Token batches are split over data × fsdp along their batch dimension (replicated over tensor)."""
+  """Token batches are split over data × fsdp × expert along their batch dimension (replicated over tensor)."""
   return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 
 # Logical activation axes -> mesh axes, in order of preference. Mesh axes the group's mesh lacks
 # are skipped, so one table serves a 1-D data mesh and data/fsdp/tensor layouts alike. The batch
-# goes over every batch-parallel axis (data and FSDP shard the same sequences); heads, MLP hidden
+# goes over every batch-parallel axis (data, FSDP and expert shard the same sequences); an MoE block's
+# tokens, dispatched to their experts, over the expert axis (XLA moves them there); heads, MLP hidden
 # units and vocabulary logits over the tensor axis; the residual stream (embed) and the sequence
 # (length) stay whole, so a block's matmuls never compute partial sums for the global batch.
 ACTIVATION_RULES = {
     "batch": BATCH_AXES,
+    "expert": (EXPERT_AXIS,),
     "length": (),
     "embed": (),
     "heads": (TENSOR_AXIS,),

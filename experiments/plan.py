@@ -54,6 +54,12 @@ def _gb(n: float) -> str:
   return f"{n / GB:8.2f} GB"
 
 
+def _active(model_cfg) -> str:
+  """' (2.10B active)' for an MoE model, whose FLOPs (step time) follow its active params; '' for a dense one."""
+  idle = model_lib.idle_expert_params(model_cfg)
+  return f" ({model_lib.active_params(model_cfg) / 1e9:.2f}B active)" if idle else ""
+
+
 def _time(seconds: float) -> str:
   return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
@@ -137,7 +143,8 @@ def main(argv):
     print(json.dumps(plan.compile_group(config, _COMPILE_GROUP.value)))
     return
   print(f"plan for {config.mode} over {len(config.learners.devices)} learner groups: "
-        f"{model_lib.count_params(model_lib.abstract_params(config.model)[1]) / 1e9:.2f}B params, "
+        f"{model_lib.count_params(model_lib.abstract_params(config.model)[1]) / 1e9:.2f}B params"
+        f"{_active(config.model)}, "
         f"H={config.inner_steps}, P={config.streaming.num_fragments}, tau={config.streaming.overlap_steps}\n")
   misfits = []
   for group, devices in enumerate(config.learners.devices):

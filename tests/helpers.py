@@ -1,6 +1,7 @@
 """Shared test helpers: shrunken real configs (the demo's shape, a model and data small enough for CPU),
 and waiting for what another thread or process does a moment later."""
 
+import json
 import os
 import time
 
@@ -35,6 +36,14 @@ def tiny_config(**overrides):
   config.eval_batch_size = 8
   config.checkpoint_every = 2
   return experiment.with_overrides(config, overrides)
+
+
+def read_records(workdir, kind=None) -> list[dict]:
+  """A run's metrics.jsonl records (of `kind`, or all) without their wall_time: what two equal runs share."""
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  for record in records:
+    record.pop("wall_time", None)
+  return [r for r in records if kind is None or r["kind"] == kind]
 
 
 def write_documents(directory, counts=(("train", 200), ("eval", 20))) -> str:

@@ -93,6 +93,17 @@ def _run_plan(*flags):
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
+@pytest.mark.slow  # An 8B model traced abstractly, in a subprocess.
+def test_an_moe_variant_of_tpu_8b_plans_with_its_experts_sharded_and_reports_active_params():
+  """8 experts of width 1792, top-2: 8.03B params of which 3.80B a token runs through (issue 30)."""
+  done = _run_plan("--config=configs/tpu_8b.py", "--xla=false", "--config.model.moe.num_experts=8",
+                   "--config.model.moe.d_ff=1792",
+                   "--config.learners.layouts=('fsdp=32,expert=8','fsdp=64,expert=2,tensor=2')")
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "8.03B params (3.80B active)" in done.stdout
+  assert "layout data=1,fsdp=32,expert=8,tensor=1" in done.stdout and "expert=2,tensor=2" in done.stdout
+
+
 def test_a_group_that_does_not_fit_is_one_line_naming_group_shortfall_and_knob():
   done = _run_plan("--config=configs/default.py", "--xla=false", "--config.learners.hardware=('v5e','v5e','v5e','v5e')",
                    "--config.model.seq_len=4096", "--config.learners.batch_size=(256,256,256,256)")

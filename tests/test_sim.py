@@ -1,6 +1,5 @@
 """The virtual-clock runtime, hardware profiles and local-step policies, end to end."""
 
-import json
 import shutil
 
 import chex
@@ -13,18 +12,12 @@ from decoupled_diloco import metrics as metrics_lib
 from decoupled_diloco.errors import ConfigError
 from decoupled_diloco.run import schedule
 from decoupled_diloco.runtime import lockstep, sim
+from tests.helpers import read_records as _records
 from tests.helpers import tiny_config
 
 
 def _params(tree):
   return jax.tree.map(np.asarray, jax.device_get(tree))
-
-
-def _records(workdir, kind=None):
-  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-  for record in records:
-    record.pop("wall_time", None)
-  return [r for r in records if kind is None or r["kind"] == kind]
 
 
 def _hetero(**overrides):

@@ -12,13 +12,13 @@ from typing import Any
 
 from flax import nnx
 
-from decoupled_diloco.model.sizing import Settings, count_params, flops_per_token, with_defaults
+from decoupled_diloco.model.sizing import Settings, count_params, flops_per_token, idle_expert_params, with_defaults
 from decoupled_diloco.model.stacking import STACKED, layer_axes, stack_blocks, stack_shardings, unstack_blocks
 from decoupled_diloco.model.transformer import LanguageModel, Transformer
 
 __all__ = [
-    'LanguageModel', 'STACKED', 'Settings', 'abstract_params', 'build_model', 'count_params', 'flops_per_token',
-    'is_axes_leaf', 'layer_axes', 'stack_blocks', 'stack_shardings', 'unstack_blocks']
+    'LanguageModel', 'STACKED', 'Settings', 'abstract_params', 'active_params', 'build_model', 'count_params',
+    'flops_per_token', 'is_axes_leaf', 'layer_axes', 'stack_blocks', 'stack_shardings', 'unstack_blocks']
 
 
 def is_axes_leaf(x: Any) -> bool:
@@ -51,3 +51,12 @@ def abstract_params(model_cfg: Any) -> tuple[LanguageModel, dict, dict]:
   """
   cfg = with_defaults(model_cfg)
   return _split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), cfg.loss_chunk)
+
+
+def active_params(model_cfg: Any) -> int:
+  """Params one token runs through: all of a dense model's, an MoE model's but its unchosen experts.
+
+  Why: an MoE model is compared with a dense one at equal active params (equal FLOPs per token);
+  its step time follows them, its memory follows count_params.
+  """
+  return count_params(abstract_params(model_cfg)[1]) - idle_expert_params(model_cfg)

@@ -3,6 +3,8 @@
 Params count (V=vocab_size, T=seq_len, d=d_model, L=num_layers, f=d_ff, h=d/num_heads, K=num_kv_heads):
   N = V*d (token embedding) + [T*d learned positions] + [d*V untied output projection] + d (final norm)
       + L * (2*d*d (q, out) + 2*d*K*h (k, v) + (2 or 3 for SwiGLU)*d*f (MLP) + 2*d (two norms)).
+An MoE block's MLP term is its router d*E plus (E + shared) experts of (2 or 3)*d*f_e; a token runs
+through k of them, so its active params (and FLOPs) count k + shared experts (moe.mlp_params).
 """
 
 import dataclasses
@@ -14,7 +16,7 @@ import ml_collections
 
 from decoupled_diloco import settings as settings_lib
 from decoupled_diloco.errors import ConfigError
-from decoupled_diloco.model import attention, layers
+from decoupled_diloco.model import attention, layers, moe as moe_lib
 from decoupled_diloco.model.transformer import DTYPES, REMAT_POLICIES
 
 _CHOICES = dict(position=attention.POSITIONS, mlp=layers.MLP_KINDS, remat=tuple(REMAT_POLICIES),
@@ -50,8 +52,10 @@ class Settings:
   scan_layers: bool = False
   loss_chunk: int = 0
   document_eod_id: int = -1
+  moe: Any = moe_lib.Settings()  # config.model.moe (a ConfigDict) becomes moe.Settings here.
 
   def __post_init__(self):
+    object.__setattr__(self, 'moe', moe_lib.Settings.from_config(self.moe))
     for name in _SHAPE:
       value = getattr(self, name)
       if not settings_lib.is_int(value) or value <= 0:
@@ -66,6 +70,7 @@ class Settings:
     if not isinstance(kv, int) or kv < 0 or (kv and self.num_heads % kv):
       _refuse(f'model.num_kv_heads is {kv!r}: use 0 (= num_heads) or a divisor of num_heads {self.num_heads}')
     self._check_options()
+    moe_lib.check_model(self.moe, self.num_layers, self.scan_layers)
 
   def _check_options(self) -> None:
     """Options that only some shapes or backends support."""
@@ -115,8 +120,20 @@ def flops_per_token(model_cfg: Any) -> float:
   """
   cfg = with_defaults(model_cfg)
   v, t, d = cfg.vocab_size, cfg.seq_len, cfg.d_model
-  l, f = cfg.num_layers, cfg.d_ff
+  l = cfg.num_layers
   kv_width = (cfg.num_kv_heads or cfg.num_heads) * (d // cfg.num_heads)
-  mlp_matrices = 3 if cfg.mlp == 'swiglu' else 2
-  n_matmul = d * v + d + l * (2 * d * d + 2 * d * kv_width + mlp_matrices * d * f + 2 * d)
+  n_matmul = d * v + d + l * (2 * d * d + 2 * d * kv_width + 2 * d) + _mlp_params(cfg, active=True)
   return float(6 * n_matmul + 12 * l * d * t)
+
+
+def idle_expert_params(model_cfg: Any) -> int:
+  """Params of the experts a token does not run through (0 for a dense model): total minus active params."""
+  cfg = with_defaults(model_cfg)
+  return _mlp_params(cfg, active=False) - _mlp_params(cfg, active=True)
+
+
+def _mlp_params(cfg: ml_collections.ConfigDict, active: bool) -> int:
+  """Every block's feed-forward params (`active`: those a token runs through)."""
+  settings = moe_lib.Settings.from_config(cfg.moe)
+  matrices = 3 if cfg.mlp == 'swiglu' else 2
+  return sum(moe_lib.mlp_params(settings, i, cfg.d_model, cfg.d_ff, matrices, active) for i in range(cfg.num_layers))

@@ -107,19 +107,21 @@ def fresh_workdir(workdir: str, resume: bool, no_resume: str) -> str:
 
 
 def train_records(learner, outer_step: int, log_every: int, extra: dict) -> list[dict]:
-  """Mean loss per window of `log_every` inner steps; windows also end where a drain ends.
+  """Mean loss (and an MoE model's router metrics) per window of `log_every` inner steps; windows also end
+  where a drain ends.
 
   Runtimes drain at round (or push) boundaries, so windows never span a checkpoint and a
   resumed run writes exactly the records the uninterrupted run wrote.
   """
   records, window = [], []
-  losses = learner.drain_losses()
-  for i, (step, loss) in enumerate(losses):
-    window.append(loss)
-    if (step + 1) % log_every == 0 or i == len(losses) - 1:
+  drained = learner.drain_metrics()
+  for i, (step, metrics) in enumerate(drained):
+    window.append(metrics)
+    if (step + 1) % log_every == 0 or i == len(drained) - 1:
+      means = {name: sum(m[name] for m in window) / len(window) for name in metrics}
       records.append({
           "kind": "train", "outer_step": outer_step, "learner": learner.index, "inner_step": step + 1,
-          "tokens": (step + 1) * learner.batches.tokens_per_batch, "loss": sum(window) / len(window), **extra})
+          "tokens": (step + 1) * learner.batches.tokens_per_batch, **means, **extra})
       window = []
   return records
 

@@ -115,8 +115,8 @@ def rejoin(learner, saved: Checkpoint, params=None, versions=None) -> None:
       leaf.delete()
     state = state._replace(params=jax.tree.map(jnp.copy, restored))
   learner.state, learner.steps = state, saved.steps
-  kept = [(s, loss) for s, loss in learner._pending_losses if s < saved.steps]  # pylint: disable=protected-access
-  learner._pending_losses = kept  # pylint: disable=protected-access
+  kept = [(s, m) for s, m in learner._pending_metrics if s < saved.steps]  # pylint: disable=protected-access
+  learner._pending_metrics = kept  # pylint: disable=protected-access
   if params is not None:
     learner.start_from(params, versions)
 

@@ -43,11 +43,11 @@ def _host_state(simulation) -> dict:
   exp, syncer = simulation.exp, simulation.syncer
   learners = []
   for learner in exp.learners:
-    pending = learner._pending_losses  # pylint: disable=protected-access
-    losses = jax.device_get([loss for _, loss in pending])
+    pending = learner._pending_metrics  # pylint: disable=protected-access
+    metrics = jax.device_get([values for _, values in pending])
     learners.append({
         **{f: getattr(learner, f) for f in _LEARNER_FIELDS}, "pending_losses": [
-            (step, np.asarray(v)) for (step, _), v in zip(pending, losses)]})
+            (step, jax.tree.map(np.asarray, v)) for (step, _), v in zip(pending, metrics)]})
   sequence = next(simulation._sequence)  # pylint: disable=protected-access
   return {
       "learners": learners,
@@ -125,7 +125,9 @@ def restore(checkpointer: checkpoint_lib.Checkpointer, simulation, metadata: dic
     saved.setdefault("pushed", {})  # Written before Learner.take kept θ_p as pushed: nothing kept.
     for field in _LEARNER_FIELDS:
       setattr(learner, field, saved[field])
-    learner._pending_losses = saved["pending_losses"]  # pylint: disable=protected-access
+    # Written before steps kept their router metrics: a loss alone.
+    learner._pending_metrics = [  # pylint: disable=protected-access
+        (step, v if isinstance(v, dict) else {"loss": v}) for step, v in saved["pending_losses"]]
   for field in _SIMULATION_FIELDS:
     setattr(simulation, field, state[field])
   simulation._events = [
