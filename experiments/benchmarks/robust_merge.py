@@ -41,7 +41,8 @@ def config(rule: str, kind: str, outer_steps: int):
   overrides = {
       "mode": "decoupled", "runtime": "sim", "learners.devices": (1,) * LEARNERS,
       "learners.batch_size": (4,) * LEARNERS, "outer_steps": outer_steps, "inner_steps": 10, "eval_every": 10_000,
-      "syncer.quorum": 4, "syncer.merge_rule": rule, "syncer.trim_fraction": 0.25, **SMALL}
+      "syncer.quorum": 4, "syncer.grace_gamma": 0.0,  # Merges of exactly 4 pushes: no window gathers all 8.
+      "syncer.merge_rule": rule, "syncer.trim_fraction": 0.25, **SMALL}
   if kind != "honest":
     overrides.update({"failures.byzantine_learner": FAULTY, "failures.byzantine_kind": kind})
   return experiment.with_overrides(demo.get_config(), overrides)
