@@ -168,9 +168,10 @@ def _syncer_group(config) -> Settings:
   _require(config.syncer.start_timeout_seconds > 0,
            f"syncer.start_timeout_seconds={config.syncer.start_timeout_seconds} must be > 0")
   if settings.merge_rule == "trimmed_mean":
-    _require(config.runtime != "service",
-             "syncer.merge_rule='trimmed_mean' holds a merge's pushes in memory, built for runtimes sim and threads "
-             "only (the service would read them back from its log; not built): use merge_rule='clip' there")
+    _require(
+        config.runtime != "service",
+        "syncer.merge_rule='trimmed_mean' holds a merge's pushes in memory, built for runtimes sim and threads "
+        "only (the service would read them back from its log; not built): use merge_rule='clip' there")
     quorum = settings.quorum if config.mode == "decoupled" and settings.quorum else learners
     _require(
         robust.trim_count(quorum, settings.trim_fraction) >= 1,

@@ -330,8 +330,8 @@ class Syncer:
     if self.settings.merge_rule == "clip":  # On the raw push, before its weights (docs/syncer.md).
       seen = fragment.norms + [p.checked_norm for p in fragment.pending]  # Merged, then open: oldest first.
       recent = seen[max(0, len(seen) + 1 - self.settings.clip_window):] + [push.checked_norm]
-      self.verdict = Verdict(push.checked_norm, robust.clip_factor(push.checked_norm, recent,
-                                                                   self.settings.clip_multiple))
+      self.verdict = Verdict(push.checked_norm,
+                             robust.clip_factor(push.checked_norm, recent, self.settings.clip_multiple))
       damping *= self.verdict.clip_factor
     accumulator = fragment.accumulator
     ref = weight if accumulator is None else accumulator.ref

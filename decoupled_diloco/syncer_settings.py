@@ -43,8 +43,8 @@ class Settings:
               (settings.max_staleness >= -1, f"syncer.max_staleness={settings.max_staleness} must be >= -1"),
               (settings.clip_multiple >= 1, f"syncer.clip_multiple={settings.clip_multiple} must be >= 1 (below "
                "1 every push at the median norm is clipped)"),
-              (isinstance(settings.clip_window, int) and settings.clip_window >= 1,
-               f"syncer.clip_window={settings.clip_window!r} must be an int >= 1"),
+              (isinstance(settings.clip_window, int) and
+               settings.clip_window >= 1, f"syncer.clip_window={settings.clip_window!r} must be an int >= 1"),
               (0 < settings.trim_fraction < 0.5, f"syncer.trim_fraction={settings.trim_fraction} must be in (0, 0.5)"),
               (settings.max_push_norm >= 0, f"syncer.max_push_norm={settings.max_push_norm} must be >= 0 (0 = off)"),
               (0 < settings.ema <= 1, f"syncer.ema={settings.ema} must be in (0, 1]"))

@@ -51,8 +51,7 @@ def test_noise_has_the_honest_norm_no_signal_and_is_seeded():
     ({"failures.byzantine_learner": 0, "runtime": "service"}, "runtime='service'"),
     ({"failures.byzantine_learner": 0, "compression.format": "int8"}, "format=fp32"),
     ({"syncer.merge_rule": "trimmed_mean", "syncer.quorum": 1}, r"raise syncer.quorum to >= 8"),
-    ({"syncer.merge_rule": "trimmed_mean", "syncer.quorum": 2, "runtime": "service"}, "not built"),
-])
+    ({"syncer.merge_rule": "trimmed_mean", "syncer.quorum": 2, "runtime": "service"}, "not built"),])
 def test_settings_that_cannot_be_honoured_are_refused(overrides, message):
   config = helpers.tiny_config(mode="decoupled", runtime="sim")
   with pytest.raises(ConfigError, match=message):
@@ -61,9 +60,10 @@ def test_settings_that_cannot_be_honoured_are_refused(overrides, message):
 
 def _run(tmp_path, name, **overrides):
   """A short seeded run of 4 one-device learners, quorum 4: (summary, records)."""
-  config = helpers.tiny_config(**{
-      "mode": "decoupled", "runtime": "sim", "learners.devices": (1,) * 4, "learners.batch_size": (4,) * 4,
-      "syncer.quorum": 4, "syncer.trim_fraction": 0.25, "outer_steps": 4, **overrides})
+  config = helpers.tiny_config(
+      **{
+          "mode": "decoupled", "runtime": "sim", "learners.devices": (1,) * 4, "learners.batch_size": (4,) * 4,
+          "syncer.quorum": 4, "syncer.trim_fraction": 0.25, "outer_steps": 4, **overrides})
   workdir = os.fspath(tmp_path / name)
   exp = experiment.build(config)
   try:
@@ -92,8 +92,8 @@ def test_a_faulty_learner_is_clipped_and_trimmed_and_recorded(tmp_path, kind):
   summaries = {r["learner"]: r for r in clipped if r["kind"] == "learner_summary"}
   if kind == "scaled":  # ×100: every push of learner 2 clipped to an honest size (c = 2), and no honest one.
     honest = max(r["checked_norm"] for r in pushes if r["learner"] != 2)
-    assert all(r["clipped"] == 1 and r["checked_norm"] * r["clip_factor"] <= 2 * honest
-               for r in pushes if r["learner"] == 2)
+    assert all(
+        r["clipped"] == 1 and r["checked_norm"] * r["clip_factor"] <= 2 * honest for r in pushes if r["learner"] == 2)
     assert summaries[2]["clipped"] == summaries[2]["pushes"] and summaries[0]["clipped"] == 0
   else:  # Honest size: its norm is recorded and judged like anyone's.
     assert all(r["checked_norm"] > 0 and "clip_factor" in r for r in pushes)
@@ -107,10 +107,10 @@ def test_a_faulty_learner_is_clipped_and_trimmed_and_recorded(tmp_path, kind):
 @pytest.mark.slow
 def test_the_robust_merge_benchmark_runs_end_to_end_at_toy_size():
   """One round per row, mean and clip only: every row runs and the last line holds exactly `loss_ratio`."""
-  result = subprocess.run([sys.executable, "-m", "experiments.benchmarks.robust_merge", "--outer_steps=1",
-                           "--rules=mean,clip"], cwd=pathlib.Path(__file__).parents[1],
-                          env=helpers.quick_compile_env(),
-                          capture_output=True, text=True, timeout=900, check=False)
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.benchmarks.robust_merge", "--outer_steps=1", "--rules=mean,clip"],
+      cwd=pathlib.Path(__file__).parents[1], env=helpers.quick_compile_env(), capture_output=True, text=True,
+      timeout=900, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   last = json.loads(result.stdout.strip().splitlines()[-1])
   assert set(last) == {"loss_ratio"} and set(last["loss_ratio"]) == {"mean", "clip"}

@@ -39,9 +39,10 @@ def test_the_buffer_is_a_round_of_pushes_whatever_the_quorum():
 
 
 def test_an_explicit_setting_always_wins():
-  config = _resolved(demo.get_config(), mode="decoupled",
-                     **{"outer.optimizer": "adam", "policy.kind": "fixed", "syncer.quorum": 3, "outer.buffer_size": 7,
-                        "syncer.grace_gamma": 0.0, "syncer.grace_overlap_steps": 1.0})
+  config = _resolved(
+      demo.get_config(), mode="decoupled", **{
+          "outer.optimizer": "adam", "policy.kind": "fixed", "syncer.quorum": 3, "outer.buffer_size": 7,
+          "syncer.grace_gamma": 0.0, "syncer.grace_overlap_steps": 1.0})
   assert (config.outer.optimizer, config.policy.kind, config.syncer.quorum, config.outer.buffer_size) == ("adam",
                                                                                                           "fixed", 3, 7)
   assert (config.syncer.grace_gamma, config.syncer.grace_overlap_steps) == (0.0, 1.0)

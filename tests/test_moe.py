@@ -124,11 +124,13 @@ def test_dropless_routing_equals_routing_with_room_for_every_token():
 
 
 @pytest.mark.slow  # Sharded and unsharded gradients compiled: 50-110 s each on the loaded 2-core machine.
-@pytest.mark.parametrize('layout,moe_overrides,overrides', [
-    ('expert=2', {}, {}),
-    ('expert=4', {'every': 2, 'shared_experts': 1}, {'remat': 'full'}),
-    ('expert=2', {'capacity_factor': 0.0}, {}),  # Dropless: XLA lays out the grouped matmuls itself.
-    ('fsdp=2,expert=2', {}, {'scan_layers': True, 'remat': 'full'}),])
+@pytest.mark.parametrize(
+    'layout,moe_overrides,overrides',
+    [
+        ('expert=2', {}, {}),
+        ('expert=4', {'every': 2, 'shared_experts': 1}, {'remat': 'full'}),
+        ('expert=2', {'capacity_factor': 0.0}, {}),  # Dropless: XLA lays out the grouped matmuls itself.
+        ('fsdp=2,expert=2', {}, {'scan_layers': True, 'remat': 'full'}),])
 def test_expert_sharding_computes_the_unsharded_loss_and_gradients(layout, moe_overrides, overrides):
   config = cfg(moe_overrides, **overrides)
   model, params, axes = model_lib.build_model(config, seed=0)

@@ -33,7 +33,7 @@ def _sim_records(with_pushes=True):
     records += [{
         "kind": "push", "outer_step": i, "inner_step": 4 * i, "learner": m, "local_steps": 4, "tokens": 40,
         "staleness": s, "accepted": 1, "time": 5.0 * i, "wall_time": 1.0, "clipped": int(i == 3)}
-        for i, (m, s) in enumerate(pushes)]
+                for i, (m, s) in enumerate(pushes)]
   clock = {"outer_step": 4, "inner_step": 8, "tokens": 120, "time": 20.0, "wall_time": 3.0}
   for m, busy, steps in ((0, 18.0, 8), (1, 16.0, 4)):  # Built as the runtimes build them: the one schema.
     records.append(
@@ -49,8 +49,8 @@ def test_summaries_hold_each_runs_figures():
   lockstep, decoupled = report.summarize_run(_lockstep_records()), report.summarize_run(_sim_records())
   assert lockstep == {
       "eval_loss": 1.5, "optimal_loss": 1.0, "tokens": 120, "outer_updates": 2, "wall_seconds": 4.0,
-      "virtual_seconds": None, "goodput": None, "idle_fraction": None, "pushes": None, "dropped": None,
-      "clipped": None, "mean_staleness": None}
+      "virtual_seconds": None, "goodput": None, "idle_fraction": None, "pushes": None, "dropped": None, "clipped": None,
+      "mean_staleness": None}
   assert decoupled["virtual_seconds"] == 20.0 and decoupled["goodput"] == 0.85 and decoupled["pushes"] == 4
   assert decoupled["idle_fraction"] == pytest.approx((2 / 20 + 4 / 20) / 2)
   assert decoupled["mean_staleness"] == pytest.approx(5 / 4) and decoupled["clipped"] == 1  # Robust merges' count.

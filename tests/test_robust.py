@@ -54,14 +54,13 @@ def test_trimmed_mean_equals_the_numpy_reference(chunk_floats):
 
 def test_trimmed_merge_goes_tensor_by_tensor_and_reports_shares():
   rng = np.random.default_rng(1)
-  pushes = [[rng.standard_normal((4, 2)).astype(np.float32), rng.standard_normal(3).astype(np.float32)]
-            for _ in range(4)]
+  pushes = [[rng.standard_normal((4, 2)).astype(np.float32),
+             rng.standard_normal(3).astype(np.float32)] for _ in range(4)]
   pushes[3] = [x * -50.0 for x in pushes[3]]
   merged, shares = robust.trimmed_merge([iter(p) for p in pushes], [1.0] * 4, [1.0] * 4, 0.25)
   for k in range(2):
     stack = np.stack([p[k] for p in pushes]).reshape(4, -1).astype(np.float64)
-    np.testing.assert_allclose(merged[k].reshape(-1), _reference_trimmed(stack, [1.0] * 4, [1.0] * 4, 1)[0],
-                               rtol=1e-5)
+    np.testing.assert_allclose(merged[k].reshape(-1), _reference_trimmed(stack, [1.0] * 4, [1.0] * 4, 1)[0], rtol=1e-5)
   assert shares[3] == 1.0 and sum(shares) == pytest.approx(2.0)  # Two of four pushes trimmed per coordinate.
 
 

@@ -50,11 +50,11 @@ def _records(workdir):
 def _streaming(num_shards: int):
   return tiny_config(
       **{
-          "mode": "decoupled", "runtime": "sim", "learners.speed": (
-              1.0, 2.0), "learners.jitter": 0.2, "policy.kind": "dylu", "syncer.quorum": 1,
-          "syncer.staleness": "polynomial", "outer_steps": 3, "inner_steps": 6, "streaming.num_fragments": 4,
-          "streaming.strategy": "balanced", "streaming.overlap_steps": 1, "service.shards": num_shards,
-          "syncer.grace_gamma": 0.0})  # Each shard sizes its own grace window from its own estimates (syncer-shards.md).
+          "mode": "decoupled", "runtime": "sim", "learners.speed": (1.0, 2.0), "learners.jitter": 0.2,
+          "policy.kind": "dylu", "syncer.quorum": 1, "syncer.staleness": "polynomial", "outer_steps": 3,
+          "inner_steps": 6, "streaming.num_fragments": 4, "streaming.strategy": "balanced",
+          "streaming.overlap_steps": 1, "service.shards": num_shards, "syncer.grace_gamma": 0.0
+      })  # Each shard sizes its own grace window from its own estimates (syncer-shards.md).
 
 
 def test_shards_on_the_virtual_clock_write_the_same_records_as_one_syncer_bit_for_bit(tmp_path):
@@ -94,10 +94,12 @@ def test_a_sharded_simulation_killed_mid_run_resumes_to_the_uninterrupted_record
   from tests import test_sim_resume  # pylint: disable=g-import-not-at-top
   overrides = {**test_sim_resume.OVERRIDES, "service.shards": 2}  # Grace windows, τ, error feedback: per shard.
   sim.run(experiment.build(tiny_config(**overrides)), str(tmp_path / "once"))
-  child = test_sim_resume.CHILD.replace("tiny_config(**OVERRIDES)", "tiny_config(**OVERRIDES, **{'service.shards': 2})")
+  child = test_sim_resume.CHILD.replace("tiny_config(**RUNS[sys.argv[2]])",
+                                        "tiny_config(**RUNS[sys.argv[2]], **{'service.shards': 2})")
   assert child != test_sim_resume.CHILD
-  killed = subprocess.run([sys.executable, "-c", child, str(tmp_path / "twice")], cwd=test_sim_resume.REPO,
-                          capture_output=True, text=True, timeout=600)
+  killed = subprocess.run(
+      [sys.executable, "-c", child, str(tmp_path / "twice"), "streaming"], cwd=test_sim_resume.REPO,
+      capture_output=True, text=True, timeout=600)
   assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
   assert 0 < len(_records(tmp_path / "twice")) < len(_records(tmp_path / "once"))
   sim.run(experiment.build(tiny_config(**{**overrides, "resume": True})), str(tmp_path / "twice"))

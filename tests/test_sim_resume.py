@@ -30,8 +30,9 @@ _ROBUST = {
     "mode": "decoupled", "runtime": "sim", "learners.devices": (1,) * 4, "learners.batch_size": (4,) * 4,
     "learners.jitter": 0.2, "syncer.quorum": 4, "syncer.trim_fraction": 0.25, "failures.byzantine_learner": 1,
     "failures.byzantine_kind": "noise", "outer_steps": 4, "inner_steps": 4, "checkpoint_every": 1}
-RUNS = {"streaming": OVERRIDES, "clip": {**_ROBUST, "syncer.merge_rule": "clip"},
-        "trimmed_mean": {**_ROBUST, "syncer.merge_rule": "trimmed_mean"}}
+RUNS = {
+    "streaming": OVERRIDES, "clip": {**_ROBUST, "syncer.merge_rule": "clip"},
+    "trimmed_mean": {**_ROBUST, "syncer.merge_rule": "trimmed_mean"}}
 
 # The child runs the same simulation and SIGKILLs itself 15 events after its first checkpoint,
 # so records past the checkpoint are on disk and must be replaced by the resumed run.
@@ -62,8 +63,11 @@ def _records(workdir):
   return records
 
 
-@pytest.mark.parametrize("run", ["streaming", pytest.param("clip", marks=pytest.mark.slow),
-                                 pytest.param("trimmed_mean", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "run",
+    ["streaming",
+     pytest.param("clip", marks=pytest.mark.slow),
+     pytest.param("trimmed_mean", marks=pytest.mark.slow)])
 def test_a_killed_simulation_resumes_and_writes_the_uninterrupted_records(tmp_path, run):
   overrides = RUNS[run]
   reference = sim.run(experiment.build(tiny_config(**overrides)), str(tmp_path / "once"))

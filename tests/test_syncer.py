@@ -173,8 +173,8 @@ def test_trimmed_mean_merge_equals_a_numpy_reference_with_token_and_staleness_we
   values = [rng.standard_normal(10).astype(np.float32) for _ in range(4)]
   values[1] = values[1] * 100.0
   tree = lambda v: {"w": jnp.asarray(v[:6].reshape(3, 2)), "b": {"v": jnp.asarray(v[6:])}}
-  syncer = _syncer(learners=range(4), quorum=4, merge_rule="trimmed_mean", trim_fraction=0.25,
-                   staleness="polynomial", staleness_a=1.0)
+  syncer = _syncer(learners=range(4), quorum=4, merge_rule="trimmed_mean", trim_fraction=0.25, staleness="polynomial",
+                   staleness_a=1.0)
   syncer.merge(0.0)  # Nothing pending: no merge.
   syncer.receive(_push(0, 0.0), now=0.0)
   syncer.merge(0.0)  # Version 1: base 0 is now staleness 1 (factor 1/2).
@@ -186,8 +186,8 @@ def test_trimmed_mean_merge_equals_a_numpy_reference_with_token_and_staleness_we
   order = np.argsort(stack, axis=0, kind="stable")
   kept = np.zeros_like(stack, bool)
   np.put_along_axis(kept, order[1:3], True, axis=0)
-  expected = (kept * damping[:, None] * np.asarray(tokens)[:, None] * stack).sum(0) / (kept * np.asarray(
-      tokens)[:, None]).sum(0)
+  expected = (kept * damping[:, None] * np.asarray(tokens)[:, None] *
+              stack).sum(0) / (kept * np.asarray(tokens)[:, None]).sum(0)
   got = 10.0 - np.concatenate([np.asarray(syncer.params["b"]["v"]), np.asarray(syncer.params["w"]).reshape(-1)])
   np.testing.assert_allclose(got, np.concatenate([expected[6:], expected[:6]]), rtol=1e-5, atol=1e-5)
   assert report.trimmed[1] == 1.0 and syncer.fragments[0].held == []

@@ -118,9 +118,10 @@ def test_a_scaled_learner_is_clipped_in_real_time_and_counted(tmp_path):
   """One of 3 learners pushes Δ ×100 (failures.byzantine_*); merge_rule 'clip' scales its pushes down
   once honest norms are the majority of the window (arrival order is the threads', so earlier ones may
   pass), and its learner_summary counts them."""
-  config = tiny_config(**{
-      "mode": "decoupled", "runtime": "threads", "learners.devices": (1, 1, 1), "learners.batch_size": (4, 4, 4),
-      "syncer.merge_rule": "clip", "failures.byzantine_learner": 2, "outer_steps": 3, "inner_steps": 4})
+  config = tiny_config(
+      **{
+          "mode": "decoupled", "runtime": "threads", "learners.devices": (1, 1, 1), "learners.batch_size": (4, 4, 4),
+          "syncer.merge_rule": "clip", "failures.byzantine_learner": 2, "outer_steps": 3, "inner_steps": 4})
   threads.run(experiment.build(config), str(tmp_path))
   records = metrics.read_metrics(tmp_path / "metrics.jsonl")
   pushes = _kind(records, "push")

@@ -17,9 +17,8 @@ LEARNER_SUMMARY_FIELDS = ("learner", "steps", "tokens", "busy_seconds", "idle_se
                           "finished_early_seconds", "wall_seconds", "compute_utilization", "blocked_fraction", "stalls",
                           "overlapped_steps", "pushes", "dropped", "rejected", "bytes_sent", "bytes_received",
                           "uplink_busy_seconds", "downlink_busy_seconds", "staleness_histogram", "clipped",
-                          "trimmed_share", "final_ack_seconds",
-                          "exchange_seconds", "rounds", "retries", "syncer_restarts", "processes", "group_peak_bytes",
-                          "group_host_bytes", "ack_statuses")
+                          "trimmed_share", "final_ack_seconds", "exchange_seconds", "rounds", "retries",
+                          "syncer_restarts", "processes", "group_peak_bytes", "group_host_bytes", "ack_statuses")
 # The run's totals, once, when it is done.
 SUMMARY_FIELDS = ("eval_loss", "optimal_loss", "outer_updates", "steps", "steps_done", "done", "virtual_seconds",
                   "wall_seconds", "syncer_seconds", "goodput", "compute_utilization", "bytes_sent", "idle_fraction",

@@ -39,17 +39,19 @@ class Settings:
     if cfg.byzantine_learner == -1:
       return None
     learners = len(config.learners.devices)
-    checks = (
-        (isinstance(cfg.byzantine_learner, int) and 0 <= cfg.byzantine_learner < learners,
-         f"failures.byzantine_learner={cfg.byzantine_learner!r} must be a learner in [0, {learners}) or -1 (none)"),
-        (cfg.byzantine_kind in KINDS, f"failures.byzantine_kind={cfg.byzantine_kind!r} is unknown: use one of {KINDS}"),
-        (np.isfinite(cfg.byzantine_scale), f"failures.byzantine_scale={cfg.byzantine_scale} must be finite"),
-        (config.runtime in RUNTIMES, f"failures.byzantine_learner corrupts pushes in-process (runtimes {RUNTIMES}), "
-         f"not under runtime={config.runtime!r}: use --config.runtime=sim"),
-        (config.mode != "ddp", "failures.byzantine_learner needs pushes to corrupt: mode='ddp' has none"),
-        (config.compression.format == "fp32" and not config.compression.error_feedback,
-         "failures.byzantine_learner corrupts fp32 pushes: set --config.compression.format=fp32 without error "
-         "feedback"))
+    checks = ((
+        isinstance(cfg.byzantine_learner, int) and 0 <= cfg.byzantine_learner < learners,
+        f"failures.byzantine_learner={cfg.byzantine_learner!r} must be a learner in [0, {learners}) or -1 (none)"),
+              (cfg.byzantine_kind
+               in KINDS, f"failures.byzantine_kind={cfg.byzantine_kind!r} is unknown: use one of {KINDS}"),
+              (np.isfinite(cfg.byzantine_scale), f"failures.byzantine_scale={cfg.byzantine_scale} must be finite"),
+              (config.runtime
+               in RUNTIMES, f"failures.byzantine_learner corrupts pushes in-process (runtimes {RUNTIMES}), "
+               f"not under runtime={config.runtime!r}: use --config.runtime=sim"),
+              (config.mode != "ddp", "failures.byzantine_learner needs pushes to corrupt: mode='ddp' has none"),
+              (config.compression.format == "fp32" and not config.compression.error_feedback,
+               "failures.byzantine_learner corrupts fp32 pushes: set --config.compression.format=fp32 without error "
+               "feedback"))
     settings_lib.check(checks)
     return cls(cfg.byzantine_learner, cfg.byzantine_kind, float(cfg.byzantine_scale), int(cfg.seed))
 

@@ -33,8 +33,8 @@ from decoupled_diloco.errors import ConfigError
 
 MODES = ("decoupled", "ddp")
 _FIELDS = ("enabled", "mtbi_seconds", "restart_seconds", "resize_seconds", "domain_chips", "repair_seconds", "elastic",
-           "checkpoint_every", "seed", "byzantine_learner", "byzantine_kind",
-           "byzantine_scale")  # config.failures, described in configs/default.py (byzantine_*: runtime/byzantine.py).
+           "checkpoint_every", "seed", "byzantine_learner", "byzantine_kind", "byzantine_scale"
+          )  # config.failures, described in configs/default.py (byzantine_*: runtime/byzantine.py).
 
 
 @dataclasses.dataclass(frozen=True)

@@ -236,8 +236,9 @@ class Simulation:
       self._schedule(self.now, REPLY, self._on_reply, m, fragment, epoch)
       return
     accepted, report, staleness = taken
-    self.writer.write(records.push(self._clock(self.syncer.version), push, staleness, accepted, self.syncer.verdict,
-                                   in_flight=in_flight))
+    self.writer.write(
+        records.push(self._clock(self.syncer.version), push, staleness, accepted, self.syncer.verdict,
+                     in_flight=in_flight))
     deadline = self.syncer.fragments[fragment].deadline
     if accepted and (self.blocking or (report is None and deadline is not None)):
       self.waiting[fragment].append((m, epoch))  # Waits for the merge that includes its push (maybe this one).

@@ -285,5 +285,5 @@ def refusals_in_a_row(learner: int, reply: dict, before: int, most: int) -> int:
   count = before + 1 if reply["status"] == "refused" else 0
   if count >= most:
     raise LearnerStopped(f"learner {learner} stops: the syncer refused its last {count} pushes in a row "
-                                    f"(service.max_refusals_in_a_row); the last: {reply['details']}")
+                         f"(service.max_refusals_in_a_row); the last: {reply['details']}")
   return count

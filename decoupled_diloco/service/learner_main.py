@@ -329,7 +329,7 @@ class LearnerProcess:
         "seq": seq, "status": reply["status"], "wall_time": time.perf_counter() - self.account.begin,
         **({} if push.delta_norm is None else {"pseudo_gradient_norm": float(push.delta_norm)})})
     self.refused_in_a_row = client_lib.refusals_in_a_row(self.index, reply, self.refused_in_a_row,
-                                              self.service.max_refusals_in_a_row)
+                                                         self.service.max_refusals_in_a_row)
     if not moved:
       self.learner.anchor_on_pushed(fragment)
       return

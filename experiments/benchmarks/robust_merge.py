@@ -39,10 +39,18 @@ SMALL = {  # A ~30k-parameter model on the synthetic language: 12 runs fit a loa
 def config(rule: str, kind: str, outer_steps: int):
   """The demo shrunk to 8 one-device learners, quorum 4, `rule`, and learner 3 faulty unless `kind` is 'honest'."""
   overrides = {
-      "mode": "decoupled", "runtime": "sim", "learners.devices": (1,) * LEARNERS,
-      "learners.batch_size": (4,) * LEARNERS, "outer_steps": outer_steps, "inner_steps": 10, "eval_every": 10_000,
-      "syncer.quorum": 4, "syncer.grace_gamma": 0.0,  # Merges of exactly 4 pushes: no window gathers all 8.
-      "syncer.merge_rule": rule, "syncer.trim_fraction": 0.25, **SMALL}
+      "mode": "decoupled",
+      "runtime": "sim",
+      "learners.devices": (1,) * LEARNERS,
+      "learners.batch_size": (4,) * LEARNERS,
+      "outer_steps": outer_steps,
+      "inner_steps": 10,
+      "eval_every": 10_000,
+      "syncer.quorum": 4,
+      "syncer.grace_gamma": 0.0,  # Merges of exactly 4 pushes: no window gathers all 8.
+      "syncer.merge_rule": rule,
+      "syncer.trim_fraction": 0.25,
+      **SMALL}
   if kind != "honest":
     overrides.update({"failures.byzantine_learner": FAULTY, "failures.byzantine_kind": kind})
   return experiment.with_overrides(demo.get_config(), overrides)
@@ -60,8 +68,9 @@ def run(rule: str, kind: str, outer_steps: int) -> dict:
       learner.batches.close()
   faulty = next(r for r in records if r["kind"] == "learner_summary" and r["learner"] == FAULTY)
   loss = float("inf") if summary.get("diverged") else summary["eval_loss"]
-  return {"eval_loss": loss, "clipped": sum(r.get("clipped", 0) for r in records if r["kind"] == "push"),
-          "faulty_clipped": faulty["clipped"], "faulty_trimmed_share": faulty["trimmed_share"]}
+  return {
+      "eval_loss": loss, "clipped": sum(r.get("clipped", 0) for r in records if r["kind"] == "push"),
+      "faulty_clipped": faulty["clipped"], "faulty_trimmed_share": faulty["trimmed_share"]}
 
 
 def main() -> None:
@@ -79,11 +88,13 @@ def main() -> None:
       for kind in ("honest", *KINDS):
         begin = time.time()
         rows[(rule, kind)] = run(rule, kind, args.outer_steps)
-        print(f"{rule:13s} {kind:8s} eval {rows[(rule, kind)]['eval_loss']:.4f} ({time.time() - begin:.0f} s) "
-              f"{rows[(rule, kind)]}", flush=True)
+        print(
+            f"{rule:13s} {kind:8s} eval {rows[(rule, kind)]['eval_loss']:.4f} ({time.time() - begin:.0f} s) "
+            f"{rows[(rule, kind)]}", flush=True)
   reference = rows[("mean", "honest")]["eval_loss"]
-  ratio = {rule: {kind: round(rows[(rule, kind)]["eval_loss"] / reference, 4) for kind in ("honest", *KINDS)}
-           for rule in rules}
+  ratio = {
+      rule: {kind: round(rows[(rule, kind)]["eval_loss"] / reference, 4) for kind in ("honest", *KINDS)} for rule in rules
+  }
   print(f"\n{'rule':13s} " + " ".join(f"{k:>8s}" for k in ("honest", *KINDS)))
   for rule in rules:
     print(f"{rule:13s} " + " ".join(f"{ratio[rule][k]:8.4f}" for k in ("honest", *KINDS)))
@@ -92,9 +103,10 @@ def main() -> None:
     print(f"{DEFAULT_RULE}: {'met' if met else 'MISSED'} (honest <= {TARGET_HONEST}, faults <= {TARGET_FAULT})")
   worse = ratio["mean"]["scaled"] > TARGET_FAULT
   print(f"mean under the scaled fault: {ratio['mean']['scaled']} ({'>' if worse else '<='} {TARGET_FAULT})")
-  common.emit_keys({
-      "loss_ratio": ratio, "outer_steps": args.outer_steps,
-      "rows": {f"{rule}/{kind}": row for (rule, kind), row in rows.items()}}, ("loss_ratio",))
+  common.emit_keys(
+      {
+          "loss_ratio": ratio, "outer_steps": args.outer_steps, "rows": {
+              f"{rule}/{kind}": row for (rule, kind), row in rows.items()}}, ("loss_ratio",))
 
 
 if __name__ == "__main__":

@@ -259,8 +259,7 @@ def main(argv) -> None:
         print(json.dumps(rows[fmt, count]), flush=True)
   common.emit_keys(
       {
-          "benchmark": "syncer_memory", "params": n, "merge_rule": _MERGE_RULE.value,
-          "host_bytes_per_param": {
+          "benchmark": "syncer_memory", "params": n, "merge_rule": _MERGE_RULE.value, "host_bytes_per_param": {
               m: r["peak_bytes_per_param"] for (f, m), r in rows.items() if f == "fp32"}, "int4_host_bytes_per_param": {
                   m: r["peak_bytes_per_param"] for (f, m), r in rows.items() if f == "int4"}, "steady_bytes_per_param": {
                       m: r["steady_bytes_per_param"] for (f, m), r in rows.items() if f == "fp32"
