@@ -137,21 +137,18 @@ class Settings:
     return settings_lib.from_config(cls, outer_cfg, "outer")
 
 
-def outer_optimizer(outer_cfg) -> optax.GradientTransformationExtraArgs:
-  """The configured outer optimizer; code that needs another can pass any optax transform.
-
-  Every one takes the `arrivals` keyword of `outer_step` (the optimizers that do not count
-  arrivals ignore it), so the syncer calls them all alike.
-  """
+def outer_optimizer(outer_cfg) -> optax.GradientTransformation:
+  """The configured outer optimizer; code that needs another can pass any optax transform."""
   settings = Settings.from_config(outer_cfg)
-  return optax.with_extra_args_support(OUTER_OPTIMIZERS[settings.optimizer](settings))
+  return OUTER_OPTIMIZERS[settings.optimizer](settings)
 
 
 def outer_step(optimizer: optax.GradientTransformation, params, opt_state, delta, arrivals=1):
   """Θ ← OuterOpt(Θ, Δ): one optimizer step with the merged pseudo-gradient as gradient.
 
   `arrivals`: how many pushes the merge `delta` holds; Delayed Nesterov counts its window in
-  pushes (see `delayed_nesterov`), the others take one step per merge whatever it holds.
+  pushes (see `delayed_nesterov`), the others take one step per merge whatever it holds (every
+  transform is given extra-args support here, so any optax one can be passed).
   """
   updates, opt_state = optax.with_extra_args_support(optimizer).update(delta, opt_state, params, arrivals=arrivals)
   return optax.apply_updates(params, updates), opt_state
