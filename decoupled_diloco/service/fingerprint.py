@@ -29,14 +29,23 @@ class Mismatch(ValueError):
   """A learner's config differs from the syncer's in a field both must agree on; nothing was changed."""
 
 
+def field_value(values: dict, field: str):
+  """The value of dotted `field` ('model.d_model') in a config's `to_dict()`, or None where it has none.
+
+  Why here: Join and resume (service/resume.py) both compare configs field by field, one of them
+  saved as JSON in a checkpoint, where a field a newer config added is simply absent.
+  """
+  for key in field.split("."):
+    values = values.get(key) if isinstance(values, dict) else None
+  return values
+
+
 def of(config) -> dict[str, str]:
   """{field: its value as JSON text} of a resolved config (a ConfigDict, or its `to_dict()`)."""
   values = config.to_dict() if hasattr(config, "to_dict") else config
   fingerprint = {}
   for field in FIELDS:
-    value = values
-    for key in field.split("."):
-      value = value.get(key) if isinstance(value, dict) else None
+    value = field_value(values, field)
     fingerprint[field] = json.dumps(list(value) if isinstance(value, tuple) else value)
   return fingerprint
 

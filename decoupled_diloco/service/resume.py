@@ -18,7 +18,7 @@ from absl import logging
 from decoupled_diloco import checkpoint as checkpoint_lib
 from decoupled_diloco import storage
 from decoupled_diloco.errors import ConfigError
-from decoupled_diloco.service import shardrun
+from decoupled_diloco.service import fingerprint, shardrun
 
 # Config fields that fix the layout of the run's checkpointed state and of the pushes its log holds.
 # service.shards first: a changed one changes fragments or the evaluator too, and is the one to name.
@@ -99,9 +99,7 @@ def _check_same_layout(config, saved: dict, workdir: str) -> None:
   """
   now = config.to_dict()
   for field in LAYOUT:
-    old, new = saved, now
-    for key in field.split("."):
-      old, new = (old or {}).get(key), (new or {}).get(key)
+    old, new = fingerprint.field_value(saved, field), fingerprint.field_value(now, field)
     for name, old_value, new_value in _differences(field, old, new):
       raise ConfigError(f"{name} is {new_value!r} but the run in {workdir} was checkpointed with {old_value!r}: "
                         f"resume with the same {name}, or start a new --workdir")
